@@ -1,0 +1,28 @@
+"""hf_specsample: exact speculative sampling as a one-argument change to `model.generate()`.
+
+    import hf_specsample  # registers draft_model= / num_lookahead= on generate()
+    out = target.generate(**inputs, draft_model=draft, do_sample=True, temperature=0.7, top_p=0.95)
+
+Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
+"""
+
+from .config import DEFAULT_NUM_LOOKAHEAD, SpeculativeConfig
+from .decoding import speculative_generate
+from .outputs import SpeculativeDecoderOnlyOutput
+from .registration import is_registered, register, unregister
+from .stats import SpeculativeStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_NUM_LOOKAHEAD",
+    "SpeculativeConfig",
+    "SpeculativeDecoderOnlyOutput",
+    "SpeculativeStats",
+    "is_registered",
+    "register",
+    "speculative_generate",
+    "unregister",
+]
+
+register()

@@ -1,0 +1,195 @@
+"""The decoding loop: draft -> verify -> accept -> commit, until every row stops.
+
+`speculative_generate` is a transformers `custom_generate` callable: `generate()` prepares inputs, logits
+processors and stopping criteria exactly as for plain decoding, then hands them to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from . import validation
+from .config import SpeculativeConfig
+from .drafting import DraftModelProposer, Proposal
+from .kv import CachedModel
+from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
+from .processing import PositionwiseProcessor, probabilities
+from .rejection import Verdict, greedy_accept, speculative_accept
+from .sequences import Sequences
+from .stats import SpeculativeStats
+from .stopping import first_stops
+
+
+def speculative_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    draft_model: PreTrainedModel | None = None,
+    num_lookahead: int | None = None,
+    generator: torch.Generator | None = None,
+    speculative_config: SpeculativeConfig | None = None,
+    speculative_streamer: BaseStreamer | None = None,
+    **model_kwargs: Any,
+) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
+    """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`.
+
+    Call it through `model.generate(..., draft_model=small)` once `hf_specsample` is imported, or explicitly as
+    `model.generate(..., custom_generate=hf_specsample.speculative_generate, draft_model=small)`.
+
+    Args:
+        model: the target causal LM (`generate()` passes itself).
+        input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
+        logits_processor: processors `generate()` built from the generation config and the caller; applied to
+            draft and target alike, at every position with that position's own prefix.
+        stopping_criteria: criteria `generate()` built; checked after every committed token.
+        generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
+        draft_model: the draft causal LM; must share the target's vocabulary.
+        num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`.
+        generator: optional `torch.Generator` for all random draws (reproducible sampling).
+        speculative_config: further options, see `SpeculativeConfig`.
+        speculative_streamer: where committed tokens are streamed (the registered `generate()` passes the caller's
+            `streamer=` here, because transformers does not forward `streamer` to custom decoding callables).
+        **model_kwargs: `attention_mask` `(batch, prompt_length)`, the prepared `past_key_values`, and the flags
+            `generate()` sets (`use_cache`, `logits_to_keep`, `position_ids`).
+
+    Returns:
+        `(batch, sequence_length)` long sequences, or a `SpeculativeDecoderOnlyOutput` (with `speculative_stats`)
+        when `return_dict_in_generate=True`.
+    """
+    if draft_model is None:
+        raise ValueError("speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer).")
+    config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
+    validation.check_models(model, draft_model)
+    validation.check_generation_config(generation_config)
+    validation.check_inputs(input_ids, model_kwargs)
+    decoder = SpeculativeDecoder(
+        model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
+        generator, speculative_streamer,
+    )  # fmt: skip
+    return decoder.run()
+
+
+class SpeculativeDecoder:
+    """State of one speculative `generate()` call; `run()` is the loop."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        draft_model: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any],
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        config: SpeculativeConfig,
+        generator: torch.Generator | None,
+        streamer: BaseStreamer | None,
+    ):
+        self.max_length = int(generation_config.max_length)
+        self.lookahead = config.lookahead
+        capacity = self.max_length + self.lookahead + 1
+        self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity)
+        self.processor = PositionwiseProcessor(logits_processor)
+        self.stopping_criteria = stopping_criteria
+        self.do_sample = bool(generation_config.do_sample)
+        self.generator = generator
+        self.streamer = streamer
+        self.pad_token_id = _as_int(generation_config._pad_token_tensor)
+        self.target = CachedModel(model, self.sequences.token_is_real, cache=model_kwargs.get("past_key_values"))
+        self.drafter = DraftModelProposer(draft_model, self.sequences, self.processor, self.do_sample, generator)
+        self.recorder = OutputRecorder(generation_config, input_ids.shape[0])
+        self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
+
+    def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
+        if self.streamer is not None:
+            self.streamer.put(self.sequences.tokens[:, : self.sequences.prompt_length].cpu())
+        while self.sequences.num_active > 0:
+            self.round(self.next_lookahead())
+        if self.streamer is not None:
+            self.streamer.end()
+        self.stats.target_forward_passes = self.target.forward_passes
+        self.stats.draft_forward_passes = self.drafter.forward_passes
+        cache = self.target.cache if self.sequences.batch_size == 1 else None
+        return self.recorder.build(self.sequences.output(self.pad_token_id), self.stats, cache)
+
+    def next_lookahead(self) -> int:
+        """Draft tokens for this round: the configured K, never drafting past `max_length`."""
+        room = self.max_length - max(self.sequences.lengths) - 1
+        return max(0, min(self.lookahead, room))
+
+    def round(self, lookahead: int) -> None:
+        """One draft -> verify -> accept -> commit round over all active rows."""
+        proposal = self.drafter.get_candidates(self.sequences, lookahead)
+        scores, raw_logits = self.verify(proposal)
+        verdict = self.accept(proposal, scores)
+        self.commit(proposal, verdict, scores, raw_logits)
+
+    def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
+
+        Returns:
+            `(batch, K + 1, vocab)` processed scores and the raw logits they came from.
+        """
+        lookahead = proposal.tokens.shape[1]
+        lengths = self.sequences.lengths
+        raw_logits = self.target.feed(
+            self.sequences.tokens, upto=[length + lookahead for length in lengths], num_logits=lookahead + 1
+        )
+        scores = self.processor(self.sequences.tokens, lengths, raw_logits)
+        return scores, raw_logits
+
+    def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
+        if not self.do_sample:
+            return greedy_accept(proposal.tokens, scores.argmax(dim=-1))
+        target_probs = probabilities(scores)
+        draft_probs = proposal.probs
+        if draft_probs is None:  # no draft tokens this round
+            draft_probs = target_probs[:, :0]
+        return speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
+
+    def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> None:
+        """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows."""
+        seqs = self.sequences
+        num_accepted = verdict.num_accepted.tolist()  # the round's one host sync
+        seqs.write(verdict.num_accepted, verdict.next_tokens)
+        proposed = [count + 1 for count in num_accepted]
+        stops = first_stops(self.stopping_criteria, seqs.tokens, seqs.lengths, proposed)
+        counts = [stop if stop is not None else count for stop, count in zip(stops, proposed)]
+
+        if self.streamer is not None:
+            self.streamer.put(seqs.new_tokens(0, counts[0]).unsqueeze(0).cpu())
+        self.recorder.record(seqs.row_ids, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
+        self.update_stats(proposal.tokens.shape[1], num_accepted, counts)
+
+        keep = [length + accepted for length, accepted in zip(seqs.lengths, num_accepted)]
+        self.target.rollback(keep)
+        self.drafter.update_candidate_strategy(keep)
+        seqs.advance(counts)
+        remaining = seqs.retire([stop is not None for stop in stops])
+        if len(remaining) < len(stops) and remaining:
+            self.target.select_rows(remaining)
+            self.drafter.select_rows(remaining)
+
+    def update_stats(self, lookahead: int, num_accepted: list[int], counts: list[int]) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.lookahead_per_round.append(lookahead)
+        for row_id, accepted, count in zip(self.sequences.row_ids, num_accepted, counts):
+            stats.row_draft_tokens[row_id] += lookahead
+            stats.row_accepted_tokens[row_id] += accepted
+            stats.row_new_tokens[row_id] += count
+            stats.row_target_passes[row_id] += 1
+
+
+def _as_int(value: torch.Tensor | int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return int(value.reshape(-1)[0])
+    return int(value)

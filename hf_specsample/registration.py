@@ -1,0 +1,80 @@
+"""Registers `draft_model=` / `num_lookahead=` on every model's `generate()`.
+
+`register()` wraps `GenerationMixin.generate` once. A call without `draft_model=` goes straight to the original
+`generate()`, untouched. A call with it is routed through transformers' own `custom_generate` callable hook to
+`speculative_generate`, so `generate()` still prepares inputs, processors and stopping criteria itself.
+
+Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
+parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, and turns
+`stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerationMixin
+
+from .decoding import speculative_generate
+
+_ORIGINAL_GENERATE = GenerationMixin.generate
+SPECULATIVE_ARGUMENTS = ("num_lookahead", "speculative_config", "generator")
+
+
+def _stop_strings(model: GenerationMixin, generation_config: GenerationConfig | None, kwargs: dict) -> Any:
+    """The stop strings `generate()` would use: call argument > passed config > model's config."""
+    if "stop_strings" in kwargs:
+        return kwargs["stop_strings"]
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        if config is not None and getattr(config, "stop_strings", None):
+            return config.stop_strings
+    return None
+
+
+def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
+    """Rewrite `generate()` keyword arguments for the `custom_generate` hook (see the module docstring)."""
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError(
+            "Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both."
+        )
+    kwargs["custom_generate"] = speculative_generate
+    streamer = kwargs.pop("streamer", None)
+    if streamer is not None:
+        kwargs["speculative_streamer"] = streamer
+    stop_strings = _stop_strings(model, kwargs.get("generation_config"), kwargs)
+    tokenizer = kwargs.get("tokenizer")
+    if stop_strings and tokenizer is not None:
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+        kwargs["stop_strings"] = None  # built above; stops generate() from asking for the dropped tokenizer
+    return kwargs
+
+
+@functools.wraps(_ORIGINAL_GENERATE)
+def generate(self, *args, **kwargs):
+    """`GenerationMixin.generate` with hf_specsample's `draft_model=` / `num_lookahead=` arguments."""
+    is_ours = kwargs.get("custom_generate") is speculative_generate
+    if kwargs.get("draft_model") is None and not is_ours:
+        given = [name for name in SPECULATIVE_ARGUMENTS if kwargs.get(name) is not None]
+        if given:
+            raise ValueError(f"{given} only apply to speculative sampling: pass `draft_model=` as well.")
+        return _ORIGINAL_GENERATE(self, *args, **kwargs)
+    return _ORIGINAL_GENERATE(self, *args, **_route_to_speculative(self, kwargs))
+
+
+def register() -> None:
+    """Add `draft_model=` and friends to `generate()` (done on `import hf_specsample`); idempotent."""
+    GenerationMixin.generate = generate
+
+
+def unregister() -> None:
+    """Restore transformers' own `generate()`; `custom_generate=speculative_generate` still works after this."""
+    GenerationMixin.generate = _ORIGINAL_GENERATE
+
+
+def is_registered() -> bool:
+    return GenerationMixin.generate is generate

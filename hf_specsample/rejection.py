@@ -1,0 +1,128 @@
+"""Modified rejection sampling of speculative sampling, as pure tensor functions.
+
+No model code lives here: every function takes probabilities or token ids and returns tokens.
+
+Glossary (one place, one naming):
+
+- ``draft_probs`` -- the draft model's *processed* next-token distribution at each drafted position, the one the
+  draft tokens were really sampled from (the paper's ``p`` in Leviathan et al., ``q`` in Chen et al.: we never use
+  the single letters in code).
+- ``target_probs`` -- the target model's processed next-token distribution at the same positions plus one.
+- **accepted** token: a draft token kept by the test ``u < target_prob / draft_prob`` (probability
+  ``min(1, target/draft)``). Only a leading run of accepted tokens counts; the first rejection ends the run.
+- **recovered** token: the token sampled at the first rejected position from the residual
+  ``normalise(max(0, target_probs - draft_probs))``.
+- **bonus** token: sampled from the target's distribution after the last draft token when every draft token was
+  accepted.
+
+Every round therefore commits ``num_accepted + 1`` tokens: the accepted ones and one recovered or bonus token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Verdict(NamedTuple):
+    """Outcome of one verification round for every row.
+
+    Attributes:
+        num_accepted: `(batch,)` long, number of leading draft tokens accepted, in ``[0, num_draft]``.
+        next_tokens: `(batch,)` long, the recovered token (a rejection happened) or the bonus token (all accepted).
+    """
+
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+
+
+def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one index per row with probability proportional to `weights`, without a host sync.
+
+    Uses the exponential race: ``argmax(w_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks ``i`` with probability
+    ``w_i / sum(w)``. The weights need not be normalised; zero weights are never picked unless the whole row is zero.
+
+    Args:
+        weights: `(..., vocab)` non-negative float.
+        generator: optional generator; its device may differ from `weights`' device (the noise is moved).
+
+    Returns:
+        `(...)` long, the sampled indices.
+    """
+    noise_device = generator.device if generator is not None else weights.device
+    noise = torch.empty(weights.shape, dtype=torch.float32, device=noise_device).exponential_(generator=generator)
+    return torch.argmax(weights.float() / noise.to(weights.device), dim=-1)
+
+
+def uniform_like(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """`shape` floats uniform in [0, 1), drawn with `generator` (on its device) and moved to `device`."""
+    noise_device = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=noise_device).to(device)
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> Verdict:
+    """Accept or reject each row's draft tokens so that the committed tokens follow `target_probs` exactly.
+
+    Algorithm 2 of Chen et al. (2023) / Algorithm 1 of Leviathan et al. (2022), batched over rows.
+
+    Args:
+        draft_tokens: `(batch, num_draft)` long, the tokens the draft sampled.
+        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from.
+        target_probs: `(batch, num_draft + 1, vocab)` float, the target's distribution at each drafted position and
+            at the position after the last draft token.
+        generator: optional generator for the acceptance draws and the recovered/bonus sample.
+        uniform: optional `(batch, num_draft)` acceptance draws in [0, 1) (tests); drawn with `generator` if None.
+
+    Returns:
+        A :class:`Verdict`. A zero draft probability rejects (never divides); an all-zero residual falls back to the
+        target's distribution at that position.
+    """
+    batch, num_draft = draft_tokens.shape
+    assert draft_probs.shape[:2] == (batch, num_draft), f"draft_probs {tuple(draft_probs.shape)}"
+    assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
+    if uniform is None:
+        uniform = uniform_like((batch, num_draft), target_probs.device, generator)
+
+    index = draft_tokens.unsqueeze(-1)
+    draft_p = draft_probs.gather(-1, index).squeeze(-1)  # (batch, num_draft)
+    target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1)  # (batch, num_draft)
+    # u < target_p / draft_p, written without the division; draft_p == 0 rejects.
+    accepted = (draft_p > 0) & (uniform * draft_p < target_p)  # (batch, num_draft)
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
+
+    rows = torch.arange(batch, device=target_probs.device)
+    target_next = target_probs[rows, num_accepted]  # (batch, vocab)
+    if num_draft == 0:
+        return Verdict(num_accepted, sample_from_weights(target_next, generator))
+    # The draft distribution at the first rejected position; zero for rows that accepted everything (bonus token).
+    rejected_somewhere = (num_accepted < num_draft).unsqueeze(-1)  # (batch, 1)
+    draft_next = draft_probs[rows, num_accepted.clamp(max=num_draft - 1)] * rejected_somewhere  # (batch, vocab)
+    residual = (target_next - draft_next).clamp_min(0.0)  # (batch, vocab)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_next)
+    return Verdict(num_accepted, sample_from_weights(residual, generator))
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
+    """Greedy verification: keep draft tokens while they equal the target's argmax, then take the target's token.
+
+    Args:
+        draft_tokens: `(batch, num_draft)` long.
+        target_tokens: `(batch, num_draft + 1)` long, the target's argmax at each drafted position and one after.
+
+    Returns:
+        A :class:`Verdict`; ``next_tokens`` is the target's own argmax after the accepted run, so the committed
+        tokens are exactly the target's greedy continuation.
+    """
+    batch, num_draft = draft_tokens.shape
+    assert target_tokens.shape == (batch, num_draft + 1), f"target_tokens {tuple(target_tokens.shape)}"
+    matches = draft_tokens == target_tokens[:, :num_draft]  # (batch, num_draft)
+    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
+    next_tokens = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # (batch,)
+    return Verdict(num_accepted, next_tokens)

@@ -1,0 +1,81 @@
+"""Acceptance statistics returned to the user (what `assistant_model=` does not report)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative `generate()` call, per row of the batch and in total.
+
+    Per-row lists are indexed like the output rows (after `num_return_sequences` expansion).
+    """
+
+    rounds: int = 0  # draft-then-verify rounds
+    target_forward_passes: int = 0  # target forward calls, the prefill included
+    draft_forward_passes: int = 0  # draft forward calls
+    lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens asked for in each round
+    row_draft_tokens: list[int] = field(default_factory=list)  # draft tokens proposed to each row
+    row_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted by the target
+    row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
+    row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
+
+    @classmethod
+    def for_batch(cls, batch_size: int) -> "SpeculativeStats":
+        zeros = [0] * batch_size
+        return cls(
+            row_draft_tokens=list(zeros),
+            row_accepted_tokens=list(zeros),
+            row_new_tokens=list(zeros),
+            row_target_passes=list(zeros),
+        )
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens proposed, all rows."""
+        return sum(self.row_draft_tokens)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted, all rows."""
+        return sum(self.row_accepted_tokens)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated, all rows."""
+        return sum(self.row_new_tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of proposed draft tokens that were accepted (0.0 when nothing was proposed)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """Mean tokens a row gains per target forward pass it takes part in (1.0 for plain decoding)."""
+        passes = sum(self.row_target_passes)
+        return self.new_tokens / passes if passes else 0.0
+
+    def row_acceptance_rate(self, row: int) -> float:
+        drafted = self.row_draft_tokens[row]
+        return self.row_accepted_tokens[row] / drafted if drafted else 0.0
+
+    def to_dict(self) -> dict:
+        """Plain dict of every counter and the derived rates (for JSON)."""
+        out = asdict(self)
+        out.update(
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            new_tokens=self.new_tokens,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_target_pass=self.tokens_per_target_pass,
+        )
+        return out
+
+    def __str__(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.target_forward_passes} target passes "
+            f"({self.tokens_per_target_pass:.2f} per pass), acceptance {self.acceptance_rate:.1%} "
+            f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
+        )

@@ -1,0 +1,81 @@
+"""Exact distributions of short continuations, and the chi-square test of samples against them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+from scipy import stats
+from transformers import LogitsProcessorList
+
+Continuation = tuple[int, ...]
+
+
+@torch.no_grad()
+def exact_distribution(
+    model,
+    prompt: torch.Tensor,
+    processors: LogitsProcessorList,
+    num_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> dict[Continuation, float]:
+    """P(continuation) under `model` with `processors` applied at every step, for every continuation.
+
+    Enumerates the tree of continuations of `num_tokens` tokens (shorter ones end with an EOS token), running the
+    model without a cache on every prefix, exactly as plain sampling defines the distribution.
+
+    Args:
+        prompt: `(1, prompt_length)` long.
+    """
+    frontier: dict[Continuation, float] = {(): 1.0}
+    finished: dict[Continuation, float] = {}
+    for _ in range(num_tokens):
+        prefixes = list(frontier)
+        ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1)
+        logits = model(input_ids=ids).logits[:, -1].float()
+        probs = torch.softmax(processors(ids, logits).double(), dim=-1)
+        next_frontier: dict[Continuation, float] = {}
+        for prefix, row in zip(prefixes, probs):
+            for token in row.nonzero().flatten().tolist():
+                sequence, mass = prefix + (token,), frontier[prefix] * row[token].item()
+                (finished if token in eos_token_ids else next_frontier)[sequence] = mass
+        frontier = next_frontier
+    finished.update(frontier)
+    return finished
+
+
+def continuations(sequences: torch.Tensor, prompt_length: int, eos_token_ids: Sequence[int] = ()) -> list[Continuation]:
+    """Rows of generated sequences -> tuples of their new tokens, cut after the first EOS (padding follows it)."""
+    out = []
+    for row in sequences[:, prompt_length:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        out.append(tuple(row[:end]))
+    return out
+
+
+def chisquare_pvalue(exact: dict[Continuation, float], samples: Iterable[Continuation], min_expected: float = 5.0) -> float:
+    """P-value of the samples under `exact`; 0.0 if any sample has probability zero.
+
+    Cells expected to hold fewer than `min_expected` samples are pooled into one cell.
+    """
+    counts = Counter(samples)
+    total = sum(counts.values())
+    if any(exact.get(sample, 0.0) == 0.0 for sample in counts):
+        return 0.0
+    mass = sum(exact.values())
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for sequence, probability in exact.items():
+        cell_expected = total * probability / mass
+        if cell_expected >= min_expected:
+            observed.append(counts.get(sequence, 0))
+            expected.append(cell_expected)
+        else:
+            pooled_observed += counts.get(sequence, 0)
+            pooled_expected += cell_expected
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    if len(observed) < 2:
+        return 1.0
+    return float(stats.chisquare(observed, expected).pvalue)

@@ -1,0 +1,102 @@
+"""Speculative samples follow the target's exact processed distribution (chi-square), and the test has power.
+
+The target's distribution over every continuation of NUM_TOKENS tokens is enumerated exactly (`exact.py`) with the
+very logits processors `generate()` builds; samples come from `generate(..., draft_model=...)`.
+"""
+
+import pytest
+import torch
+from exact import chisquare_pvalue, continuations, exact_distribution
+from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+
+import hf_specsample.decoding as decoding
+from hf_specsample.rejection import Verdict, sample_from_weights, speculative_accept
+
+PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
+NUM_TOKENS = 3
+LOOKAHEAD = 2
+SAMPLES = 2000
+EOS = 4  # a token the tiny target emits in about a third of its continuations
+ALPHA = 1e-3  # seeded, so each verdict is deterministic; a correct sampler fails with probability ALPHA
+
+PROCESSOR_SETTINGS = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(top_k=3),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.15),
+    "repetition_penalty": dict(repetition_penalty=1.8),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {"close": perturbed_copy(target, seed=1, scale=0.3), "far": tiny_lm(seed=2)}
+
+
+def exact_for(target, eos_token_ids=(), **settings):
+    processors, _ = prepared_processors(target, PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, **settings)
+    return exact_distribution(target, PROMPT, processors, NUM_TOKENS, eos_token_ids)
+
+
+def draw(target, samples, seed, eos_token_ids=(), **generate_kwargs):
+    """`samples` continuations from independent `generate()` calls, seeded (speculative calls share a generator)."""
+    torch.manual_seed(seed)
+    if "draft_model" in generate_kwargs:
+        generate_kwargs["generator"] = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(samples):
+        sequences = target.generate(
+            PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, pad_token_id=PAD, **generate_kwargs
+        )
+        out.extend(continuations(sequences, PROMPT.shape[1], eos_token_ids))
+    return out
+
+
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+@pytest.mark.parametrize("setting", sorted(PROCESSOR_SETTINGS))
+def test_speculative_samples_follow_target(target, drafts, setting, draft_kind):
+    settings = PROCESSOR_SETTINGS[setting]
+    samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
+    assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
+
+
+def test_with_eos_and_all_processors_at_once(target, drafts):
+    settings = dict(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, eos_token_id=EOS)
+    samples = draw(target, SAMPLES, seed=12, eos_token_ids=(EOS,), draft_model=drafts["close"], num_lookahead=3, **settings)
+    assert sum(EOS in sample for sample in samples) > SAMPLES // 10, "EOS too rare to test anything"
+    assert chisquare_pvalue(exact_for(target, eos_token_ids=(EOS,), **settings), samples) > ALPHA
+
+
+def test_plain_sampling_passes_the_same_test(target):
+    """The enumeration itself agrees with transformers' own sampler."""
+    samples = draw(target, SAMPLES, seed=13, top_p=0.8)
+    assert chisquare_pvalue(exact_for(target, top_p=0.8), samples) > ALPHA
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator=None, uniform=None):
+    """A wrong sampler: keeps every draft token, then a bonus token from the target."""
+    batch, lookahead = draft_tokens.shape
+    return Verdict(
+        torch.full((batch,), lookahead, dtype=torch.long), sample_from_weights(target_probs[:, -1], generator)
+    )
+
+
+def recover_from_target(draft_tokens, draft_probs, target_probs, generator=None, uniform=None):
+    """A subtler wrong sampler: correct acceptance test, but a rejected token is redrawn from q, not (q - p)+."""
+    verdict = speculative_accept(draft_tokens, draft_probs, target_probs, generator, uniform)
+    rows = torch.arange(draft_tokens.shape[0])
+    return Verdict(verdict.num_accepted, sample_from_weights(target_probs[rows, verdict.num_accepted], generator))
+
+
+@pytest.mark.parametrize("wrong_sampler", [always_accept, recover_from_target])
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+def test_the_test_rejects_wrong_samplers(target, drafts, monkeypatch, wrong_sampler, draft_kind):
+    settings = PROCESSOR_SETTINGS["temperature"]
+    monkeypatch.setattr(decoding, "speculative_accept", wrong_sampler)
+    samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
+    assert chisquare_pvalue(exact_for(target, **settings), samples) < 1e-6

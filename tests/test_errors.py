@@ -1,0 +1,125 @@
+"""Bad input fails before any forward pass, with a message that says what to do instead."""
+
+import pytest
+import torch
+from tiny import PAD, tiny_lm
+from transformers import BartConfig, BartForConditionalGeneration, LogitsProcessorList
+from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
+
+from hf_specsample import SpeculativeConfig
+
+PROMPT = torch.tensor([[1, 5, 6, 7]])
+
+
+@pytest.fixture()
+def target():
+    return tiny_lm(seed=0, vocab_size=32)
+
+
+@pytest.fixture()
+def draft():
+    return tiny_lm(seed=1, vocab_size=32)
+
+
+class ForwardCounter:
+    """Counts forward calls of the given models (to prove errors come before any work)."""
+
+    def __init__(self, *models):
+        self.calls = 0
+        self.handles = [model.register_forward_hook(self._hook) for model in models]
+
+    def _hook(self, *args):
+        self.calls += 1
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def assert_fails_before_work(target, draft, match, error=ValueError, **kwargs):
+    counter = ForwardCounter(target, draft)
+    try:
+        with pytest.raises(error, match=match):
+            target.generate(PROMPT, max_new_tokens=5, pad_token_id=PAD, draft_model=draft, **kwargs)
+    finally:
+        counter.remove()
+    assert counter.calls == 0
+
+
+def test_different_vocabulary_names_both_sizes(target):
+    other = tiny_lm(seed=1, vocab_size=48)
+    assert_fails_before_work(target, other, match=r"draft's vocabulary size \(48\) differs from the target's \(32\)")
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_lookahead_below_one(target, draft, bad):
+    assert_fails_before_work(target, draft, match="num_lookahead must be >= 1", num_lookahead=bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "4"])
+def test_lookahead_not_an_int(target, draft, bad):
+    assert_fails_before_work(target, draft, match="num_lookahead must be an int", error=TypeError, num_lookahead=bad)
+
+
+def test_config_validates_on_construction():
+    with pytest.raises(ValueError, match=">= 1"):
+        SpeculativeConfig(num_lookahead=0)
+
+
+def test_beam_search(target, draft):
+    assert_fails_before_work(target, draft, match=r"Beam search \(num_beams=3\).*num_beams=1", num_beams=3)
+
+
+def test_contrastive_search(target, draft):
+    assert_fails_before_work(target, draft, match="greedy decoding and sampling", penalty_alpha=0.6, top_k=4)
+
+
+def test_encoder_decoder_target(draft):
+    config = BartConfig(
+        vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+    )  # fmt: skip
+    bart = BartForConditionalGeneration(config).eval()
+    assert_fails_before_work(bart, draft, match="encoder-decoder")
+
+
+def test_draft_that_is_not_a_model(target):
+    with pytest.raises(TypeError, match="draft_model must be a transformers causal LM"):
+        target.generate(PROMPT, max_new_tokens=5, draft_model="HuggingFaceTB/SmolLM2-135M")
+
+
+def test_batches_are_refused_for_now(target, draft):
+    counter = ForwardCounter(target, draft)
+    with pytest.raises(ValueError, match="batch size"):
+        target.generate(PROMPT.repeat(2, 1), max_new_tokens=5, pad_token_id=PAD, draft_model=draft)
+    counter.remove()
+    assert counter.calls == 0
+
+
+def test_both_draft_and_assistant(target, draft):
+    assert_fails_before_work(target, draft, match="either `draft_model=`.*or `assistant_model=`", assistant_model=draft)
+
+
+def test_speculative_arguments_without_draft(target):
+    with pytest.raises(ValueError, match="pass `draft_model=`"):
+        target.generate(PROMPT, max_new_tokens=5, num_lookahead=3)
+
+
+def test_attentions_and_hidden_states(target, draft):
+    assert_fails_before_work(
+        target, draft, match="output_attentions", return_dict_in_generate=True, output_attentions=True
+    )
+
+
+def test_static_cache(target, draft):
+    assert_fails_before_work(target, draft, match="empty, croppable KV cache", cache_implementation="static")
+
+
+def test_stateful_watermark_processor(target, draft):
+    watermark = SynthIDTextWatermarkLogitsProcessor(
+        ngram_len=2, keys=[1, 2], sampling_table_size=2**8, sampling_table_seed=0, context_history_size=8,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert_fails_before_work(
+        target, draft, match="keeps state across calls", do_sample=True, logits_processor=LogitsProcessorList([watermark])
+    )
