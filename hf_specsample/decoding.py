@@ -67,7 +67,7 @@ def speculative_generate(
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
     validation.check_models(model, draft_model)
     validation.check_generation_config(generation_config)
-    validation.check_inputs(input_ids, model_kwargs)
+    validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     decoder = SpeculativeDecoder(
         model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
         generator, speculative_streamer,
@@ -141,7 +141,7 @@ class SpeculativeDecoder:
         raw_logits = self.target.feed(
             self.sequences.tokens, upto=[length + lookahead for length in lengths], num_logits=lookahead + 1
         )
-        scores = self.processor(self.sequences.tokens, lengths, raw_logits)
+        scores = self.processor(self.sequences.tokens, lengths, raw_logits, self.sequences.row_ids)
         return scores, raw_logits
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:

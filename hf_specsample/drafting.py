@@ -60,7 +60,8 @@ class DraftModelProposer:
         drafted, drafted_probs = [], []
         for step in range(num_tokens):
             logits = self.runner.feed(tokens, upto=[length + step for length in lengths], num_logits=1)
-            scores = self.processor(tokens, [length + step for length in lengths], logits)[:, 0]  # (batch, vocab)
+            prefix_lengths = [length + step for length in lengths]
+            scores = self.processor(tokens, prefix_lengths, logits, sequences.row_ids)[:, 0]  # (batch, vocab)
             if self.do_sample:
                 probs = probabilities(scores)
                 token = sample_from_weights(probs, self.generator)  # (batch,)

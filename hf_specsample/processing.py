@@ -9,7 +9,10 @@ lengths. To give every processor exactly the arguments plain `generate()` would 
 - processors known to ignore `input_ids` and to treat rows independently (temperature, top-k, top-p, min-p, ...)
   are called once on all positions flattened together.
 
-The processor list keeps its order: it is cut into consecutive runs of the two kinds.
+The processor list keeps its order: it is cut into consecutive runs of the two kinds. Processors that read the
+row's index in the batch (`prefix_allowed_tokens_fn`'s `batch_id`, the per-row prompt padding of the repetition
+penalty) are given the caller's row indices, not the indices inside a group. A user processor that indexes rows
+itself would see group indices: processors are assumed to treat rows independently otherwise.
 """
 
 from __future__ import annotations
@@ -82,13 +85,20 @@ class PositionwiseProcessor:
         check_supported(processors)
         self.runs = _runs(processors)
 
-    def __call__(self, tokens: torch.Tensor, prefix_lengths: Sequence[int], scores: torch.Tensor) -> torch.Tensor:
-        """Process `scores` in place of a copy and return them.
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        prefix_lengths: Sequence[int],
+        scores: torch.Tensor,
+        row_ids: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Return the processed scores (the input is not modified).
 
         Args:
             tokens: `(batch, capacity)` long, each row's tokens (prompt with its padding, generated, then drafts).
             prefix_lengths: `batch` ints, the prefix length of position 0 of each row.
             scores: `(batch, positions, vocab)` float32 logits.
+            row_ids: each row's index in the caller's batch (default: ``0 .. batch - 1``).
 
         Returns:
             `(batch, positions, vocab)` processed scores.
@@ -104,7 +114,8 @@ class PositionwiseProcessor:
                     flat = processor(no_prefix, flat)
                 scores = flat.reshape(batch, positions, vocab)
             else:
-                scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores)
+                row_ids = list(range(batch)) if row_ids is None else row_ids
+                scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, row_ids)
         return scores
 
     @staticmethod
@@ -113,6 +124,7 @@ class PositionwiseProcessor:
         tokens: torch.Tensor,
         prefix_lengths: Sequence[int],
         scores: torch.Tensor,
+        row_ids: Sequence[int],
     ) -> torch.Tensor:
         batch, positions, _ = scores.shape
         groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -125,10 +137,32 @@ class PositionwiseProcessor:
             cols = torch.tensor([col for _, col in pairs], device=scores.device)
             group_ids = tokens[rows, :length]  # (group, length)
             group_scores = scores[rows, cols]  # (group, vocab)
+            group_row_ids = [row_ids[row] for row, _ in pairs]
             for processor in processors:
-                group_scores = processor(group_ids, group_scores)
+                group_scores = _call(processor, group_ids, group_scores, group_row_ids)
             out[rows, cols] = group_scores
         return out
+
+
+def _call(processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
+    """Call `processor` on a group of rows, giving row-indexed processors the rows' indices in the caller's batch.
+
+    Two processors `generate()` builds index rows: `prefix_allowed_tokens_fn` receives a `batch_id`, and the
+    repetition penalty of a padded batch holds one prompt-padding length per row.
+    """
+    if isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
+        allowed_fn = processor._prefix_allowed_tokens_fn
+        rows = []
+        for i, row_id in enumerate(row_ids):
+            one_row = lp.PrefixConstrainedLogitsProcessor(lambda _, sent, row_id=row_id: allowed_fn(row_id, sent), 1)
+            rows.append(one_row(ids[i : i + 1], scores[i : i + 1]))
+        return torch.cat(rows)
+    if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) and isinstance(
+        processor.prompt_ignore_length, torch.Tensor
+    ):
+        ignore = processor.prompt_ignore_length[torch.tensor(row_ids, device=processor.prompt_ignore_length.device)]
+        return lp.RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignore)(ids, scores)
+    return processor(ids, scores)
 
 
 def probabilities(scores: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,13 @@ def check_generation_config(config: GenerationConfig) -> None:
         )
 
 
-def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> None:
+def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer: Any = None) -> None:
     """Reject inputs the loop does not handle, instead of ignoring them."""
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"streamer= takes one row, but this call generates {input_ids.shape[0]} (batch x num_return_sequences): "
+            "rows of a speculative batch commit different numbers of tokens per round. Stream one row per call."
+        )
     unknown = sorted(key for key, value in model_kwargs.items() if key not in KNOWN_MODEL_KWARGS and value is not None)
     if unknown:
         raise ValueError(
@@ -78,11 +83,6 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> None:
         raise ValueError(
             "`draft_model=` needs an empty, croppable KV cache (the default DynamicCache): pass no `past_key_values` "
             "and no static `cache_implementation`."
-        )
-    if input_ids.shape[0] > 1:
-        raise ValueError(
-            f"draft_model= does not support batch size > 1 yet (got {input_ids.shape[0]} rows, counting "
-            "num_return_sequences); generate one row per call for now."
         )
     if input_ids.shape[1] == 0:
         raise ValueError("`draft_model=` needs a non-empty prompt (at least a BOS token).")

@@ -1,7 +1,8 @@
 """Speculative samples follow the target's exact processed distribution (chi-square), and the test has power.
 
 The target's distribution over every continuation of NUM_TOKENS tokens is enumerated exactly (`exact.py`) with the
-very logits processors `generate()` builds; samples come from `generate(..., draft_model=...)`.
+very logits processors `generate()` builds; samples come from `generate(..., draft_model=...)`, SAMPLES identical
+rows in one batched call (each row is an independent sample), plus one test that draws row by row.
 """
 
 import pytest
@@ -15,7 +16,7 @@ from hf_specsample.rejection import Verdict, sample_from_weights, speculative_ac
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
 NUM_TOKENS = 3
 LOOKAHEAD = 2
-SAMPLES = 2000
+SAMPLES = 10_000
 EOS = 4  # a token the tiny target emits in about a third of its continuations
 ALPHA = 1e-3  # seeded, so each verdict is deterministic; a correct sampler fails with probability ALPHA
 
@@ -25,6 +26,9 @@ PROCESSOR_SETTINGS = {
     "top_p": dict(top_p=0.8),
     "min_p": dict(min_p=0.15),
     "repetition_penalty": dict(repetition_penalty=1.8),
+    "typical_p": dict(typical_p=0.7),
+    "epsilon_eta": dict(epsilon_cutoff=0.05, eta_cutoff=0.05),
+    "no_repeat_ngram": dict(no_repeat_ngram_size=2, temperature=1.3),
 }
 
 
@@ -43,16 +47,18 @@ def exact_for(target, eos_token_ids=(), **settings):
     return exact_distribution(target, PROMPT, processors, NUM_TOKENS, eos_token_ids)
 
 
-def draw(target, samples, seed, eos_token_ids=(), **generate_kwargs):
-    """`samples` continuations from independent `generate()` calls, seeded (speculative calls share a generator)."""
+def draw(target, samples, seed, eos_token_ids=(), rows_per_call=None, **generate_kwargs):
+    """`samples` continuations, `rows_per_call` identical rows per `generate()` call (all in one call by default)."""
     torch.manual_seed(seed)
     if "draft_model" in generate_kwargs:
         generate_kwargs["generator"] = torch.Generator().manual_seed(seed)
+    rows_per_call = rows_per_call or samples
     out = []
-    for _ in range(samples):
+    for _ in range(samples // rows_per_call):
         sequences = target.generate(
-            PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, pad_token_id=PAD, **generate_kwargs
-        )
+            PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, pad_token_id=PAD, num_return_sequences=rows_per_call,
+            **generate_kwargs,
+        )  # fmt: skip
         out.extend(continuations(sequences, PROMPT.shape[1], eos_token_ids))
     return out
 
@@ -66,10 +72,17 @@ def test_speculative_samples_follow_target(target, drafts, setting, draft_kind):
 
 
 def test_with_eos_and_all_processors_at_once(target, drafts):
-    settings = dict(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, eos_token_id=EOS)
+    settings = dict(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, eos_token_id=EOS, min_new_tokens=1)
     samples = draw(target, SAMPLES, seed=12, eos_token_ids=(EOS,), draft_model=drafts["close"], num_lookahead=3, **settings)
     assert sum(EOS in sample for sample in samples) > SAMPLES // 10, "EOS too rare to test anything"
     assert chisquare_pvalue(exact_for(target, eos_token_ids=(EOS,), **settings), samples) > ALPHA
+
+
+def test_one_row_per_call(target, drafts):
+    """The single-row path (no ragged rows, no padding) is exact too."""
+    settings = dict(temperature=0.8, top_p=0.9)
+    samples = draw(target, 1500, seed=14, rows_per_call=1, draft_model=drafts["far"], num_lookahead=2, **settings)
+    assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
 
 
 def test_plain_sampling_passes_the_same_test(target):

@@ -88,14 +88,6 @@ def test_draft_that_is_not_a_model(target):
         target.generate(PROMPT, max_new_tokens=5, draft_model="HuggingFaceTB/SmolLM2-135M")
 
 
-def test_batches_are_refused_for_now(target, draft):
-    counter = ForwardCounter(target, draft)
-    with pytest.raises(ValueError, match="batch size"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=5, pad_token_id=PAD, draft_model=draft)
-    counter.remove()
-    assert counter.calls == 0
-
-
 def test_both_draft_and_assistant(target, draft):
     assert_fails_before_work(target, draft, match="either `draft_model=`.*or `assistant_model=`", assistant_model=draft)
 

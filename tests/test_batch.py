@@ -1,0 +1,147 @@
+"""Batches: left-padded prompts of different lengths, ragged acceptance, rows finishing at different times."""
+
+import pytest
+import torch
+from exact import chisquare_pvalue, continuations, exact_distribution
+from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from transformers.generation.streamers import BaseStreamer
+
+VOCAB = 64
+# Three prompts of lengths 3, 6 and 5, left-padded to 6 (PAD is also a real token, so the mask matters).
+PROMPTS = [[1, 17, 42], [1, 5, 9, 11, 3, 4], [1, 2, 3, 4, 5]]
+
+
+def left_padded(prompts):
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, init_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return perturbed_copy(target, seed=1, scale=0.1)
+
+
+def greedy(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3, 6])
+def test_greedy_rows_equal_batched_plain_greedy(target, draft, lookahead):
+    ids, mask = left_padded(PROMPTS)
+    free_run = greedy(target, ids, mask, max_new_tokens=30)
+    # An EOS the middle row emits early, so rows finish at different times and get padded.
+    eos = free_run[1, ids.shape[1] + 6].item()
+    for eos_token_id in (None, eos):
+        expected = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos_token_id)
+        got = greedy(
+            target, ids, mask, max_new_tokens=30, eos_token_id=eos_token_id, draft_model=draft,
+            num_lookahead=lookahead,
+        )  # fmt: skip
+        assert torch.equal(got, expected)
+    assert (expected == PAD).any(), "no row finished early: the padding path is untested"
+
+
+def test_greedy_with_row_indexed_processors(target, draft):
+    """A padded batch gives the repetition penalty one prompt-padding length per row."""
+    ids, mask = left_padded(PROMPTS)
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=3, max_new_tokens=25)
+    expected = greedy(target, ids, mask, **settings)
+    assert torch.equal(greedy(target, ids, mask, draft_model=draft, num_lookahead=4, **settings), expected)
+
+
+def test_rows_finishing_at_different_times_are_padded_like_generate(target, draft):
+    ids, mask = left_padded(PROMPTS)
+    eos = greedy(target, ids, mask, max_new_tokens=30)[1, ids.shape[1] + 4].item()
+    out = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos, draft_model=draft, return_dict_in_generate=True)
+    stats = out.speculative_stats
+    for row, new_tokens in enumerate(stats.row_new_tokens):
+        generated = out.sequences[row, ids.shape[1] :].tolist()
+        assert generated[new_tokens:] == [PAD] * (len(generated) - new_tokens)
+        assert new_tokens == 30 or generated[new_tokens - 1] == eos
+    assert len(set(stats.row_new_tokens)) > 1
+    # finished rows leave the batch: they take part in fewer target passes
+    assert min(stats.row_target_passes) < max(stats.row_target_passes) == stats.target_forward_passes
+
+
+def test_num_return_sequences(target, draft):
+    ids, mask = left_padded(PROMPTS[:2])
+    generator = torch.Generator().manual_seed(0)
+    out = target.generate(
+        ids, attention_mask=mask, do_sample=True, num_return_sequences=3, max_new_tokens=12, pad_token_id=PAD,
+        draft_model=draft, generator=generator, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.sequences.shape == (6, ids.shape[1] + 12)
+    assert torch.equal(out.sequences[:3, : ids.shape[1]], ids[:1].expand(3, -1))
+    assert len(out.speculative_stats.row_new_tokens) == 6
+
+
+def test_prefix_allowed_tokens_fn_sees_each_rows_batch_id(target, draft):
+    ids, mask = left_padded(PROMPTS)
+    seen = set()
+
+    def allowed(batch_id, sent):  # row b may only use tokens congruent to b mod 3
+        seen.add(batch_id)
+        return [token for token in range(VOCAB) if token % 3 == batch_id]
+
+    expected = greedy(target, ids, mask, max_new_tokens=15, prefix_allowed_tokens_fn=allowed)
+    got = greedy(target, ids, mask, max_new_tokens=15, prefix_allowed_tokens_fn=allowed, draft_model=draft)
+    assert torch.equal(got, expected) and seen == {0, 1, 2}
+
+
+def test_batch_statistics(target, draft):
+    ids, mask = left_padded(PROMPTS)
+    out = target.generate(
+        ids, attention_mask=mask, do_sample=True, max_new_tokens=20, pad_token_id=PAD, draft_model=draft,
+        return_dict_in_generate=True, output_scores=True,
+    )  # fmt: skip
+    stats = out.speculative_stats
+    assert stats.row_new_tokens == [20, 20, 20]
+    assert stats.new_tokens == 60
+    assert all(0 <= a <= d for a, d in zip(stats.row_accepted_tokens, stats.row_draft_tokens))
+    assert len(out.scores) == 20 and out.scores[0].shape == (3, VOCAB)
+
+
+def test_streamer_with_a_batch_is_refused(target, draft):
+    ids, mask = left_padded(PROMPTS)
+    with pytest.raises(ValueError, match="streamer= takes one row"):
+        greedy(target, ids, mask, max_new_tokens=5, draft_model=draft, streamer=BaseStreamer())
+
+
+# --- exactness per row ---------------------------------------------------------------------------------------------
+
+NUM_TOKENS, ROWS = 3, 3000
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    small_target = tiny_lm(seed=0)  # 8-token vocabulary: every continuation can be enumerated
+    return small_target, perturbed_copy(small_target, seed=1, scale=0.3)
+
+
+def test_each_row_follows_its_own_prompts_distribution(small_pair):
+    """Two prompts of different lengths, left-padded, ROWS rows each, in one call."""
+    small_target, small_draft = small_pair
+    prompts = [[1, 5, 2, 5], [1, 3]]
+    ids, mask = left_padded(prompts)
+    settings = dict(temperature=0.9, top_k=6, repetition_penalty=1.4)
+    out = small_target.generate(
+        ids, attention_mask=mask, do_sample=True, num_return_sequences=ROWS, max_new_tokens=NUM_TOKENS,
+        pad_token_id=PAD, draft_model=small_draft, num_lookahead=2, generator=torch.Generator().manual_seed(21),
+        **settings,
+    )  # fmt: skip
+    samples = continuations(out, ids.shape[1])
+    for index, prompt in enumerate(prompts):
+        prompt_ids = torch.tensor([prompt])
+        processors, _ = prepared_processors(
+            small_target, prompt_ids, do_sample=True, max_new_tokens=NUM_TOKENS, **settings
+        )
+        exact = exact_distribution(small_target, prompt_ids, processors, NUM_TOKENS)
+        rows = samples[index * ROWS : (index + 1) * ROWS]
+        assert chisquare_pvalue(exact, rows) > 1e-3
