@@ -183,6 +183,7 @@ class SpeculativeDecoder:
         for row_id, accepted, count in zip(self.sequences.row_ids, num_accepted, counts):
             stats.row_draft_tokens[row_id] += lookahead
             stats.row_accepted_tokens[row_id] += accepted
+            stats.row_rejections[row_id] += int(accepted < lookahead)
             stats.row_new_tokens[row_id] += count
             stats.row_target_passes[row_id] += 1
 

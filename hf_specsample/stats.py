@@ -18,6 +18,7 @@ class SpeculativeStats:
     lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens asked for in each round
     row_draft_tokens: list[int] = field(default_factory=list)  # draft tokens proposed to each row
     row_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted by the target
+    row_rejections: list[int] = field(default_factory=list)  # rounds that ended with a rejected draft token
     row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
     row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
 
@@ -27,6 +28,7 @@ class SpeculativeStats:
         return cls(
             row_draft_tokens=list(zeros),
             row_accepted_tokens=list(zeros),
+            row_rejections=list(zeros),
             row_new_tokens=list(zeros),
             row_target_passes=list(zeros),
         )
@@ -52,6 +54,21 @@ class SpeculativeStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def alpha(self) -> float:
+        """Leviathan et al.'s alpha: the probability that a draft token which gets tested is accepted.
+
+        Estimated as accepted / (accepted + rejections): draft tokens after a rejection are never tested, so
+        `acceptance_rate` (accepted / proposed) is lower than alpha whenever K > 1.
+        """
+        tested = self.accepted_tokens + sum(self.row_rejections)
+        return self.accepted_tokens / tested if tested else 0.0
+
+    @property
+    def mean_lookahead(self) -> float:
+        """Mean draft tokens asked for per round."""
+        return sum(self.lookahead_per_round) / len(self.lookahead_per_round) if self.lookahead_per_round else 0.0
+
+    @property
     def tokens_per_target_pass(self) -> float:
         """Mean tokens a row gains per target forward pass it takes part in (1.0 for plain decoding)."""
         passes = sum(self.row_target_passes)
@@ -69,6 +86,8 @@ class SpeculativeStats:
             accepted_tokens=self.accepted_tokens,
             new_tokens=self.new_tokens,
             acceptance_rate=self.acceptance_rate,
+            alpha=self.alpha,
+            mean_lookahead=self.mean_lookahead,
             tokens_per_target_pass=self.tokens_per_target_pass,
         )
         return out

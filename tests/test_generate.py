@@ -196,6 +196,10 @@ def test_statistics_add_up(target, draft):
     assert stats.accepted_tokens + stats.rounds == stats.new_tokens  # every round: accepted + 1 recovered/bonus
     assert stats.tokens_per_target_pass == pytest.approx(40 / stats.target_forward_passes)
     assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.draft_tokens)
+    # tested draft tokens = accepted + one rejection per rejected round <= proposed
+    assert stats.alpha == pytest.approx(stats.accepted_tokens / (stats.accepted_tokens + sum(stats.row_rejections)))
+    assert stats.alpha >= stats.acceptance_rate
+    assert sum(stats.row_rejections) <= stats.rounds
     assert stats.to_dict()["acceptance_rate"] == stats.acceptance_rate
     assert "acceptance" in str(stats)
 

@@ -1,0 +1,94 @@
+"""Drafts made from the target itself, for targets with no small sibling sharing their tokenizer.
+
+`layer_skip_draft` returns a view of the target that runs only some of its decoder layers. It shares every weight
+with the target (no copy, no extra memory): only the module objects that carry a layer index are cloned, so that
+the draft's own KV cache numbers its layers 0..n-1.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+
+def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object sharing parameters, buffers and hooks, whose children can be replaced independently."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def _decoder_layers(model: PreTrainedModel) -> tuple[torch.nn.Module, str]:
+    """The module holding the decoder-layer `ModuleList`, and that list's attribute name."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    for name in ("layers", "h", "blocks"):
+        if isinstance(getattr(base, name, None), torch.nn.ModuleList):
+            return base, name
+    raise ValueError(
+        f"{type(model).__name__}: no decoder-layer list (`layers`, `h` or `blocks`) found under "
+        f"{type(base).__name__}; layer skipping supports the common decoder layouts only."
+    )
+
+
+def _renumbered(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """A clone of a decoder layer whose layer-index attributes (its own and its children's) read `index`."""
+    clone = _shallow_clone(layer)
+    if hasattr(clone, "layer_idx"):
+        clone.layer_idx = index
+    for name, child in layer.named_children():
+        if hasattr(child, "layer_idx"):
+            child_clone = _shallow_clone(child)
+            child_clone.layer_idx = index
+            clone._modules[name] = child_clone
+    return clone
+
+
+def layer_skip_draft(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
+    """A draft that runs the target's embeddings, decoder layers `keep` (in order), final norm and LM head.
+
+    Args:
+        model: the target causal LM (any decoder with a `layers` / `h` / `blocks` list).
+        keep: indices of the decoder layers to run, e.g. ``[*range(12), *range(18, 30)]``.
+
+    Returns:
+        A model sharing all weights with `model`; it uses no extra parameter memory.
+    """
+    base, attribute = _decoder_layers(model)
+    layers = getattr(base, attribute)
+    keep = list(keep)
+    if not keep or any(not 0 <= index < len(layers) for index in keep):
+        raise ValueError(f"keep must be non-empty layer indices in [0, {len(layers)}), got {keep}.")
+
+    config = copy.deepcopy(model.config)
+    text_config = config.get_text_config(decoder=True)
+    text_config.num_hidden_layers = len(keep)
+    if getattr(text_config, "layer_types", None) is not None:
+        text_config.layer_types = [text_config.layer_types[index] for index in keep]
+
+    new_base = _shallow_clone(base)
+    new_base._modules[attribute] = torch.nn.ModuleList(_renumbered(layers[index], i) for i, index in enumerate(keep))
+    new_base.config = text_config if getattr(base, "config", None) is not model.config else config
+
+    draft = _shallow_clone(model)
+    draft.config = config
+    _replace_submodule(draft, base, new_base)
+    return draft
+
+
+def _replace_submodule(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Replace `old` by `new` below `root`, cloning the modules on the path so that the target is untouched."""
+    for name, child in root.named_children():
+        if child is old:
+            root._modules[name] = new
+            return
+        if any(module is old for module in child.modules()):
+            child_clone = _shallow_clone(child)
+            if getattr(child_clone, "config", None) is not None and hasattr(new, "config"):
+                child_clone.config = new.config
+            root._modules[name] = child_clone
+            _replace_submodule(child_clone, old, new)
+            return
+    raise ValueError("the decoder was not found below the model")
