@@ -14,10 +14,20 @@ import torch
 from transformers import PreTrainedModel
 
 
+# Hook registries of an nn.Module: a clone starts with empty ones, so hooks on the target never fire for the draft.
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+)  # fmt: skip
+
+
 def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
-    """A new module object sharing parameters, buffers and hooks, whose children can be replaced independently."""
+    """A new module object sharing parameters and buffers, with its own children and no hooks."""
     clone = copy.copy(module)
     clone._modules = dict(module._modules)
+    for name in _HOOK_DICTS:
+        if name in module.__dict__:
+            setattr(clone, name, type(module.__dict__[name])())
     return clone
 
 

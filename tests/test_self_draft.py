@@ -44,6 +44,15 @@ def test_layer_skip_draft_drafts_exactly(target):
     assert torch.equal(target.generate(PROMPT, max_new_tokens=20, do_sample=False, pad_token_id=PAD, draft_model=draft), expected)
 
 
+def test_hooks_on_the_target_do_not_fire_for_the_draft(target):
+    calls = []
+    handle = target.register_forward_hook(lambda *args: calls.append(1))
+    layer_handle = target.model.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    layer_skip_draft(target, [0, 2])(PROMPT)
+    handle.remove(), layer_handle.remove()
+    assert calls == []
+
+
 @pytest.mark.parametrize("keep", [[], [4], [-1]])
 def test_layer_skip_draft_rejects_bad_indices(target, keep):
     with pytest.raises(ValueError, match="keep must be"):

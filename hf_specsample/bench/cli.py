@@ -1,0 +1,97 @@
+"""`python -m hf_specsample.bench`: how much faster is generate() with a draft, and does it sample the same?"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from .methods import Mode, parse_methods
+from .pairs import BenchPair, load_bench_pair
+from .passk import pass_at_1
+from .prompts import PromptSet, load_problems, load_prompts
+from .report import format_table, to_json
+from .runner import BenchmarkConfig, run_benchmark
+from .sweep import plot_sweep, run_sweep
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hf_specsample.bench", description=__doc__)
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER,
+                        help="target/draft pair (default: %(default)s)")
+    parser.add_argument("--prompts", type=PromptSet, choices=list(PromptSet), nargs="+", default=[PromptSet.HUMANEVAL],
+                        help="prompt sets: humaneval (code completion), pydoc (summarise Python docs, chat template)")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per call, fixed (default: %(default)s)")
+    parser.add_argument("--methods", type=parse_methods, default="target,assisted,hf_specsample,hf_specsample:4",
+                        help="comma list of target, assisted, hf_specsample, hf_specsample:K (default: %(default)s)")
+    parser.add_argument("--modes", type=Mode, choices=list(Mode), nargs="+", default=[Mode.GREEDY, Mode.SAMPLING])
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling mode (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="sampling mode (default: %(default)s)")
+    parser.add_argument("--sweep", type=lambda text: [int(k) for k in text.split(",")], default=None,
+                        help="also sweep fixed K over this comma list, e.g. 1,2,3,4,6,8")
+    parser.add_argument("--sweep-mode", type=Mode, choices=list(Mode), default=Mode.SAMPLING)
+    parser.add_argument("--plot", type=Path, default=Path("speculative_sweep.png"), help="PNG of the sweep")
+    parser.add_argument("--pass-at-1", type=int, default=0, metavar="N",
+                        help="also run HumanEval functional correctness on N problems, target alone vs hf_specsample")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure and measurement here")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    return parser  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = BenchmarkConfig(
+        methods=args.methods, modes=args.modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
+    target, draft, tokenizer = load_bench_pair(args.pair, DTYPES[args.dtype], progress=config.progress)
+    prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
+    meta = {
+        "pair": args.pair.value, "dtype": args.dtype, "prompts": [p.value for p in args.prompts],
+        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "top_p": args.top_p, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+    }  # fmt: skip
+
+    result = run_benchmark(target, draft, tokenizer, prompts, config)
+    meta["cost"] = result.cost
+    print(f"\n{args.pair.value}, {args.dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+          f"target forward {result.cost['target_forward_s'] * 1000:.0f} ms, draft {result.cost['draft_forward_s'] * 1000:.0f} ms, "
+          f"c = {result.cost['c']:.2f}")  # fmt: skip
+    print(format_table(result.rows))
+    report = to_json(result.rows, result.measurements, meta)
+
+    if args.sweep:
+        sweep_rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, result.cost["c"])
+        print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(sweep_rows)}")
+        title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
+        print(f"plot: {plot_sweep(sweep_rows, args.plot, title)}")
+        report["sweep"] = to_json(sweep_rows, [], {})["summary"]
+
+    if args.pass_at_1:
+        methods = [spec for spec in parse_methods("target,hf_specsample")]
+        scores = pass_at_1(target, draft, tokenizer, load_problems(args.pass_at_1), methods, config)
+        print("\nHumanEval pass@1 (sampling, one sample per problem):")
+        for label, score in scores.items():
+            print(f"  {label:>20}: {score['pass@1']:.3f} ({score['passed']}/{score['total']})")
+        report["pass_at_1"] = scores
+
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"json: {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

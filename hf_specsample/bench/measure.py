@@ -1,0 +1,83 @@
+"""Timing one generate() call, counting forward passes, and measuring the draft/target cost ratio c."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardCounter:
+    """Counts forward calls of a model through a forward hook (works for every generate() path)."""
+
+    def __init__(self, model: torch.nn.Module | None):
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._count) if model is not None else None
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def __enter__(self) -> "ForwardCounter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Measurement:
+    """One generate() call."""
+
+    label: str
+    mode: str
+    prompt_id: str
+    seconds: float
+    new_tokens: int
+    target_passes: int  # forward calls of the target (prefill included)
+    draft_passes: int  # forward calls of the draft
+    stats: dict[str, Any] | None = None  # SpeculativeStats.to_dict() for hf_specsample
+    text: str = field(default="", repr=False)
+
+
+def timed_generate(target, draft, inputs: dict, generate_kwargs: dict) -> tuple[Any, float, int, int]:
+    """Run `target.generate(**inputs, **generate_kwargs)`; return (output, seconds, target passes, draft passes)."""
+    with ForwardCounter(target) as target_counter, ForwardCounter(draft) as draft_counter:
+        _synchronize()
+        start = time.perf_counter()
+        output = target.generate(**inputs, **generate_kwargs)
+        _synchronize()
+        seconds = time.perf_counter() - start
+    return output, seconds, target_counter.calls, draft_counter.calls
+
+
+@torch.no_grad()
+def forward_seconds(model, input_ids: torch.Tensor, new_tokens: int = 1, repeats: int = 5) -> float:
+    """Median seconds of one cached forward over `new_tokens` tokens after the prompt `input_ids` `(1, length)`."""
+    device = model.get_input_embeddings().weight.device
+    cache = model(input_ids=input_ids.to(device), use_cache=True).past_key_values
+    step = input_ids[:, -new_tokens:].to(device)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        _synchronize()
+        start = time.perf_counter()
+        model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=new_tokens)
+        _synchronize()
+        times.append(time.perf_counter() - start)
+        cache.crop(-new_tokens)
+    return statistics.median(times[1:])
+
+
+def cost_ratio(target, draft, input_ids: torch.Tensor, repeats: int = 5) -> dict[str, float]:
+    """Leviathan et al.'s c: time of one draft forward over time of one target forward (1 token, with a cache)."""
+    target_seconds = forward_seconds(target, input_ids, 1, repeats)
+    draft_seconds = forward_seconds(draft, input_ids, 1, repeats)
+    return {"target_forward_s": target_seconds, "draft_forward_s": draft_seconds, "c": draft_seconds / target_seconds}

@@ -1,0 +1,95 @@
+"""Running the comparison: every method on every prompt, interleaved, in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .measure import Measurement, cost_ratio, timed_generate
+from .methods import Method, MethodSpec, Mode, sampling_kwargs
+from .prompts import Prompt
+from .report import Row, summarise
+
+
+@dataclass
+class BenchmarkConfig:
+    """Settings of one benchmark run; every default is what `python -m hf_specsample.bench` uses."""
+
+    methods: list[MethodSpec] = field(
+        default_factory=lambda: [
+            MethodSpec(Method.TARGET),
+            MethodSpec(Method.ASSISTED),
+            MethodSpec(Method.SPECULATIVE),
+            MethodSpec(Method.SPECULATIVE, 4),
+        ]
+    )
+    modes: list[Mode] = field(default_factory=lambda: [Mode.GREEDY, Mode.SAMPLING])
+    max_new_tokens: int = 128  # every call generates exactly this many (min_new_tokens = max_new_tokens)
+    temperature: float = 0.7  # sampling mode
+    top_p: float = 0.95  # sampling mode
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class BenchmarkResult:
+    measurements: list[Measurement]
+    rows: list[Row]
+    cost: dict[str, float]  # target/draft forward seconds and c
+
+
+def _call(target, draft, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, seed: int) -> Measurement:
+    inputs = prompt.encode(tokenizer)
+    kwargs = dict(
+        max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        **sampling_kwargs(mode, config.temperature, config.top_p), **spec.generate_kwargs(draft),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    output, seconds, target_passes, draft_passes = timed_generate(target, draft if spec.uses_draft else None, inputs, kwargs)
+    sequences = output.sequences if hasattr(output, "sequences") else output
+    prompt_length = inputs["input_ids"].shape[1]
+    stats = getattr(output, "speculative_stats", None)
+    return Measurement(
+        label=spec.label, mode=mode.value, prompt_id=prompt.prompt_id, seconds=seconds,
+        new_tokens=sequences.shape[1] - prompt_length, target_passes=target_passes, draft_passes=draft_passes,
+        stats=stats.to_dict() if stats is not None else None,
+        text=tokenizer.decode(sequences[0, prompt_length:], skip_special_tokens=True),
+    )  # fmt: skip
+
+
+def run_measurements(
+    target, draft, tokenizer, prompts: Sequence[Prompt], methods: Sequence[MethodSpec], modes: Sequence[Mode],
+    config: BenchmarkConfig, description: str = "benchmark",
+) -> list[Measurement]:  # fmt: skip
+    """Every method on every prompt and mode; the method order rotates per prompt so none always runs first."""
+    runs = [(i, prompt, mode) for i, prompt in enumerate(prompts) for mode in modes]
+    measurements = []
+    with tqdm(total=len(runs) * len(methods), desc=description, disable=not config.progress) as bar:
+        for i, prompt, mode in runs:
+            for j in range(len(methods)):
+                spec = methods[(i + j) % len(methods)]
+                bar.set_postfix_str(f"{prompt.prompt_id} {mode.value} {spec.label}")
+                measurements.append(_call(target, draft, tokenizer, prompt, spec, mode, config, config.seed + i))
+                bar.update()
+    return measurements
+
+
+def warm_up(target, draft, tokenizer, prompt: Prompt, methods: Sequence[MethodSpec], config: BenchmarkConfig) -> None:
+    """One short call per method, so one-time costs (allocations, lazy init) stay out of the figures."""
+    short = BenchmarkConfig(max_new_tokens=4, progress=False)
+    for spec in methods:
+        for mode in config.modes:
+            _call(target, draft, tokenizer, prompt, spec, mode, short, config.seed)
+
+
+def run_benchmark(target, draft, tokenizer, prompts: Sequence[Prompt], config: BenchmarkConfig | None = None) -> BenchmarkResult:
+    """Measure c, warm up, then run every method on every prompt and summarise."""
+    config = config or BenchmarkConfig()
+    cost = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
+    warm_up(target, draft, tokenizer, prompts[0], config.methods, config)
+    measurements = run_measurements(target, draft, tokenizer, prompts, config.methods, config.modes, config)
+    return BenchmarkResult(measurements, summarise(measurements, cost["c"]), cost)

@@ -1,0 +1,121 @@
+"""Benchmark pieces: Leviathan's formula, aggregation, formatting, prompts, and a run on tiny models."""
+
+import json
+
+import pytest
+import torch
+from tiny import char_tokenizer, perturbed_copy, tiny_lm
+
+from hf_specsample.bench.measure import Measurement
+from hf_specsample.bench.methods import Method, MethodSpec, Mode, parse_methods
+from hf_specsample.bench.passk import truncate
+from hf_specsample.bench.prompts import Prompt, PromptSet, PromptStyle, load_problems, load_prompts
+from hf_specsample.bench.report import expected_speedup, format_table, summarise, to_json
+from hf_specsample.bench.runner import BenchmarkConfig, run_benchmark
+from hf_specsample.bench.sweep import plot_sweep, run_sweep
+
+
+@pytest.mark.parametrize(
+    "alpha, lookahead, c, expected",
+    [
+        (0.0, 3, 0.5, 1 / 2.5),  # nothing accepted: pay for drafting, gain nothing
+        (1.0, 3, 0.5, 4 / 2.5),  # everything accepted: K+1 tokens per round
+        (0.8, 4, 0.45, (1 - 0.8**5) / (0.2 * 2.8)),
+        (0.7, 0, 0.3, 1.0),  # no drafting
+    ],
+)
+def test_expected_speedup_is_theorem_3_8(alpha, lookahead, c, expected):
+    assert expected_speedup(alpha, lookahead, c) == pytest.approx(expected)
+
+
+def test_parse_methods():
+    assert parse_methods("target, assisted,hf_specsample,hf_specsample:4") == [
+        MethodSpec(Method.TARGET), MethodSpec(Method.ASSISTED), MethodSpec(Method.SPECULATIVE),
+        MethodSpec(Method.SPECULATIVE, 4),
+    ]  # fmt: skip
+    assert MethodSpec(Method.SPECULATIVE, 4).label == "hf_specsample K=4"
+    with pytest.raises(ValueError):
+        parse_methods("beam")
+
+
+def fake(label, seconds, tokens=100, passes=100, stats=None, mode="sampling"):
+    return Measurement(label, mode, "p", seconds, tokens, passes, 0, stats)
+
+
+def test_summarise_aggregates_and_predicts():
+    stats = {"accepted_tokens": 60, "row_rejections": [20], "draft_tokens": 90, "lookahead_per_round": [3] * 30}
+    rows = summarise([fake("target", 20.0), fake("hf_specsample K=3", 10.0, passes=40, stats=stats)], c=0.4)
+    target, spec = rows
+    assert target.tokens_per_s == 5.0 and target.speedup == 1.0 and target.alpha is None
+    assert spec.speedup == 2.0 and spec.tokens_per_target_pass == 2.5
+    assert spec.alpha == pytest.approx(60 / 80) and spec.acceptance_rate == pytest.approx(60 / 90)
+    assert spec.mean_lookahead == 3.0
+    assert spec.predicted_speedup == pytest.approx(expected_speedup(0.75, 3, 0.4))
+    table = format_table(rows)
+    assert "tok/s" in table and "2.00x" in table and "hf_specsample K=3" in table
+    assert json.loads(json.dumps(to_json(rows, [], {"pair": "x"})))["summary"][1]["speedup"] == 2.0
+
+
+def test_truncate_stops_at_the_next_top_level_statement():
+    assert truncate("    return x\n\ndef other():\n    pass") == "    return x\n"
+    assert truncate("    return x\n") == "    return x\n"
+
+
+def test_prompt_sets_load_offline():
+    code = load_prompts(PromptSet.HUMANEVAL, 3)
+    assert [p.prompt_id for p in code] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert all(p.style is PromptStyle.COMPLETION and "def " in p.text for p in code)
+    docs = load_prompts(PromptSet.PYDOC, 2, offset=1)
+    assert len(docs) == 2 and all(p.style is PromptStyle.CHAT and p.text.startswith("Summarise") for p in docs)
+    assert set(load_problems(1)[0]) >= {"task_id", "prompt", "test", "entry_point"}
+
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    prompts = [Prompt(f"p{i}", text, PromptStyle.COMPLETION) for i, text in enumerate(["abc", "hello world"])]
+    return target, draft, char_tokenizer(64), prompts
+
+
+def test_run_benchmark_on_tiny_models(tiny_setup):
+    target, draft, tokenizer, prompts = tiny_setup
+    config = BenchmarkConfig(max_new_tokens=12, progress=False)
+    result = run_benchmark(target, draft, tokenizer, prompts, config)
+    assert {(row.label, row.mode) for row in result.rows} == {
+        (spec.label, mode.value) for spec in config.methods for mode in (Mode.GREEDY, Mode.SAMPLING)
+    }
+    assert all(m.new_tokens == 12 for m in result.measurements)  # fixed lengths: equal work
+    for m in result.measurements:
+        if m.stats:  # the hook counts agree with the library's own statistics
+            assert m.target_passes == m.stats["target_forward_passes"]
+            assert m.draft_passes == m.stats["draft_forward_passes"]
+        if m.label == "target":
+            assert m.target_passes == 12 and m.draft_passes == 0
+    greedy_texts = {m.label: m.text for m in result.measurements if m.mode == "greedy" and m.prompt_id == "p0"}
+    assert len(set(greedy_texts.values())) == 1  # every method is exact in greedy mode
+    assert 0 < result.cost["c"]
+
+
+def test_sweep_and_plot(tiny_setup, tmp_path):
+    target, draft, tokenizer, prompts = tiny_setup
+    rows = run_sweep(target, draft, tokenizer, prompts, [1, 3], Mode.SAMPLING, BenchmarkConfig(max_new_tokens=8, progress=False), c=0.5)
+    assert [row.label for row in rows] == ["target", "hf_specsample K=1", "hf_specsample K=3"]
+    path = plot_sweep(rows, tmp_path / "sweep.png", "tiny")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_benchmark_cli_end_to_end_on_smollm2(tmp_path):
+    from hf_specsample.bench.cli import main
+
+    torch.set_num_threads(2)
+    report = main([
+        "--pair", "smollm2", "--num-prompts", "1", "--max-new-tokens", "8", "--prompts", "humaneval", "pydoc",
+        "--sweep", "1,2", "--plot", str(tmp_path / "sweep.png"), "--pass-at-1", "1", "--json", str(tmp_path / "b.json"),
+        "--no-progress",
+    ])  # fmt: skip
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["meta"]["pair"] == "smollm2" and len(saved["summary"]) == 8 and len(saved["sweep"]) == 3
+    assert set(report["pass_at_1"]) == {"target", "hf_specsample default"}
+    assert (tmp_path / "sweep.png").exists()
