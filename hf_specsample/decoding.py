@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import validation
+from . import distributed, validation
 from .config import SpeculativeConfig
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel
@@ -98,6 +98,9 @@ class SpeculativeDecoder:
         self.processor = PositionwiseProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
         self.do_sample = bool(generation_config.do_sample)
+        self.tensor_parallel = distributed.is_tensor_parallel(model)
+        if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
+            generator = distributed.shared_generator(generator, input_ids.device)
         self.generator = generator
         self.streamer = streamer
         self.pad_token_id = _as_int(generation_config._pad_token_tensor)
@@ -146,12 +149,14 @@ class SpeculativeDecoder:
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
         if not self.do_sample:
-            return greedy_accept(proposal.tokens, scores.argmax(dim=-1))
-        target_probs = probabilities(scores)
-        draft_probs = proposal.probs
-        if draft_probs is None:  # no draft tokens this round
-            draft_probs = target_probs[:, :0]
-        return speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
+            verdict = greedy_accept(proposal.tokens, scores.argmax(dim=-1))
+        else:
+            target_probs = probabilities(scores)
+            draft_probs = proposal.probs
+            if draft_probs is None:  # no draft tokens this round
+                draft_probs = target_probs[:, :0]
+            verdict = speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
+        return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
 
     def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> None:
         """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows."""

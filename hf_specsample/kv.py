@@ -21,6 +21,22 @@ from transformers import DynamicCache, PreTrainedModel
 HOLE = -1  # slot_positions value of a slot that holds no token of its row
 
 
+def input_device(model: PreTrainedModel) -> torch.device:
+    """The device a model's input ids must be on.
+
+    For an accelerate-dispatched model (`device_map=...`, CPU/disk offload) that is the execution device of the
+    hook on the embedding (or on a module holding it): offloaded weights sit on the `meta` device. Otherwise it
+    is the embedding weight's device.
+    """
+    embeddings = model.get_input_embeddings()
+    for module in (embeddings, getattr(model, "base_model", None), model):
+        hook = getattr(module, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return embeddings.weight.device if embeddings.weight.device.type != "meta" else torch.device("cpu")
+
+
 class CachedModel:
     """A model plus its KV cache, fed from a `(batch, capacity)` token buffer.
 
@@ -57,8 +73,8 @@ class CachedModel:
 
     @property
     def input_device(self) -> torch.device:
-        """Device of the embedding, where input ids go (first device of a `device_map` model)."""
-        return self.model.get_input_embeddings().weight.device
+        """Where input ids go: see `input_device`."""
+        return input_device(self.model)
 
     def feed(self, tokens: torch.Tensor, upto: Sequence[int], num_logits: int) -> torch.Tensor:
         """Run the model on buffer positions ``fed[b] .. upto[b] - 1`` of every row and return the last logits.

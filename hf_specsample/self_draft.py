@@ -22,12 +22,23 @@ _HOOK_DICTS = (
 
 
 def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
-    """A new module object sharing parameters and buffers, with its own children and no hooks."""
+    """A new module object sharing parameters and buffers, with its own children and no torch hooks.
+
+    An accelerate hook (device_map dispatch, offload) is re-attached to the clone: the `forward` accelerate
+    installed is bound to the original module and would run the original's children.
+    """
     clone = copy.copy(module)
     clone._modules = dict(module._modules)
     for name in _HOOK_DICTS:
         if name in module.__dict__:
             setattr(clone, name, type(module.__dict__[name])())
+    if "_hf_hook" in module.__dict__:
+        from accelerate.hooks import add_hook_to_module
+
+        hook = clone.__dict__.pop("_hf_hook")
+        for name in ("forward", "_old_forward"):
+            clone.__dict__.pop(name, None)
+        add_hook_to_module(clone, hook)
     return clone
 
 

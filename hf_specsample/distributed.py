@@ -1,0 +1,57 @@
+"""Tensor-parallel targets (`tp_plan="auto"`, launched with torchrun): every rank must accept the same tokens.
+
+Each rank runs the loop with its shard of the target and a full replica of the draft. The target's logits come
+out of an all-reduce/all-gather, identical on every rank; the draft replica computes identical logits from
+identical inputs. What remains is randomness: every rank draws from one generator whose state rank 0 broadcasts
+at the start, and rank 0's verdict (accepted count, next token) is broadcast every round, so ranks can never
+drift apart, whatever their floating point does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .rejection import Verdict
+
+
+def is_tensor_parallel(model) -> bool:
+    """True when `model` is sharded over an initialised process group of more than one rank."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and (getattr(model, "tp_size", None) or 1) > 1
+    )
+
+
+def _broadcast_device(device: torch.device) -> torch.device:
+    """NCCL broadcasts CUDA tensors, gloo CPU tensors."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator whose state is rank 0's, on every rank (a fresh one seeded by rank 0 when none is given)."""
+    if generator is None:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        generator = torch.Generator(device=device).manual_seed(int(_from_rank_zero(seed, device)))
+    generator.set_state(_from_rank_zero(generator.get_state(), device).to(torch.uint8))
+    return generator
+
+
+def _from_rank_zero(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rank 0's value of `tensor` (same shape and dtype on every rank), on the CPU."""
+    buffer = tensor.to(_broadcast_device(device)).contiguous()
+    if buffer.dtype == torch.uint8 and dist.get_backend() != "nccl":
+        buffer = buffer.to(torch.int32)  # gloo has no uint8 broadcast on every build
+    dist.broadcast(buffer, src=0)
+    return buffer.cpu()
+
+
+def broadcast_verdict(verdict: Verdict) -> Verdict:
+    """Rank 0's verdict on every rank."""
+    device = verdict.num_accepted.device
+    return Verdict(
+        _from_rank_zero(verdict.num_accepted, device).to(device),
+        _from_rank_zero(verdict.next_tokens, device).to(device),
+    )

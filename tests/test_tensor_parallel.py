@@ -1,0 +1,44 @@
+"""A tensor-parallel target (transformers' tp_plan="auto", torchrun, gloo on CPU) with a replicated draft."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import PAD
+from transformers import LlamaConfig, LlamaForCausalLM
+
+WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+
+
+def tp_ready_llama(seed: int, layers: int) -> LlamaForCausalLM:
+    """Heads divisible by 2 ranks."""
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=None, pad_token_id=PAD,
+        initializer_range=0.3, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
+def test_two_ranks_accept_the_same_tokens(tmp_path):
+    target, draft = tp_ready_llama(0, 2), tp_ready_llama(1, 1)
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    out = tmp_path / "result"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER,
+               str(tmp_path / "target"), str(tmp_path / "draft"), str(out)]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
+    assert all(result["tp_size"] == 2 for result in ranks)
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]  # despite different global seeds per rank
+    assert ranks[0]["greedy"] == ranks[1]["greedy"]
+    prompt = torch.tensor([[1, 5, 9, 17, 33], [1, 2, 3, 4, 5]])
+    expected = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    assert ranks[0]["greedy"] == expected.tolist()  # the sharded target's greedy output is the model's own

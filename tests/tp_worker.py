@@ -1,0 +1,27 @@
+"""Run by tests/test_tensor_parallel.py under torchrun: a tensor-parallel tiny target with a replicated draft."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hf_specsample  # noqa: F401
+
+target_dir, draft_dir, out_path = sys.argv[1:4]
+torch.set_num_threads(1)
+target = AutoModelForCausalLM.from_pretrained(target_dir, tp_plan="auto", dtype=torch.float32)
+draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)  # replicated on every rank
+rank = dist.get_rank()
+torch.manual_seed(1000 + rank)  # different global RNG per rank: the loop must share draws itself
+prompt = torch.tensor([[1, 5, 9, 17, 33], [1, 2, 3, 4, 5]])
+greedy = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0, draft_model=draft, num_lookahead=3)
+sampled = target.generate(
+    prompt, max_new_tokens=16, do_sample=True, top_k=20, pad_token_id=0, draft_model=draft, num_lookahead=3,
+    return_dict_in_generate=True,
+)
+result = {"rank": rank, "tp_size": target.tp_size, "greedy": greedy.tolist(), "sampled": sampled.sequences.tolist(),
+          "accepted": sampled.speculative_stats.accepted_tokens}
+with open(f"{out_path}.{rank}", "w") as handle:
+    json.dump(result, handle)
