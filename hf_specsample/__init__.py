@@ -6,7 +6,8 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
-from .config import DEFAULT_NUM_LOOKAHEAD, SpeculativeConfig
+from .config import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
+from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .decoding import speculative_generate
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
@@ -15,7 +16,10 @@ from .stats import SpeculativeStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_NUM_LOOKAHEAD",
+    "AdaptiveLookahead",
+    "DEFAULT_MAX_LOOKAHEAD",
+    "FixedLookahead",
+    "LookaheadPolicy",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",

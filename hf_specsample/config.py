@@ -4,36 +4,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# Draft tokens per round when the user gives none. With the draft costing c of a target forward and acceptance
-# rate a, Leviathan et al.'s Theorem 3.8 gives the expected speedup (1 - a^(K+1)) / ((1 - a)(cK + 1)); for the
-# Qwen2.5-Coder 0.5B/1.5B pair on CPU (c ~ 0.45, a ~ 0.7-0.9) it peaks at K = 2..4.
-DEFAULT_NUM_LOOKAHEAD = 3
+from collections.abc import Callable
+
+from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, StaticCosts
+
+DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU and costs buffer room
+
+
+def _check_lookahead(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (draft tokens per round), got {value!r}.")
+    if value < 1:
+        raise ValueError(
+            f"{name} must be >= 1 (draft tokens proposed per round), got {value}. To generate without drafting, "
+            "call generate() without `draft_model=`; to let hf_specsample choose K each round, leave it unset."
+        )
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Options of speculative sampling; every field has a default, so `SpeculativeConfig()` is a good start.
+    """Options of speculative sampling; `SpeculativeConfig()` is the recommended default.
 
     Attributes:
-        num_lookahead: draft tokens proposed per round (K). None picks the library default.
+        num_lookahead: draft tokens per round (K). None (default): chosen before every round by Leviathan et al.'s
+            Theorem 3.8 from the acceptance rate and round costs measured while generating, between 0 (plain
+            decoding, when drafting does not pay) and `max_lookahead`.
+        max_lookahead: upper bound of the adaptive K.
+        lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
+            built-in choice of K; exactness holds for any policy that decides K before drafting.
     """
 
     num_lookahead: int | None = None
+    max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
+    lookahead_policy: Callable[[], LookaheadPolicy] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_lookahead is not None:
-            if isinstance(self.num_lookahead, bool) or not isinstance(self.num_lookahead, int):
-                raise TypeError(f"num_lookahead must be an int (draft tokens per round), got {self.num_lookahead!r}.")
-            if self.num_lookahead < 1:
-                raise ValueError(
-                    f"num_lookahead must be >= 1 (draft tokens proposed per round), got {self.num_lookahead}. "
-                    "To generate without drafting, call generate() without `draft_model=`."
-                )
+        _check_lookahead("num_lookahead", self.num_lookahead)
+        _check_lookahead("max_lookahead", self.max_lookahead)
 
-    @property
-    def lookahead(self) -> int:
-        """The number of draft tokens per round actually used."""
-        return self.num_lookahead if self.num_lookahead is not None else DEFAULT_NUM_LOOKAHEAD
+    def make_policy(self, reproducible: bool, cost_ratio: float) -> LookaheadPolicy:
+        """A fresh policy for one generate() call.
+
+        Args:
+            reproducible: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
+                agree): the adaptive policy then uses `StaticCosts(cost_ratio)`.
+            cost_ratio: draft/target cost of a step, estimated from weight sizes.
+        """
+        if self.lookahead_policy is not None:
+            return self.lookahead_policy()
+        if self.num_lookahead is not None:
+            return FixedLookahead(self.num_lookahead)
+        return AdaptiveLookahead(self.max_lookahead, costs=StaticCosts(cost_ratio) if reproducible else None)
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

@@ -15,13 +15,15 @@ from transformers.generation.streamers import BaseStreamer
 from . import distributed, validation
 from .config import SpeculativeConfig
 from .drafting import DraftModelProposer, Proposal
-from .kv import CachedModel
+from .kv import CachedModel, input_device
+from .lookahead import RoundRecord
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
 from .rejection import Verdict, greedy_accept, speculative_accept
 from .sequences import Sequences
 from .stats import SpeculativeStats
 from .stopping import first_stops
+from .timing import PhaseTimer
 
 
 def speculative_generate(
@@ -50,7 +52,8 @@ def speculative_generate(
         stopping_criteria: criteria `generate()` built; checked after every committed token.
         generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
         draft_model: the draft causal LM; must share the target's vocabulary.
-        num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`.
+        num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`. Default:
+            chosen before every round from measured acceptance and costs (see `AdaptiveLookahead`).
         generator: optional `torch.Generator` for all random draws (reproducible sampling).
         speculative_config: further options, see `SpeculativeConfig`.
         speculative_streamer: where committed tokens are streamed (the registered `generate()` passes the caller's
@@ -92,15 +95,16 @@ class SpeculativeDecoder:
         streamer: BaseStreamer | None,
     ):
         self.max_length = int(generation_config.max_length)
-        self.lookahead = config.lookahead
-        capacity = self.max_length + self.lookahead + 1
+        self.tensor_parallel = distributed.is_tensor_parallel(model)
+        if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
+            generator = distributed.shared_generator(generator, input_ids.device)
+        cost_ratio = weight_bytes_ratio(draft_model, model)
+        self.policy = config.make_policy(reproducible=generator is not None, cost_ratio=cost_ratio)
+        capacity = self.max_length + self.policy.capacity + 1
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity)
         self.processor = PositionwiseProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
         self.do_sample = bool(generation_config.do_sample)
-        self.tensor_parallel = distributed.is_tensor_parallel(model)
-        if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
-            generator = distributed.shared_generator(generator, input_ids.device)
         self.generator = generator
         self.streamer = streamer
         self.pad_token_id = _as_int(generation_config._pad_token_tensor)
@@ -108,6 +112,8 @@ class SpeculativeDecoder:
         self.drafter = DraftModelProposer(draft_model, self.sequences, self.processor, self.do_sample, generator)
         self.recorder = OutputRecorder(generation_config, input_ids.shape[0])
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
+        devices = [input_ids.device, input_device(model), input_device(draft_model)]
+        self.timer = PhaseTimer(self.policy.needs_timing, devices)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
@@ -122,16 +128,23 @@ class SpeculativeDecoder:
         return self.recorder.build(self.sequences.output(self.pad_token_id), self.stats, cache)
 
     def next_lookahead(self) -> int:
-        """Draft tokens for this round: the configured K, never drafting past `max_length`."""
+        """Draft tokens for this round: the policy's K, never drafting past `max_length`."""
         room = self.max_length - max(self.sequences.lengths) - 1
-        return max(0, min(self.lookahead, room))
+        return max(0, min(self.policy.choose(), room))
 
     def round(self, lookahead: int) -> None:
-        """One draft -> verify -> accept -> commit round over all active rows."""
+        """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
+        prefill = self.stats.rounds == 0
+        self.timer.start()
         proposal = self.drafter.get_candidates(self.sequences, lookahead)
+        self.timer.mark()
         scores, raw_logits = self.verify(proposal)
         verdict = self.accept(proposal, scores)
-        self.commit(proposal, verdict, scores, raw_logits)
+        num_accepted = self.commit(proposal, verdict, scores, raw_logits)
+        self.timer.mark()
+        durations = self.timer.durations() or [0.0, 0.0]
+        tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
+        self.policy.observe(RoundRecord(lookahead, sum(num_accepted), tested, *durations, prefill=prefill))
 
     def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
@@ -158,8 +171,12 @@ class SpeculativeDecoder:
             verdict = speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
         return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
 
-    def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> None:
-        """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows."""
+    def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> list[int]:
+        """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows.
+
+        Returns:
+            Per row active in this round, the number of draft tokens it accepted.
+        """
         seqs = self.sequences
         num_accepted = verdict.num_accepted.tolist()  # the round's one host sync
         seqs.write(verdict.num_accepted, verdict.next_tokens)
@@ -180,6 +197,7 @@ class SpeculativeDecoder:
         if len(remaining) < len(stops) and remaining:
             self.target.select_rows(remaining)
             self.drafter.select_rows(remaining)
+        return num_accepted
 
     def update_stats(self, lookahead: int, num_accepted: list[int], counts: list[int]) -> None:
         stats = self.stats
@@ -191,6 +209,22 @@ class SpeculativeDecoder:
             stats.row_rejections[row_id] += int(accepted < lookahead)
             stats.row_new_tokens[row_id] += count
             stats.row_target_passes[row_id] += 1
+
+
+def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """Bytes of weights read per step, draft over target: a clock-free estimate of c for memory-bound decoding.
+
+    The input embedding is left out (a step reads one row of it) unless it is tied to the LM head.
+    """
+
+    def size(model: PreTrainedModel) -> int:
+        embedding = model.get_input_embeddings().weight
+        head = getattr(model.get_output_embeddings(), "weight", None)
+        skipped = {id(embedding)} if head is not embedding else set()
+        parameters = (p for p in model.parameters() if id(p) not in skipped)
+        return sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+
+    return size(draft) / max(1, size(target))
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

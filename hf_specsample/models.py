@@ -439,11 +439,13 @@ class IncompatiblePairError(ValueError):
     """A target and a draft model do not share a vocabulary, so draft tokens mean nothing to the target."""
 
 
-def _from_pretrained(folder: Path, dtype: torch.dtype, device_map, gguf_file: str | None):
+def _from_pretrained(folder: Path, dtype: torch.dtype, device_map, gguf_file: str | None, quantization_config=None):
     """Model and tokenizer from a local folder, never from the Hub (``local_files_only``: works offline)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here, so that importing this module is cheap
 
     options = {"gguf_file": gguf_file} if gguf_file else {}
+    if quantization_config is not None:
+        options["quantization_config"] = quantization_config
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **options)
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, device_map=device_map, local_files_only=True, **options
@@ -505,6 +507,7 @@ def load_model(
     *,
     convert: bool = True,
     progress: bool = True,
+    quantization_config=None,
 ):
     """Load a known model and its tokenizer, offline, materialising the GGUF file first if needed.
 
@@ -519,6 +522,8 @@ def load_model(
         cache_dir: cache root; default :func:`default_cache_dir`.
         convert: cache (and prefer) a converted safetensors copy.
         progress: show the download progress bar if the GGUF file has to be materialised.
+        quantization_config: e.g. ``BitsAndBytesConfig(load_in_4bit=True)``: the converted copy is quantized as
+            it loads (made first if missing; needs ``convert=True``).
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode and its tokenizer (with the chat template).
@@ -527,6 +532,12 @@ def load_model(
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     spec = _spec_of(model)
     converted = safetensors_dir(spec, dtype, cache_dir)
+    if quantization_config is not None:
+        if not convert:
+            raise ValueError("quantization_config needs convert=True: bitsandbytes quantizes the safetensors copy")
+        if not _is_complete(converted, spec):
+            load_model(spec, dtype, None, cache_dir, convert=True, progress=progress)  # makes the copy
+        return _from_pretrained(converted, dtype, device_map, None, quantization_config)
     if convert and _is_complete(converted, spec):
         return _from_pretrained(converted, dtype, device_map, gguf_file=None)
     folder = materialize(spec, cache_dir, progress)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .methods import Mode, parse_methods
-from .pairs import BenchPair, load_bench_pair
+from .pairs import BenchPair, Quantization, load_bench_pair
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
 from .report import format_table, to_json
@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run HumanEval functional correctness on N problems, target alone vs hf_specsample")
     parser.add_argument("--json", type=Path, default=None, help="write every figure and measurement here")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--target-quantization", type=Quantization, choices=list(Quantization), default=Quantization.NONE,
+                        help="load the target with bitsandbytes (default: %(default)s)")
+    parser.add_argument("--draft-quantization", type=Quantization, choices=list(Quantization), default=Quantization.NONE,
+                        help="load the draft with bitsandbytes (Qwen pair; default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -55,10 +59,13 @@ def main(argv: list[str] | None = None) -> dict:
         methods=args.methods, modes=args.modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
-    target, draft, tokenizer = load_bench_pair(args.pair, DTYPES[args.dtype], progress=config.progress)
+    target, draft, tokenizer = load_bench_pair(
+        args.pair, DTYPES[args.dtype], config.progress, args.target_quantization, args.draft_quantization
+    )
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
     meta = {
-        "pair": args.pair.value, "dtype": args.dtype, "prompts": [p.value for p in args.prompts],
+        "pair": args.pair.value, "dtype": args.dtype, "target_quantization": args.target_quantization.value,
+        "draft_quantization": args.draft_quantization.value, "prompts": [p.value for p in args.prompts],
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_p": args.top_p, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = run_benchmark(target, draft, tokenizer, prompts, config)
     meta["cost"] = result.cost
-    print(f"\n{args.pair.value}, {args.dtype}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+    quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
+    print(f"\n{args.pair.value}, {args.dtype}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
           f"target forward {result.cost['target_forward_s'] * 1000:.0f} ms, draft {result.cost['draft_forward_s'] * 1000:.0f} ms, "
           f"c = {result.cost['c']:.2f}")  # fmt: skip
     print(format_table(result.rows))

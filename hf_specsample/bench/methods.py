@@ -7,13 +7,20 @@ from enum import Enum
 from typing import Any
 
 
-class Method(str, Enum):
+class Choice(str, Enum):
+    """A string enum that prints as its value (command-line choices, JSON)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Method(Choice):
     TARGET = "target"  # plain model.generate()
     ASSISTED = "assisted"  # transformers' model.generate(assistant_model=draft)
     SPECULATIVE = "hf_specsample"  # model.generate(draft_model=draft)
 
 
-class Mode(str, Enum):
+class Mode(Choice):
     GREEDY = "greedy"
     SAMPLING = "sampling"
 

@@ -2,26 +2,60 @@
 
 from __future__ import annotations
 
-from enum import Enum
 
 import torch
 
-from ..models import KnownModel, KnownPair, load_model, load_pair
+from .methods import Choice
+from ..models import KnownModel, KnownPair, check_same_vocabulary, load_model
 from ..self_draft import layer_skip_draft
 
 SMOLLM2_SKIPPED_LAYERS = range(12, 18)  # of 30: the layer-skip draft that accepted best in our measurements
 
 
-class BenchPair(str, Enum):
+class BenchPair(Choice):
     QWEN_CODER = "qwen-coder"  # Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without 6 middle layers as draft (quick runs)
 
 
-def load_bench_pair(pair: BenchPair, dtype: torch.dtype = torch.bfloat16, progress: bool = True):
+class Quantization(Choice):
+    """bitsandbytes settings a benchmark can load a model with (CPU and CUDA)."""
+
+    NONE = "none"
+    INT8 = "int8"  # LLM.int8 with outlier decomposition (threshold 6.0, bitsandbytes' default)
+    INT8_NO_OUTLIERS = "int8-no-outliers"  # threshold 0: every token quantized on its own
+    NF4 = "nf4"
+    FP4 = "fp4"
+
+    def config(self, compute_dtype: torch.dtype):
+        """The `BitsAndBytesConfig`, or None."""
+        if self is Quantization.NONE:
+            return None
+        from transformers import BitsAndBytesConfig
+
+        if self in (Quantization.INT8, Quantization.INT8_NO_OUTLIERS):
+            threshold = 6.0 if self is Quantization.INT8 else 0.0
+            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.value, bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_bench_pair(
+    pair: BenchPair,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+    target_quantization: Quantization = Quantization.NONE,
+    draft_quantization: Quantization = Quantization.NONE,
+):
     """(target, draft, tokenizer), materialising the checkpoints on first use."""
     pair = BenchPair(pair)
+    target_config = Quantization(target_quantization).config(dtype)
     if pair is BenchPair.QWEN_CODER:
-        return load_pair(KnownPair.QWEN_CODER, dtype=dtype, progress=progress)
-    target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype=dtype, progress=progress)
+        known = KnownPair.QWEN_CODER
+        target, tokenizer = load_model(known.target, dtype, progress=progress, quantization_config=target_config)
+        draft, draft_tokenizer = load_model(
+            known.draft, dtype, progress=progress, quantization_config=Quantization(draft_quantization).config(dtype)
+        )
+        check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
+        return target, draft, tokenizer
+    target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype, progress=progress, quantization_config=target_config)
     keep = [i for i in range(target.config.num_hidden_layers) if i not in SMOLLM2_SKIPPED_LAYERS]
     return target, layer_skip_draft(target, keep), tokenizer

@@ -11,21 +11,22 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import dataclass
-from enum import Enum
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from .methods import Choice
+
 SUMMARY_CHARS = 1500  # characters of each documentation topic put into a prompt (~350 tokens)
 
 
-class PromptSet(str, Enum):
+class PromptSet(Choice):
     HUMANEVAL = "humaneval"
     PYDOC = "pydoc"
 
 
-class PromptStyle(str, Enum):
+class PromptStyle(Choice):
     COMPLETION = "completion"  # continue the raw text
     CHAT = "chat"  # a user message through the tokenizer's chat template
 

@@ -1,0 +1,119 @@
+"""Choosing K: the adaptive policy's decisions, reproducibility, and exactness when K changes every round."""
+
+import itertools
+
+import pytest
+import torch
+from exact import chisquare_pvalue, continuations, exact_distribution
+from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+
+from hf_specsample import SpeculativeConfig
+from hf_specsample.lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, RoundRecord, StaticCosts
+
+
+def feed(policy: AdaptiveLookahead, rounds: int, alpha: float, draft_step: float, verify) -> list[int]:
+    """Run the policy against synthetic rounds: acceptance `alpha`, costs `draft_step` and `verify(K)` seconds."""
+    choices = []
+    for _ in range(rounds):
+        k = policy.choose()
+        choices.append(k)
+        accepted = round(alpha * k)
+        policy.observe(RoundRecord(k, accepted, accepted + int(accepted < k), draft_step * k, verify(k)))
+    return choices
+
+
+def test_good_cheap_draft_drafts_far():
+    choices = feed(AdaptiveLookahead(max_lookahead=8), 30, alpha=0.9, draft_step=0.02, verify=lambda k: 0.2)
+    assert min(choices[10:]) >= 6
+
+
+def test_useless_draft_stops_drafting_and_probes():
+    policy = AdaptiveLookahead(max_lookahead=8, probe_every=12)
+    choices = feed(policy, 60, alpha=0.0, draft_step=0.1, verify=lambda k: 0.2)
+    tail = choices[20:]
+    assert tail.count(0) >= 0.85 * len(tail)  # mostly plain decoding
+    assert 1 in tail  # but keeps checking
+
+
+def test_verification_cost_growing_with_k_shortens_k():
+    flat = feed(AdaptiveLookahead(), 40, alpha=0.85, draft_step=0.05, verify=lambda k: 0.2)
+    steep = feed(AdaptiveLookahead(), 40, alpha=0.85, draft_step=0.05, verify=lambda k: 0.2 * (1 + 0.15 * k))
+    assert sum(steep[20:]) < sum(flat[20:])
+
+
+def test_expected_rate_is_theorem_3_8():
+    policy = AdaptiveLookahead(costs=StaticCosts(cost_ratio=0.45, verify_slope=0.0))
+    policy.alpha.total, policy.alpha.count = 0.8, 1.0  # alpha = 0.8
+    for k in range(1, 6):  # Theorem 3.8, up to the plain-decoding rate 1/v(0) = 1
+        assert policy.expected_rate(k) == pytest.approx((1 - 0.8 ** (k + 1)) / ((1 - 0.8) * (0.45 * k + 1)))
+    assert policy.choose() == max(range(9), key=policy.expected_rate)
+
+
+def test_static_costs_need_no_clock():
+    policy = AdaptiveLookahead(costs=StaticCosts(0.3))
+    assert not policy.needs_timing and policy.choose() > 0
+    assert not FixedLookahead(3).needs_timing and AdaptiveLookahead().needs_timing
+
+
+PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
+    return target, perturbed_copy(target, seed=1, scale=0.1)
+
+
+def test_default_policy_with_a_generator_is_reproducible(pair):
+    target, draft = pair
+
+    def sample():
+        return target.generate(
+            PROMPT, do_sample=True, max_new_tokens=40, pad_token_id=PAD, draft_model=draft,
+            generator=torch.Generator().manual_seed(9), return_dict_in_generate=True,
+        )  # fmt: skip
+
+    first, second = sample(), sample()
+    assert torch.equal(first.sequences, second.sequences)
+    assert first.speculative_stats.lookahead_per_round == second.speculative_stats.lookahead_per_round
+
+
+class CyclingLookahead(LookaheadPolicy):
+    """K = 0, 3, 1, 5, 2, ... : every kind of round, including plain ones, one after another."""
+
+    def __init__(self):
+        self.cycle = itertools.cycle([0, 3, 1, 5, 2])
+
+    def choose(self) -> int:
+        return next(self.cycle)
+
+    @property
+    def capacity(self) -> int:
+        return 5
+
+
+def test_greedy_identity_when_k_changes_every_round(pair):
+    target, draft = pair
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=40, pad_token_id=PAD)
+    config = SpeculativeConfig(lookahead_policy=CyclingLookahead)
+    got = target.generate(
+        PROMPT, do_sample=False, max_new_tokens=40, pad_token_id=PAD, draft_model=draft, speculative_config=config,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(got.sequences, expected)
+    assert 0 in got.speculative_stats.lookahead_per_round
+
+
+@pytest.mark.parametrize("config", [SpeculativeConfig(lookahead_policy=CyclingLookahead), SpeculativeConfig()], ids=["cycling", "default"])
+def test_sampling_is_exact_when_k_changes(config):
+    target = tiny_lm(seed=0)  # 8-token vocabulary: enumerable
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    prompt = torch.tensor([[1, 5, 2, 5]])
+    settings = dict(temperature=0.9, top_p=0.9)
+    out = target.generate(
+        prompt, do_sample=True, max_new_tokens=4, num_return_sequences=10_000, pad_token_id=PAD, draft_model=draft,
+        speculative_config=config, generator=torch.Generator().manual_seed(3), **settings,
+    )  # fmt: skip
+    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=4, **settings)
+    exact = exact_distribution(target, prompt, processors, 4)
+    assert chisquare_pvalue(exact, continuations(out, prompt.shape[1])) > 1e-3
