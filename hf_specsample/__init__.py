@@ -9,6 +9,8 @@ Outputs follow the target's own distribution exactly (greedy: token for token), 
 from .config import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
 from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .decoding import speculative_generate
+from .draft_prep import DraftQuantization
+from .vocabulary import frequent_tokens
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats
@@ -18,7 +20,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaptiveLookahead",
     "DEFAULT_MAX_LOOKAHEAD",
+    "DraftQuantization",
     "FixedLookahead",
+    "frequent_tokens",
     "LookaheadPolicy",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",

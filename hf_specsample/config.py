@@ -6,6 +6,9 @@ from dataclasses import dataclass, replace
 
 from collections.abc import Callable
 
+import torch
+
+from .draft_prep import DraftQuantization
 from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, StaticCosts
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU and costs buffer room
@@ -34,15 +37,45 @@ class SpeculativeConfig:
         max_lookahead: upper bound of the adaptive K.
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
+        draft_quantization: "auto" (default: a dynamic-int8 copy of a float draft that runs on the CPU, made once
+            per draft model), "int8" or "none". See `draft_prep`.
+        draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
+            tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the special tokens. None
+            (default): the whole vocabulary.
     """
 
     num_lookahead: int | None = None
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
     lookahead_policy: Callable[[], LookaheadPolicy] | None = None
+    draft_quantization: DraftQuantization | str = DraftQuantization.AUTO
+    draft_vocabulary: torch.Tensor | int | None = None
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
         _check_lookahead("max_lookahead", self.max_lookahead)
+        try:
+            object.__setattr__(self, "draft_quantization", DraftQuantization(self.draft_quantization))
+        except ValueError:
+            choices = ", ".join(repr(q.value) for q in DraftQuantization)
+            raise ValueError(f"draft_quantization must be one of {choices}, got {self.draft_quantization!r}.") from None
+        vocabulary = self.draft_vocabulary
+        if isinstance(vocabulary, bool) or not (vocabulary is None or isinstance(vocabulary, (int, torch.Tensor))):
+            raise TypeError(f"draft_vocabulary must be None, an int or a tensor of token ids, got {vocabulary!r}.")
+        if isinstance(vocabulary, int) and vocabulary < 1:
+            raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
+
+    def vocabulary_ids(self, vocab_size: int, special_ids: list[int]) -> torch.Tensor | None:
+        """The draft's token ids as a sorted long tensor, or None for the whole vocabulary."""
+        vocabulary = self.draft_vocabulary
+        if vocabulary is None:
+            return None
+        if isinstance(vocabulary, int):
+            ids = set(range(min(vocabulary, vocab_size))) | set(special_ids)
+            return torch.tensor(sorted(ids), dtype=torch.long)
+        ids = vocabulary.flatten().long().unique()
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"draft_vocabulary holds ids outside [0, {vocab_size}).")
+        return ids
 
     def make_policy(self, reproducible: bool, cost_ratio: float) -> LookaheadPolicy:
         """A fresh policy for one generate() call.

@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import distributed, validation
 from .config import SpeculativeConfig
+from .draft_prep import prepare_draft, weight_bytes_ratio
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
 from .lookahead import RoundRecord
@@ -32,7 +33,7 @@ def speculative_generate(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
-    draft_model: PreTrainedModel | None = None,
+    draft_model: PreTrainedModel | str | None = None,
     num_lookahead: int | None = None,
     generator: torch.Generator | None = None,
     speculative_config: SpeculativeConfig | None = None,
@@ -51,7 +52,8 @@ def speculative_generate(
             draft and target alike, at every position with that position's own prefix.
         stopping_criteria: criteria `generate()` built; checked after every committed token.
         generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
-        draft_model: the draft causal LM; must share the target's vocabulary.
+        draft_model: the draft causal LM; must share the target's vocabulary. "auto": a draft made from the target
+            (an int8 copy on the CPU, a layer-skipping view elsewhere), for targets with no small sibling.
         num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`. Default:
             chosen before every round from measured acceptance and costs (see `AdaptiveLookahead`).
         generator: optional `torch.Generator` for all random draws (reproducible sampling).
@@ -95,24 +97,31 @@ class SpeculativeDecoder:
         streamer: BaseStreamer | None,
     ):
         self.max_length = int(generation_config.max_length)
+        self.do_sample = bool(generation_config.do_sample)
+        self.pad_token_id = _as_int(generation_config._pad_token_tensor)
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.processor = PositionwiseProcessor(logits_processor)
         self.tensor_parallel = distributed.is_tensor_parallel(model)
         if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
             generator = distributed.shared_generator(generator, input_ids.device)
-        cost_ratio = weight_bytes_ratio(draft_model, model)
+        self.generator = generator
+
+        vocab_size = validation.vocab_size(model)
+        vocabulary = config.vocabulary_ids(vocab_size, _token_ids(generation_config))
+        draft = prepare_draft(draft_model, model, config.draft_quantization, vocabulary)
+        cost_ratio = weight_bytes_ratio(draft.model, model)
         self.policy = config.make_policy(reproducible=generator is not None, cost_ratio=cost_ratio)
+
         capacity = self.max_length + self.policy.capacity + 1
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity)
-        self.processor = PositionwiseProcessor(logits_processor)
-        self.stopping_criteria = stopping_criteria
-        self.do_sample = bool(generation_config.do_sample)
-        self.generator = generator
-        self.streamer = streamer
-        self.pad_token_id = _as_int(generation_config._pad_token_tensor)
         self.target = CachedModel(model, self.sequences.token_is_real, cache=model_kwargs.get("past_key_values"))
-        self.drafter = DraftModelProposer(draft_model, self.sequences, self.processor, self.do_sample, generator)
+        self.drafter = DraftModelProposer(
+            draft.model, self.sequences, self.processor, self.do_sample, generator, draft.vocabulary, vocab_size
+        )
         self.recorder = OutputRecorder(generation_config, input_ids.shape[0])
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
-        devices = [input_ids.device, input_device(model), input_device(draft_model)]
+        devices = [input_ids.device, input_device(model), input_device(draft.model)]
         self.timer = PhaseTimer(self.policy.needs_timing, devices)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
@@ -211,20 +220,13 @@ class SpeculativeDecoder:
             stats.row_target_passes[row_id] += 1
 
 
-def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
-    """Bytes of weights read per step, draft over target: a clock-free estimate of c for memory-bound decoding.
-
-    The input embedding is left out (a step reads one row of it) unless it is tied to the LM head.
-    """
-
-    def size(model: PreTrainedModel) -> int:
-        embedding = model.get_input_embeddings().weight
-        head = getattr(model.get_output_embeddings(), "weight", None)
-        skipped = {id(embedding)} if head is not embedding else set()
-        parameters = (p for p in model.parameters() if id(p) not in skipped)
-        return sum(parameter.numel() * parameter.element_size() for parameter in parameters)
-
-    return size(draft) / max(1, size(target))
+def _token_ids(generation_config: GenerationConfig) -> list[int]:
+    """EOS, padding and BOS ids of the generation config (the draft's vocabulary must keep them)."""
+    ids = []
+    for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
+        if value is not None:
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [int(token) for token in ids]
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

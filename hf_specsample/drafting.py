@@ -31,7 +31,13 @@ class Proposal(NamedTuple):
 
 
 class DraftModelProposer:
-    """Proposes tokens by running a small causal LM autoregressively on its own KV cache."""
+    """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
+
+    With a `vocabulary` (a subset of token ids, see `draft_prep.restrict_vocabulary`) the draft's logits cover only
+    those ids. When every logits processor is vocabulary-free (temperature, top-k/p, min-p, ...) the draft's
+    processing and sampling run on that compact vocabulary; otherwise its logits are spread over the full
+    vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
+    """
 
     def __init__(
         self,
@@ -40,11 +46,16 @@ class DraftModelProposer:
         processor: PositionwiseProcessor,
         do_sample: bool,
         generator: torch.Generator | None = None,
+        vocabulary: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ):
         self.runner = CachedModel(draft_model, sequences.token_is_real)
         self.processor = processor
         self.do_sample = do_sample
         self.generator = generator
+        self.vocabulary = None if vocabulary is None else vocabulary.to(sequences.tokens.device)  # (subset,)
+        self.vocab_size = vocab_size
+        self.compact = vocabulary is not None and processor.vocabulary_free
 
     @property
     def forward_passes(self) -> int:
@@ -61,19 +72,34 @@ class DraftModelProposer:
         for step in range(num_tokens):
             logits = self.runner.feed(tokens, upto=[length + step for length in lengths], num_logits=1)
             prefix_lengths = [length + step for length in lengths]
-            scores = self.processor(tokens, prefix_lengths, logits, sequences.row_ids)[:, 0]  # (batch, vocab)
+            scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.row_ids)[:, 0]
             if self.do_sample:
-                probs = probabilities(scores)
-                token = sample_from_weights(probs, self.generator)  # (batch,)
+                probs = probabilities(scores)  # (batch, vocab or subset)
+                index = sample_from_weights(probs, self.generator)  # (batch,)
                 drafted_probs.append(probs)
             else:
-                token = scores.argmax(dim=-1)
+                index = scores.argmax(dim=-1)
+            token = self.vocabulary[index] if self.compact else index
             sequences.write([step] * sequences.num_active, token)
             drafted.append(token)
         return Proposal(
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=torch.stack(drafted_probs, dim=1) if drafted_probs else None,
+            probs=self._full(torch.stack(drafted_probs, dim=1)) if drafted_probs else None,
         )
+
+    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(batch, 1, subset)` logits -> `(batch, 1, vocab)` with -inf outside the subset, unless compact."""
+        if self.vocabulary is None or self.compact:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.scatter_(-1, self.vocabulary.expand(*logits.shape[:-1], -1), logits)
+
+    def _full(self, probs: torch.Tensor) -> torch.Tensor:
+        """`(batch, k, subset)` compact probabilities -> `(batch, k, vocab)`, zero outside the subset."""
+        if not self.compact:
+            return probs
+        full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
+        return full.scatter_(-1, self.vocabulary.expand(*probs.shape[:-1], -1), probs)
 
     def update_candidate_strategy(self, keep: Sequence[int]) -> None:
         """Roll the draft's cache back to the first `keep[b]` buffer positions of each row."""

@@ -146,7 +146,8 @@ class AdaptiveLookahead(LookaheadPolicy):
         costs: MeasuredCosts | StaticCosts | None = None,  # default: measured on the wall clock
         first_lookahead: int = 3,  # K while no cost is known yet
         alpha_prior: float = 0.6,  # until a few tokens are tested; a fair draft of the same family
-        probe_every: int = 12,  # when not drafting, a K=1 round this often re-measures alpha (~3% cost at c=0.4)
+        probe_every: int = 12,  # when not drafting, a K=1 round this often re-measures alpha (~3% cost at c=0.4);
+        # the interval doubles (up to 8x) while probes keep confirming that drafting does not pay
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
     ):
         self.max_lookahead = max_lookahead
@@ -155,6 +156,8 @@ class AdaptiveLookahead(LookaheadPolicy):
         self.probe_every = probe_every
         self.alpha = _DecayedMean(alpha_prior, weight=4.0, decay=decay)
         self._rounds_without_drafting = 0
+        self._probe_interval = probe_every
+        self._probed = False
 
     @property
     def capacity(self) -> int:
@@ -180,10 +183,13 @@ class AdaptiveLookahead(LookaheadPolicy):
             return self.first_lookahead
         choice = max(range(self.max_lookahead + 1), key=self.expected_rate)
         if choice > 0:
-            self._rounds_without_drafting = 0
+            self._rounds_without_drafting, self._probe_interval = 0, self.probe_every
             return choice
+        if self._rounds_without_drafting == 0 and self._probed:  # the last probe did not make drafting pay
+            self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
+        self._probed = False
         self._rounds_without_drafting += 1
-        if self._rounds_without_drafting >= self.probe_every:  # is drafting paying again?
-            self._rounds_without_drafting = 0
+        if self._rounds_without_drafting >= self._probe_interval:  # is drafting paying again?
+            self._rounds_without_drafting, self._probed = 0, True
             return 1
         return 0

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 import torch
 from transformers.generation import logits_process as lp
 
-# Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch).
-PREFIX_FREE_PROCESSORS: tuple[type, ...] = (
+# Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
+# and not on which token id a column stands for: they give the same result on any subset of the vocabulary.
+VOCABULARY_FREE_PROCESSORS: tuple[type, ...] = (
     lp.TemperatureLogitsWarper,
     lp.TopKLogitsWarper,
     lp.TopPLogitsWarper,
@@ -35,8 +36,10 @@ PREFIX_FREE_PROCESSORS: tuple[type, ...] = (
     lp.TopHLogitsWarper,
     lp.InfNanRemoveLogitsProcessor,
     lp.LogitNormalization,
-    lp.SuppressTokensLogitsProcessor,
 )
+
+# Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch).
+PREFIX_FREE_PROCESSORS: tuple[type, ...] = VOCABULARY_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
 
 # Processors that keep state across calls or need a second batch: calling them for draft positions (or for
 # positions that are later rejected) would change what they do, so they are refused up front.
@@ -84,6 +87,8 @@ class PositionwiseProcessor:
     def __init__(self, processors: Sequence[lp.LogitsProcessor]):
         check_supported(processors)
         self.runs = _runs(processors)
+        # Exact type, as for prefix-freedom: a subclass may read token ids.
+        self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
 
     def __call__(
         self,

@@ -23,11 +23,13 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 
 def check_models(target: PreTrainedModel, draft: Any) -> None:
-    """The draft must be a decoder-only LM with the target's vocabulary."""
+    """The draft must be a decoder-only LM with the target's vocabulary (or "auto")."""
+    if isinstance(draft, str) and draft == "auto":
+        draft = target
     if not isinstance(draft, PreTrainedModel):
         raise TypeError(
-            f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
-            f"got {type(draft).__name__}."
+            f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)) or "
+            f"'auto' (a draft made from the target), got {draft!r}."
         )
     for role, model in (("target", target), ("draft", draft)):
         if model.config.is_encoder_decoder:

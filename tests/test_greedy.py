@@ -4,6 +4,10 @@ import pytest
 import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 
+from hf_specsample import SpeculativeConfig
+
+AS_GIVEN = SpeculativeConfig(draft_quantization="none")  # run the draft exactly as passed (no int8 copy)
+
 VOCAB = 64
 PROMPTS = [torch.tensor([[1, 17, 42, 5, 9]]), torch.tensor([[1, 3]]), torch.tensor([[1, 60, 61, 62, 63, 7, 7, 7]])]
 
@@ -42,7 +46,10 @@ def test_identical_with_eos_in_the_middle(target, drafts, lookahead):
     expected = greedy(target, prompt, max_new_tokens=40, eos_token_id=eos)
     assert expected.shape[1] < prompt.shape[1] + 40, "EOS must end generation early for this test to mean anything"
     for draft in (drafts["close"], target):
-        got = greedy(target, prompt, max_new_tokens=40, eos_token_id=eos, draft_model=draft, num_lookahead=lookahead)
+        got = greedy(
+            target, prompt, max_new_tokens=40, eos_token_id=eos, draft_model=draft, num_lookahead=lookahead,
+            speculative_config=AS_GIVEN,
+        )
         assert torch.equal(got, expected)
 
 
@@ -58,7 +65,8 @@ def test_identical_with_prefix_dependent_processors(target, drafts):
 def test_draft_identical_to_target_accepts_everything(target, lookahead):
     prompt = PROMPTS[0]
     out = greedy(
-        target, prompt, max_new_tokens=30, draft_model=target, num_lookahead=lookahead, return_dict_in_generate=True
+        target, prompt, max_new_tokens=30, draft_model=target, num_lookahead=lookahead, return_dict_in_generate=True,
+        speculative_config=AS_GIVEN,
     )
     stats = out.speculative_stats
     assert torch.equal(out.sequences, greedy(target, prompt, max_new_tokens=30))

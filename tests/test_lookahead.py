@@ -35,6 +35,15 @@ def test_useless_draft_stops_drafting_and_probes():
     assert 1 in tail  # but keeps checking
 
 
+def test_probes_back_off_while_drafting_does_not_pay():
+    policy = AdaptiveLookahead(max_lookahead=8, probe_every=12)
+    choices = feed(policy, 400, alpha=0.0, draft_step=0.1, verify=lambda k: 0.2)
+    probes = [i for i, k in enumerate(choices) if k == 1 and i > 2]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] < gaps[-1] <= 8 * 12 + 1  # intervals grow, up to 8x
+    assert len(probes) < 400 / 12 / 2
+
+
 def test_verification_cost_growing_with_k_shortens_k():
     flat = feed(AdaptiveLookahead(), 40, alpha=0.85, draft_step=0.05, verify=lambda k: 0.2)
     steep = feed(AdaptiveLookahead(), 40, alpha=0.85, draft_step=0.05, verify=lambda k: 0.2 * (1 + 0.15 * k))

@@ -5,14 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LogitsProcessorList,
-    PreTrainedTokenizerFast,
-    StoppingCriteriaList,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
+
+from hf_specsample.bench.tiny import char_tokenizer  # noqa: F401  (re-exported for the tests)
 
 BOS, PAD = 1, 0
 
@@ -69,14 +64,3 @@ def prepared_processors(model, input_ids: torch.Tensor, **generate_kwargs) -> tu
 
     model.generate(input_ids, custom_generate=capture, **generate_kwargs)
     return captured["processors"], captured["criteria"]
-
-
-def char_tokenizer(vocab_size: int = 64) -> PreTrainedTokenizerFast:
-    """A real (fast) tokenizer over `vocab_size` ids: 0 <pad>, 1 <s>, 2 </s>, then one character per id."""
-    characters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=()[]{}<>.,;:!?@#$%^&_"
-    assert vocab_size - 3 <= len(characters)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {characters[i]: i + 3 for i in range(vocab_size - 3)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one character per token
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .batch import run_batch_sweep
+from .measure import cost_ratio
 from .methods import Mode, parse_methods
 from .pairs import BenchPair, Quantization, load_bench_pair
 from .passk import pass_at_1
@@ -37,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also sweep fixed K over this comma list, e.g. 1,2,3,4,6,8")
     parser.add_argument("--sweep-mode", type=Mode, choices=list(Mode), default=Mode.SAMPLING)
     parser.add_argument("--plot", type=Path, default=Path("speculative_sweep.png"), help="PNG of the sweep")
+    parser.add_argument("--batch-sizes", type=lambda text: [int(b) for b in text.split(",")], default=None,
+                        help="also compare batched generate() with and without the draft at these batch sizes, e.g. 1,4,8")
+    parser.add_argument("--batch-methods", type=parse_methods, default="target,hf_specsample",
+                        help="methods of the batch comparison (assisted refuses batches; default: %(default)s)")
+    parser.add_argument("--batch-mode", type=Mode, choices=list(Mode), default=Mode.SAMPLING)
+    parser.add_argument("--skip-main", action="store_true", help="skip the per-prompt comparison (run only extras)")
     parser.add_argument("--pass-at-1", type=int, default=0, metavar="N",
                         help="also run HumanEval functional correctness on N problems, target alone vs hf_specsample")
     parser.add_argument("--json", type=Path, default=None, help="write every figure and measurement here")
@@ -71,21 +79,35 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.processor() or platform.machine(),
     }  # fmt: skip
 
-    result = run_benchmark(target, draft, tokenizer, prompts, config)
-    meta["cost"] = result.cost
+    if args.skip_main:
+        result = None
+        cost = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
+        report = to_json([], [], meta)
+    else:
+        result = run_benchmark(target, draft, tokenizer, prompts, config)
+        cost = result.cost
+    meta["cost"] = cost
     quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
     print(f"\n{args.pair.value}, {args.dtype}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
-          f"target forward {result.cost['target_forward_s'] * 1000:.0f} ms, draft {result.cost['draft_forward_s'] * 1000:.0f} ms, "
-          f"c = {result.cost['c']:.2f}")  # fmt: skip
-    print(format_table(result.rows))
-    report = to_json(result.rows, result.measurements, meta)
+          f"target forward {cost['target_forward_s'] * 1000:.0f} ms, draft {cost['draft_forward_s'] * 1000:.0f} ms, "
+          f"c = {cost['c']:.2f}")  # fmt: skip
+    if result is not None:
+        print(format_table(result.rows))
+        report = to_json(result.rows, result.measurements, meta)
 
     if args.sweep:
-        sweep_rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, result.cost["c"])
+        sweep_rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, cost["c"])
         print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(sweep_rows)}")
         title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
         print(f"plot: {plot_sweep(sweep_rows, args.plot, title)}")
         report["sweep"] = to_json(sweep_rows, [], {})["summary"]
+
+    if args.batch_sizes:
+        batch_rows = run_batch_sweep(
+            target, draft, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, cost["c"]
+        )
+        print(f"\nbatches ({args.batch_mode.value}, tokens/s over all rows):\n{format_table(batch_rows)}")
+        report["batches"] = to_json(batch_rows, [], {})["summary"]
 
     if args.pass_at_1:
         methods = [spec for spec in parse_methods("target,hf_specsample")]

@@ -8,6 +8,7 @@ import torch
 from .methods import Choice
 from ..models import KnownModel, KnownPair, check_same_vocabulary, load_model
 from ..self_draft import layer_skip_draft
+from .tiny import tiny_pair
 
 SMOLLM2_SKIPPED_LAYERS = range(12, 18)  # of 30: the layer-skip draft that accepted best in our measurements
 
@@ -15,6 +16,7 @@ SMOLLM2_SKIPPED_LAYERS = range(12, 18)  # of 30: the layer-skip draft that accep
 class BenchPair(Choice):
     QWEN_CODER = "qwen-coder"  # Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without 6 middle layers as draft (quick runs)
+    TINY = "tiny"  # random 4-layer target, 1-layer draft, character tokenizer: measures the loop's own overhead
 
 
 class Quantization(Choice):
@@ -47,6 +49,9 @@ def load_bench_pair(
 ):
     """(target, draft, tokenizer), materialising the checkpoints on first use."""
     pair = BenchPair(pair)
+    if pair is BenchPair.TINY:
+        target, draft, tokenizer = tiny_pair()
+        return target.to(dtype), draft.to(dtype), tokenizer
     target_config = Quantization(target_quantization).config(dtype)
     if pair is BenchPair.QWEN_CODER:
         known = KnownPair.QWEN_CODER

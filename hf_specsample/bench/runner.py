@@ -53,6 +53,8 @@ def _call(target, draft, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode
     sequences = output.sequences if hasattr(output, "sequences") else output
     prompt_length = inputs["input_ids"].shape[1]
     stats = getattr(output, "speculative_stats", None)
+    if stats is not None:  # hf_specsample may run a prepared copy of the draft (e.g. int8), which hooks miss
+        draft_passes = stats.draft_forward_passes
     return Measurement(
         label=spec.label, mode=mode.value, prompt_id=prompt.prompt_id, seconds=seconds,
         new_tokens=sequences.shape[1] - prompt_length, target_passes=target_passes, draft_passes=draft_passes,

