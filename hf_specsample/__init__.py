@@ -7,13 +7,13 @@ Outputs follow the target's own distribution exactly (greedy: token for token), 
 """
 
 from .config import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
-from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .decoding import speculative_generate
 from .draft_prep import DraftQuantization
-from .vocabulary import frequent_tokens
+from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats
+from .vocabulary import frequent_tokens
 
 __version__ = "0.1.0"
 

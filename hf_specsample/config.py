@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,6 +11,10 @@ from .draft_prep import DraftQuantization
 from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, StaticCosts
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU and costs buffer room
+# Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
+# K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
+# but a batch verifies batch * (K+1) tokens and turns compute-bound.
+STATIC_VERIFY_SLOPE = 0.02
 
 
 def _check_lookahead(name: str, value: int | None) -> None:
@@ -77,19 +80,21 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocabulary holds ids outside [0, {vocab_size}).")
         return ids
 
-    def make_policy(self, reproducible: bool, cost_ratio: float) -> LookaheadPolicy:
+    def make_policy(self, reproducible: bool, cost_ratio: float, batch_size: int = 1) -> LookaheadPolicy:
         """A fresh policy for one generate() call.
 
         Args:
             reproducible: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
-                agree): the adaptive policy then uses `StaticCosts(cost_ratio)`.
+                agree): the adaptive policy then uses `StaticCosts`, with verification rising with the batch.
             cost_ratio: draft/target cost of a step, estimated from weight sizes.
+            batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
         """
         if self.lookahead_policy is not None:
             return self.lookahead_policy()
         if self.num_lookahead is not None:
             return FixedLookahead(self.num_lookahead)
-        return AdaptiveLookahead(self.max_lookahead, costs=StaticCosts(cost_ratio) if reproducible else None)
+        costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size) if reproducible else None
+        return AdaptiveLookahead(self.max_lookahead, costs=costs)
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

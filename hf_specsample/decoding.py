@@ -68,7 +68,9 @@ def speculative_generate(
         when `return_dict_in_generate=True`.
     """
     if draft_model is None:
-        raise ValueError("speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer).")
+        raise ValueError(
+            "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
+        )
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
     validation.check_models(model, draft_model)
     validation.check_generation_config(generation_config)
@@ -111,7 +113,7 @@ class SpeculativeDecoder:
         vocabulary = config.vocabulary_ids(vocab_size, _token_ids(generation_config))
         draft = prepare_draft(draft_model, model, config.draft_quantization, vocabulary)
         cost_ratio = weight_bytes_ratio(draft.model, model)
-        self.policy = config.make_policy(reproducible=generator is not None, cost_ratio=cost_ratio)
+        self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=input_ids.shape[0])
 
         capacity = self.max_length + self.policy.capacity + 1
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity)

@@ -27,9 +27,13 @@ def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, object]:
     return new_tokens, seconds, getattr(output, "speculative_stats", None)
 
 
-def compare(target, draft, tokenizer, inputs: dict, mode: Mode, max_new_tokens: int, num_lookahead: int | None) -> float:
+def compare(
+    target, draft, tokenizer, inputs: dict, mode: Mode, max_new_tokens: int, num_lookahead: int | None
+) -> float:
     """Print both completions of one mode with their timings; return the speedup in tokens per second."""
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, 0.7, 0.95))
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, 0.7, 0.95)
+    )
     torch.manual_seed(0)
     plain_tokens, plain_seconds, _ = timed(target, inputs, **kwargs)
     torch.manual_seed(0)
@@ -39,12 +43,16 @@ def compare(target, draft, tokenizer, inputs: dict, mode: Mode, max_new_tokens: 
     print(f"\n=== {settings} ===")
     print(f"--- plain generate(): {len(plain_tokens)} tokens in {plain_seconds:.1f} s ({plain_rate:.2f} tokens/s)")
     print(tokenizer.decode(plain_tokens, skip_special_tokens=True))
-    print(f"--- generate(draft_model=...): {len(spec_tokens)} tokens in {spec_seconds:.1f} s ({spec_rate:.2f} tokens/s)")
+    print(
+        f"--- generate(draft_model=...): {len(spec_tokens)} tokens in {spec_seconds:.1f} s ({spec_rate:.2f} tokens/s)"
+    )
     print(tokenizer.decode(spec_tokens, skip_special_tokens=True))
     print(f"--- speedup {spec_rate / plain_rate:.2f}x; {stats}")
     if mode is Mode.GREEDY:
         same = torch.equal(plain_tokens, spec_tokens)
-        print("--- greedy texts identical" if same else "--- greedy texts differ (bf16 near-tie, see README: precision)")
+        print(
+            "--- greedy texts identical" if same else "--- greedy texts differ (bf16 near-tie, see README: precision)"
+        )
     return spec_rate / plain_rate
 
 
@@ -64,8 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{prompt.prompt_id}:\n{prompt.text}")
     target.generate(**inputs, max_new_tokens=2, draft_model=draft)  # warm-up: one-time costs stay out of timings
     target.generate(**inputs, max_new_tokens=2)
-    speedups = [compare(target, draft, tokenizer, inputs, mode, args.max_new_tokens, args.num_lookahead) for mode in Mode]
-    print(f"\nspeedup: greedy {speedups[0]:.2f}x, sampling {speedups[1]:.2f}x; total {time.perf_counter() - start:.0f} s")
+    speedups = [
+        compare(target, draft, tokenizer, inputs, mode, args.max_new_tokens, args.num_lookahead) for mode in Mode
+    ]
+    print(
+        f"\nspeedup: greedy {speedups[0]:.2f}x, sampling {speedups[1]:.2f}x; total {time.perf_counter() - start:.0f} s"
+    )
 
 
 if __name__ == "__main__":

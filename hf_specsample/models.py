@@ -230,9 +230,7 @@ def gguf_dir(model: KnownModel | ModelSpec, cache_dir: Path | str | None = None)
     return _model_dir(_spec_of(model), cache_dir) / "gguf"
 
 
-def safetensors_dir(
-    model: KnownModel | ModelSpec, dtype: torch.dtype, cache_dir: Path | str | None = None
-) -> Path:
+def safetensors_dir(model: KnownModel | ModelSpec, dtype: torch.dtype, cache_dir: Path | str | None = None) -> Path:
     """The folder of the converted copy for ``dtype`` (one per dtype: GGUF de-quantises to that dtype)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return _model_dir(_spec_of(model), cache_dir) / f"safetensors-{dtype_name}"
@@ -496,7 +494,10 @@ def _save_converted(model, tokenizer, folder: Path, spec: ModelSpec) -> None:
         os.replace(staging, folder)
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
-        warnings.warn(f"could not cache a safetensors copy in {folder} ({error}); the next load reads the GGUF again")
+        warnings.warn(
+            f"could not cache a safetensors copy in {folder} ({error}); the next load reads the GGUF again",
+            stacklevel=2,
+        )
 
 
 def load_model(

@@ -37,9 +37,7 @@ def _stop_strings(model: GenerationMixin, generation_config: GenerationConfig | 
 def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     """Rewrite `generate()` keyword arguments for the `custom_generate` hook (see the module docstring)."""
     if kwargs.get("assistant_model") is not None:
-        raise ValueError(
-            "Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both."
-        )
+        raise ValueError("Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both.")
     kwargs["custom_generate"] = speculative_generate
     streamer = kwargs.pop("streamer", None)
     if streamer is not None:

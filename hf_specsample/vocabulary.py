@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sysconfig
@@ -40,6 +41,17 @@ def token_counts(tokenizer, texts: Iterable[str] | None = None, cache_dir: Path 
     return counts
 
 
+@functools.lru_cache(maxsize=16)
+def _frequent_default(tokenizer, size: int) -> torch.Tensor:
+    return _rank(tokenizer, size, token_counts(tokenizer))
+
+
+def _rank(tokenizer, size: int, counts: Counter) -> torch.Tensor:
+    ranked = sorted(range(len(tokenizer)), key=lambda token: (-counts.get(token, 0), token))
+    chosen = set(ranked[:size]) | set(tokenizer.all_special_ids)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
 def frequent_tokens(tokenizer, size: int, texts: Iterable[str] | None = None) -> torch.Tensor:
     """The `size` most frequent token ids (ties and unseen tokens in id order), plus every special token.
 
@@ -49,7 +61,6 @@ def frequent_tokens(tokenizer, size: int, texts: Iterable[str] | None = None) ->
     Returns:
         `(n,)` long, sorted, n >= size (special tokens are always added).
     """
-    counts = token_counts(tokenizer, texts)
-    ranked = sorted(range(len(tokenizer)), key=lambda token: (-counts.get(token, 0), token))
-    chosen = set(ranked[:size]) | set(tokenizer.all_special_ids)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    if texts is None:
+        return _frequent_default(tokenizer, size).clone()
+    return _rank(tokenizer, size, token_counts(tokenizer, texts))

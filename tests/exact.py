@@ -32,7 +32,9 @@ def exact_distribution(
     finished: dict[Continuation, float] = {}
     for _ in range(num_tokens):
         prefixes = list(frontier)
-        ids = torch.cat([prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1)
+        ids = torch.cat(
+            [prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1
+        )
         logits = model(input_ids=ids).logits[:, -1].float()
         probs = torch.softmax(processors(ids, logits).double(), dim=-1)
         next_frontier: dict[Continuation, float] = {}
@@ -54,7 +56,9 @@ def continuations(sequences: torch.Tensor, prompt_length: int, eos_token_ids: Se
     return out
 
 
-def chisquare_pvalue(exact: dict[Continuation, float], samples: Iterable[Continuation], min_expected: float = 5.0) -> float:
+def chisquare_pvalue(
+    exact: dict[Continuation, float], samples: Iterable[Continuation], min_expected: float = 5.0
+) -> float:
     """P-value of the samples under `exact`; 0.0 if any sample has probability zero.
 
     Cells expected to hold fewer than `min_expected` samples are pooled into one cell.
@@ -79,3 +83,25 @@ def chisquare_pvalue(exact: dict[Continuation, float], samples: Iterable[Continu
     if len(observed) < 2:
         return 1.0
     return float(stats.chisquare(observed, expected).pvalue)
+
+
+def sampled_pvalue(
+    target, prompt: torch.Tensor, num_tokens: int, rows: int, seed: int, settings: dict,
+    eos_token_ids: Sequence[int] = (), **generate_kwargs,
+) -> float:  # fmt: skip
+    """Chi-square p-value of `rows` speculative samples (one batched generate() call) against the exact distribution.
+
+    Args:
+        prompt: `(1, prompt_length)`; the call repeats it `rows` times (`num_return_sequences`).
+        settings: sampling settings (temperature, top_p, ...), given both to generate() and to the enumeration.
+        generate_kwargs: the speculative arguments (draft_model, speculative_config, ...).
+    """
+    from tiny import PAD, prepared_processors
+
+    out = target.generate(
+        prompt, do_sample=True, max_new_tokens=num_tokens, num_return_sequences=rows, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(seed), **settings, **generate_kwargs,
+    )  # fmt: skip
+    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=num_tokens, **settings)
+    exact = exact_distribution(target, prompt, processors, num_tokens, eos_token_ids)
+    return chisquare_pvalue(exact, continuations(out, prompt.shape[1], eos_token_ids))

@@ -18,16 +18,6 @@ def left_padded(prompts):
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, init_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return perturbed_copy(target, seed=1, scale=0.1)
-
-
 def greedy(model, ids, mask, **kwargs):
     return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kwargs)
 
@@ -59,7 +49,9 @@ def test_greedy_with_row_indexed_processors(target, draft):
 def test_rows_finishing_at_different_times_are_padded_like_generate(target, draft):
     ids, mask = left_padded(PROMPTS)
     eos = greedy(target, ids, mask, max_new_tokens=30)[1, ids.shape[1] + 4].item()
-    out = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos, draft_model=draft, return_dict_in_generate=True)
+    out = greedy(
+        target, ids, mask, max_new_tokens=30, eos_token_id=eos, draft_model=draft, return_dict_in_generate=True
+    )
     stats = out.speculative_stats
     for row, new_tokens in enumerate(stats.row_new_tokens):
         generated = out.sequences[row, ids.shape[1] :].tolist()

@@ -98,7 +98,16 @@ def test_run_benchmark_on_tiny_models(tiny_setup):
 
 def test_sweep_and_plot(tiny_setup, tmp_path):
     target, draft, tokenizer, prompts = tiny_setup
-    rows = run_sweep(target, draft, tokenizer, prompts, [1, 3], Mode.SAMPLING, BenchmarkConfig(max_new_tokens=8, progress=False), c=0.5)
+    rows = run_sweep(
+        target,
+        draft,
+        tokenizer,
+        prompts,
+        [1, 3],
+        Mode.SAMPLING,
+        BenchmarkConfig(max_new_tokens=8, progress=False),
+        c=0.5,
+    )
     assert [row.label for row in rows] == ["target", "hf_specsample K=1", "hf_specsample K=3"]
     path = plot_sweep(rows, tmp_path / "sweep.png", "tiny")
     assert path.read_bytes()[:4] == b"\x89PNG"

@@ -11,6 +11,7 @@ from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
 import hf_specsample.decoding as decoding
+from hf_specsample import SpeculativeConfig
 from hf_specsample.rejection import Verdict, sample_from_weights, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
@@ -66,14 +67,26 @@ def draw(target, samples, seed, eos_token_ids=(), rows_per_call=None, **generate
 @pytest.mark.parametrize("draft_kind", ["close", "far"])
 @pytest.mark.parametrize("setting", sorted(PROCESSOR_SETTINGS))
 def test_speculative_samples_follow_target(target, drafts, setting, draft_kind):
+    """The default lever set: the draft runs as a dynamic-int8 copy (draft_quantization="auto")."""
     settings = PROCESSOR_SETTINGS[setting]
     samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
     assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
 
 
+@pytest.mark.parametrize("setting", ["temperature", "top_p", "repetition_penalty"])
+def test_draft_as_given_and_auto_self_draft_follow_target(target, drafts, setting):
+    settings = PROCESSOR_SETTINGS[setting]
+    as_given = SpeculativeConfig(draft_quantization="none")
+    for draft_options in (dict(draft_model=drafts["close"], speculative_config=as_given), dict(draft_model="auto")):
+        samples = draw(target, SAMPLES, seed=15, num_lookahead=LOOKAHEAD, **draft_options, **settings)
+        assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
+
+
 def test_with_eos_and_all_processors_at_once(target, drafts):
     settings = dict(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, eos_token_id=EOS, min_new_tokens=1)
-    samples = draw(target, SAMPLES, seed=12, eos_token_ids=(EOS,), draft_model=drafts["close"], num_lookahead=3, **settings)
+    samples = draw(
+        target, SAMPLES, seed=12, eos_token_ids=(EOS,), draft_model=drafts["close"], num_lookahead=3, **settings
+    )
     assert sum(EOS in sample for sample in samples) > SAMPLES // 10, "EOS too rare to test anything"
     assert chisquare_pvalue(exact_for(target, eos_token_ids=(EOS,), **settings), samples) > ALPHA
 

@@ -113,5 +113,9 @@ def test_stateful_watermark_processor(target, draft):
         device=torch.device("cpu"),
     )  # fmt: skip
     assert_fails_before_work(
-        target, draft, match="keeps state across calls", do_sample=True, logits_processor=LogitsProcessorList([watermark])
+        target,
+        draft,
+        match="keeps state across calls",
+        do_sample=True,
+        logits_processor=LogitsProcessorList([watermark]),
     )

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
+from tiny import PAD, char_tokenizer, perturbed_copy
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
@@ -11,16 +11,6 @@ from hf_specsample import SpeculativeDecoderOnlyOutput, speculative_generate
 
 VOCAB = 64
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, init_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return perturbed_copy(target, seed=1, scale=0.1)
 
 
 @pytest.fixture(scope="module")

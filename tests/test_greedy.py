@@ -47,7 +47,12 @@ def test_identical_with_eos_in_the_middle(target, drafts, lookahead):
     assert expected.shape[1] < prompt.shape[1] + 40, "EOS must end generation early for this test to mean anything"
     for draft in (drafts["close"], target):
         got = greedy(
-            target, prompt, max_new_tokens=40, eos_token_id=eos, draft_model=draft, num_lookahead=lookahead,
+            target,
+            prompt,
+            max_new_tokens=40,
+            eos_token_id=eos,
+            draft_model=draft,
+            num_lookahead=lookahead,
             speculative_config=AS_GIVEN,
         )
         assert torch.equal(got, expected)
@@ -65,7 +70,12 @@ def test_identical_with_prefix_dependent_processors(target, drafts):
 def test_draft_identical_to_target_accepts_everything(target, lookahead):
     prompt = PROMPTS[0]
     out = greedy(
-        target, prompt, max_new_tokens=30, draft_model=target, num_lookahead=lookahead, return_dict_in_generate=True,
+        target,
+        prompt,
+        max_new_tokens=30,
+        draft_model=target,
+        num_lookahead=lookahead,
+        return_dict_in_generate=True,
         speculative_config=AS_GIVEN,
     )
     stats = out.speculative_stats

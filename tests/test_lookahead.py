@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 import torch
-from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from exact import sampled_pvalue
+from tiny import PAD, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, RoundRecord, StaticCosts
@@ -56,6 +56,12 @@ def test_expected_rate_is_theorem_3_8():
     for k in range(1, 6):  # Theorem 3.8, up to the plain-decoding rate 1/v(0) = 1
         assert policy.expected_rate(k) == pytest.approx((1 - 0.8 ** (k + 1)) / ((1 - 0.8) * (0.45 * k + 1)))
     assert policy.choose() == max(range(9), key=policy.expected_rate)
+
+
+def test_static_costs_draft_less_for_large_batches():
+    single = SpeculativeConfig().make_policy(reproducible=True, cost_ratio=0.3, batch_size=1)
+    batch = SpeculativeConfig().make_policy(reproducible=True, cost_ratio=0.3, batch_size=32)
+    assert batch.choose() < single.choose()
 
 
 def test_static_costs_need_no_clock():
@@ -113,16 +119,14 @@ def test_greedy_identity_when_k_changes_every_round(pair):
     assert 0 in got.speculative_stats.lookahead_per_round
 
 
-@pytest.mark.parametrize("config", [SpeculativeConfig(lookahead_policy=CyclingLookahead), SpeculativeConfig()], ids=["cycling", "default"])
+@pytest.mark.parametrize(
+    "config", [SpeculativeConfig(lookahead_policy=CyclingLookahead), SpeculativeConfig()], ids=["cycling", "default"]
+)
 def test_sampling_is_exact_when_k_changes(config):
     target = tiny_lm(seed=0)  # 8-token vocabulary: enumerable
     draft = perturbed_copy(target, seed=1, scale=0.3)
-    prompt = torch.tensor([[1, 5, 2, 5]])
     settings = dict(temperature=0.9, top_p=0.9)
-    out = target.generate(
-        prompt, do_sample=True, max_new_tokens=4, num_return_sequences=10_000, pad_token_id=PAD, draft_model=draft,
-        speculative_config=config, generator=torch.Generator().manual_seed(3), **settings,
-    )  # fmt: skip
-    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=4, **settings)
-    exact = exact_distribution(target, prompt, processors, 4)
-    assert chisquare_pvalue(exact, continuations(out, prompt.shape[1])) > 1e-3
+    pvalue = sampled_pvalue(
+        target, torch.tensor([[1, 5, 2, 5]]), 4, 10_000, 3, settings, draft_model=draft, speculative_config=config
+    )
+    assert pvalue > 1e-3

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from exact import sampled_pvalue
+from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 pytest.importorskip("bitsandbytes")
@@ -11,13 +11,14 @@ pytest.importorskip("bitsandbytes")
 PROMPT = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 41]])
 
 # Configurations whose per-token results do not depend on the other tokens of a forward.
+FOUR_BIT = dict(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
 SHAPE_INVARIANT = {
     "int8-no-outliers": dict(load_in_8bit=True, llm_int8_threshold=0.0),
-    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
-    "nf4-double-quant": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32),
-    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
-    "fp4-double-quant": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32),
-}  # fmt: skip
+    "nf4": dict(FOUR_BIT, bnb_4bit_quant_type="nf4"),
+    "nf4-double-quant": dict(FOUR_BIT, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    "fp4": dict(FOUR_BIT, bnb_4bit_quant_type="fp4"),
+    "fp4-double-quant": dict(FOUR_BIT, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True),
+}
 INT8_WITH_OUTLIERS = dict(load_in_8bit=True, llm_int8_threshold=6.0)  # LLM.int8's default
 
 
@@ -93,12 +94,8 @@ def test_sampling_is_exact_with_respect_to_the_quantized_target(tmp_path, name):
     small.save_pretrained(tmp_path)
     target = load_quantized(tmp_path, **SHAPE_INVARIANT[name])
     draft = perturbed_copy(small, seed=1, scale=0.3)
-    prompt = torch.tensor([[1, 5, 2, 5]])
     settings = dict(temperature=0.8, top_k=6)
-    out = target.generate(
-        prompt, do_sample=True, max_new_tokens=3, num_return_sequences=6000, pad_token_id=PAD, draft_model=draft,
-        num_lookahead=2, generator=torch.Generator().manual_seed(5), **settings,
-    )  # fmt: skip
-    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=3, **settings)
-    exact = exact_distribution(target, prompt, processors, 3)
-    assert chisquare_pvalue(exact, continuations(out, prompt.shape[1])) > 1e-3
+    pvalue = sampled_pvalue(
+        target, torch.tensor([[1, 5, 2, 5]]), 3, 6000, 5, settings, draft_model=draft, num_lookahead=2
+    )
+    assert pvalue > 1e-3

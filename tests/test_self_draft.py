@@ -41,7 +41,9 @@ def test_layer_skip_draft_equals_a_pruned_copy_and_shares_weights(target):
 def test_layer_skip_draft_drafts_exactly(target):
     draft = layer_skip_draft(target, [0, 3])
     expected = target.generate(PROMPT, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(target.generate(PROMPT, max_new_tokens=20, do_sample=False, pad_token_id=PAD, draft_model=draft), expected)
+    assert torch.equal(
+        target.generate(PROMPT, max_new_tokens=20, do_sample=False, pad_token_id=PAD, draft_model=draft), expected
+    )
 
 
 def test_hooks_on_the_target_do_not_fire_for_the_draft(target):

@@ -33,7 +33,9 @@ def test_two_ranks_accept_the_same_tokens(tmp_path):
     out = tmp_path / "result"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER,
                str(tmp_path / "target"), str(tmp_path / "draft"), str(out)]  # fmt: skip
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
     assert all(result["tp_size"] == 2 for result in ranks)

@@ -51,7 +51,9 @@ def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaFor
     return copied
 
 
-def prepared_processors(model, input_ids: torch.Tensor, **generate_kwargs) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
+def prepared_processors(
+    model, input_ids: torch.Tensor, **generate_kwargs
+) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
     """The exact logits processors and stopping criteria `generate()` builds for these arguments.
 
     Captured through a `custom_generate` callable, i.e. the very lists the speculative loop receives.

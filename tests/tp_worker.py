@@ -18,10 +18,21 @@ torch.manual_seed(1000 + rank)  # different global RNG per rank: the loop must s
 prompt = torch.tensor([[1, 5, 9, 17, 33], [1, 2, 3, 4, 5]])
 greedy = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0, draft_model=draft, num_lookahead=3)
 sampled = target.generate(
-    prompt, max_new_tokens=16, do_sample=True, top_k=20, pad_token_id=0, draft_model=draft, num_lookahead=3,
+    prompt,
+    max_new_tokens=16,
+    do_sample=True,
+    top_k=20,
+    pad_token_id=0,
+    draft_model=draft,
+    num_lookahead=3,
     return_dict_in_generate=True,
 )
-result = {"rank": rank, "tp_size": target.tp_size, "greedy": greedy.tolist(), "sampled": sampled.sequences.tolist(),
-          "accepted": sampled.speculative_stats.accepted_tokens}
+result = {
+    "rank": rank,
+    "tp_size": target.tp_size,
+    "greedy": greedy.tolist(),
+    "sampled": sampled.sequences.tolist(),
+    "accepted": sampled.speculative_stats.accepted_tokens,
+}
 with open(f"{out_path}.{rank}", "w") as handle:
     json.dump(result, handle)

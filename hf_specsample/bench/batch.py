@@ -41,14 +41,18 @@ def run_batch_sweep(
     return summarise(measurements, c)
 
 
-def _batched_call(target, draft, tokenizer, inputs, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, batch_size: int) -> Measurement:
+def _batched_call(
+    target, draft, tokenizer, inputs, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, batch_size: int
+) -> Measurement:
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, config.temperature, config.top_p),
-        **spec.generate_kwargs(draft),
+        **spec.generate_kwargs(draft, tokenizer),
     )  # fmt: skip
     torch.manual_seed(config.seed)
-    output, seconds, target_passes, draft_passes = timed_generate(target, draft if spec.uses_draft else None, inputs, kwargs)
+    output, seconds, target_passes, draft_passes = timed_generate(
+        target, draft if spec.uses_draft else None, inputs, kwargs
+    )
     sequences = output.sequences if hasattr(output, "sequences") else output
     stats = getattr(output, "speculative_stats", None)
     new_tokens = batch_size * (sequences.shape[1] - inputs["input_ids"].shape[1])

@@ -12,7 +12,7 @@ import torch
 from .batch import run_batch_sweep
 from .measure import cost_ratio
 from .methods import Mode, parse_methods
-from .pairs import BenchPair, Quantization, load_bench_pair
+from .pairs import BenchPair, Quantization, load_bench_pair, randomize
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
 from .report import format_table, to_json
@@ -24,35 +24,82 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_specsample.bench", description=__doc__)
-    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER,
-                        help="target/draft pair (default: %(default)s)")
-    parser.add_argument("--prompts", type=PromptSet, choices=list(PromptSet), nargs="+", default=[PromptSet.HUMANEVAL],
-                        help="prompt sets: humaneval (code completion), pydoc (summarise Python docs, chat template)")
+    parser.add_argument(
+        "--pair",
+        type=BenchPair,
+        choices=list(BenchPair),
+        default=BenchPair.QWEN_CODER,
+        help="target/draft pair (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=PromptSet,
+        choices=list(PromptSet),
+        nargs="+",
+        default=[PromptSet.HUMANEVAL],
+        help="prompt sets: humaneval (code completion), pydoc (summarise Python docs, chat template)",
+    )
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per set (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per call, fixed (default: %(default)s)")
-    parser.add_argument("--methods", type=parse_methods, default="target,assisted,hf_specsample,hf_specsample:4",
-                        help="comma list of target, assisted, hf_specsample, hf_specsample:K (default: %(default)s)")
+    parser.add_argument(
+        "--methods",
+        type=parse_methods,
+        default="target,assisted,hf_specsample,hf_specsample:4",
+        help="comma list of target, assisted, hf_specsample, hf_specsample:K (default: %(default)s)",
+    )
     parser.add_argument("--modes", type=Mode, choices=list(Mode), nargs="+", default=[Mode.GREEDY, Mode.SAMPLING])
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling mode (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=0.95, help="sampling mode (default: %(default)s)")
-    parser.add_argument("--sweep", type=lambda text: [int(k) for k in text.split(",")], default=None,
-                        help="also sweep fixed K over this comma list, e.g. 1,2,3,4,6,8")
+    parser.add_argument(
+        "--sweep",
+        type=lambda text: [int(k) for k in text.split(",")],
+        default=None,
+        help="also sweep fixed K over this comma list, e.g. 1,2,3,4,6,8",
+    )
     parser.add_argument("--sweep-mode", type=Mode, choices=list(Mode), default=Mode.SAMPLING)
     parser.add_argument("--plot", type=Path, default=Path("speculative_sweep.png"), help="PNG of the sweep")
-    parser.add_argument("--batch-sizes", type=lambda text: [int(b) for b in text.split(",")], default=None,
-                        help="also compare batched generate() with and without the draft at these batch sizes, e.g. 1,4,8")
-    parser.add_argument("--batch-methods", type=parse_methods, default="target,hf_specsample",
-                        help="methods of the batch comparison (assisted refuses batches; default: %(default)s)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=None,
+        help="also compare batched generate() with and without the draft at these batch sizes, e.g. 1,4,8",
+    )
+    parser.add_argument(
+        "--batch-methods",
+        type=parse_methods,
+        default="target,hf_specsample",
+        help="methods of the batch comparison (assisted refuses batches; default: %(default)s)",
+    )
     parser.add_argument("--batch-mode", type=Mode, choices=list(Mode), default=Mode.SAMPLING)
     parser.add_argument("--skip-main", action="store_true", help="skip the per-prompt comparison (run only extras)")
-    parser.add_argument("--pass-at-1", type=int, default=0, metavar="N",
-                        help="also run HumanEval functional correctness on N problems, target alone vs hf_specsample")
+    parser.add_argument(
+        "--pass-at-1",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run HumanEval functional correctness on N problems, target alone vs hf_specsample",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure and measurement here")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--target-quantization", type=Quantization, choices=list(Quantization), default=Quantization.NONE,
-                        help="load the target with bitsandbytes (default: %(default)s)")
-    parser.add_argument("--draft-quantization", type=Quantization, choices=list(Quantization), default=Quantization.NONE,
-                        help="load the draft with bitsandbytes (Qwen pair; default: %(default)s)")
+    parser.add_argument(
+        "--target-quantization",
+        type=Quantization,
+        choices=list(Quantization),
+        default=Quantization.NONE,
+        help="load the target with bitsandbytes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        type=Quantization,
+        choices=list(Quantization),
+        default=Quantization.NONE,
+        help="load the draft with bitsandbytes (Qwen pair; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--random-draft",
+        action="store_true",
+        help="re-draw the draft's weights at random: the useless-draft check (defaults must stay >= 0.95x)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -70,14 +117,24 @@ def main(argv: list[str] | None = None) -> dict:
     target, draft, tokenizer = load_bench_pair(
         args.pair, DTYPES[args.dtype], config.progress, args.target_quantization, args.draft_quantization
     )
+    if args.random_draft:
+        draft = randomize(draft if args.pair is not BenchPair.SMOLLM2 else _copy_for_randomizing(draft))
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
     meta = {
-        "pair": args.pair.value, "dtype": args.dtype, "target_quantization": args.target_quantization.value,
-        "draft_quantization": args.draft_quantization.value, "prompts": [p.value for p in args.prompts],
-        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "top_p": args.top_p, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "pair": args.pair.value,
+        "dtype": args.dtype,
+        "target_quantization": args.target_quantization.value,
+        "draft_quantization": args.draft_quantization.value,
+        "random_draft": args.random_draft,
+        "prompts": [p.value for p in args.prompts],
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
-    }  # fmt: skip
+    }
 
     if args.skip_main:
         result = None
@@ -92,6 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"target forward {cost['target_forward_s'] * 1000:.0f} ms, draft {cost['draft_forward_s'] * 1000:.0f} ms, "
           f"c = {cost['c']:.2f}")  # fmt: skip
     if result is not None:
+        if result.method_c:
+            print(
+                "c of each method's prepared draft: " + ", ".join(f"{k}: {v:.2f}" for k, v in result.method_c.items())
+            )
+        meta["method_c"] = result.method_c
         print(format_table(result.rows))
         report = to_json(result.rows, result.measurements, meta)
 
@@ -121,6 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"json: {args.json}")
     return report
+
+
+def _copy_for_randomizing(draft):
+    """The SmolLM2 draft shares the target's weights: randomize a private copy instead."""
+    import copy
+
+    return copy.deepcopy(draft)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,24 @@ def forward_seconds(model, input_ids: torch.Tensor, new_tokens: int = 1, repeats
     return statistics.median(times[1:])
 
 
+def method_cost_ratios(
+    target, draft, tokenizer, methods, input_ids: torch.Tensor, target_seconds: float
+) -> dict[str, float]:
+    """c of each hf_specsample method, timing the draft it really runs (e.g. the int8 copy, the compact head)."""
+    from ..draft_prep import prepare_draft
+    from ..validation import vocab_size
+    from .methods import Method
+
+    ratios = {}
+    for spec in methods:
+        if spec.method is Method.SPECULATIVE and spec.label not in ratios:
+            config = spec.speculative_config(tokenizer)
+            vocabulary = config.vocabulary_ids(vocab_size(target), list(tokenizer.all_special_ids))
+            prepared = prepare_draft(draft, target, config.draft_quantization, vocabulary)
+            ratios[spec.label] = forward_seconds(prepared.model, input_ids) / target_seconds
+    return ratios
+
+
 def cost_ratio(target, draft, input_ids: torch.Tensor, repeats: int = 5) -> dict[str, float]:
     """Leviathan et al.'s c: time of one draft forward over time of one target forward (1 token, with a cache)."""
     target_seconds = forward_seconds(target, input_ids, 1, repeats)

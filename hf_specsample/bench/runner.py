@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .measure import Measurement, cost_ratio, timed_generate
+from .measure import Measurement, cost_ratio, method_cost_ratios, timed_generate
 from .methods import Method, MethodSpec, Mode, sampling_kwargs
 from .prompts import Prompt
 from .report import Row, summarise
@@ -38,18 +38,23 @@ class BenchmarkConfig:
 class BenchmarkResult:
     measurements: list[Measurement]
     rows: list[Row]
-    cost: dict[str, float]  # target/draft forward seconds and c
+    cost: dict[str, float]  # target/draft forward seconds and c of the draft as given
+    method_c: dict[str, float] = field(default_factory=dict)  # c of each hf_specsample method's prepared draft
 
 
-def _call(target, draft, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, seed: int) -> Measurement:
+def _call(
+    target, draft, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, seed: int
+) -> Measurement:
     inputs = prompt.encode(tokenizer)
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        **sampling_kwargs(mode, config.temperature, config.top_p), **spec.generate_kwargs(draft),
+        **sampling_kwargs(mode, config.temperature, config.top_p), **spec.generate_kwargs(draft, tokenizer),
     )  # fmt: skip
     torch.manual_seed(seed)
-    output, seconds, target_passes, draft_passes = timed_generate(target, draft if spec.uses_draft else None, inputs, kwargs)
+    output, seconds, target_passes, draft_passes = timed_generate(
+        target, draft if spec.uses_draft else None, inputs, kwargs
+    )
     sequences = output.sequences if hasattr(output, "sequences") else output
     prompt_length = inputs["input_ids"].shape[1]
     stats = getattr(output, "speculative_stats", None)
@@ -88,10 +93,14 @@ def warm_up(target, draft, tokenizer, prompt: Prompt, methods: Sequence[MethodSp
             _call(target, draft, tokenizer, prompt, spec, mode, short, config.seed)
 
 
-def run_benchmark(target, draft, tokenizer, prompts: Sequence[Prompt], config: BenchmarkConfig | None = None) -> BenchmarkResult:
+def run_benchmark(
+    target, draft, tokenizer, prompts: Sequence[Prompt], config: BenchmarkConfig | None = None
+) -> BenchmarkResult:
     """Measure c, warm up, then run every method on every prompt and summarise."""
     config = config or BenchmarkConfig()
-    cost = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
-    warm_up(target, draft, tokenizer, prompts[0], config.methods, config)
+    input_ids = prompts[0].encode(tokenizer)["input_ids"]
+    cost = cost_ratio(target, draft, input_ids)
+    warm_up(target, draft, tokenizer, prompts[0], config.methods, config)  # also prepares each method's draft
+    method_c = method_cost_ratios(target, draft, tokenizer, config.methods, input_ids, cost["target_forward_s"])
     measurements = run_measurements(target, draft, tokenizer, prompts, config.methods, config.modes, config)
-    return BenchmarkResult(measurements, summarise(measurements, cost["c"]), cost)
+    return BenchmarkResult(measurements, summarise(measurements, method_c), cost, method_c)
