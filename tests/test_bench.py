@@ -147,3 +147,22 @@ def test_batch_sweep_on_the_tiny_pair():
     by_key = {(row.label, row.mode): row for row in rows}
     assert by_key[("target", "sampling B=4")].new_tokens == 24
     assert by_key[("target", "sampling B=4")].speedup == 1.0
+
+
+def test_cli_every_section_on_the_tiny_pair(tmp_path):
+    from hf_specsample.bench.cli import main
+
+    args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "6", "--no-progress"]
+    report = main(
+        args
+        + ["--methods", "target,hf_specsample:2:none,hf_specsample:auto:int8:40", "--sweep", "1,2"]
+        + ["--plot", str(tmp_path / "k.png"), "--batch-sizes", "1,2", "--json", str(tmp_path / "r.json")]
+    )
+    assert {row["label"] for row in report["summary"]} == {
+        "target", "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
+    }  # fmt: skip
+    assert set(report["meta"]["method_c"]) == {"hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"}
+    assert len(report["sweep"]) == 3 and len(report["batches"]) == 4
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["pair"] == "tiny"
+    skipped = main(args + ["--skip-main", "--random-draft"])
+    assert skipped["summary"] == [] and skipped["meta"]["random_draft"] and skipped["meta"]["cost"]["c"] > 0

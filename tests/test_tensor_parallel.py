@@ -12,6 +12,7 @@ from tiny import PAD
 from transformers import LlamaConfig, LlamaForCausalLM
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tp_ready_llama(seed: int, layers: int) -> LlamaForCausalLM:
@@ -33,9 +34,13 @@ def test_two_ranks_accept_the_same_tokens(tmp_path):
     out = tmp_path / "result"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER,
                str(tmp_path / "target"), str(tmp_path / "draft"), str(out)]  # fmt: skip
-    completed = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    # The workers import this checkout, installed or not.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+    }
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
     assert all(result["tp_size"] == 2 for result in ranks)

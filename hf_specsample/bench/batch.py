@@ -29,6 +29,9 @@ def run_batch_sweep(
     mode: Mode, config: BenchmarkConfig, c: float | None = None, repeats: int = 1,
 ) -> list[Row]:  # fmt: skip
     """Tokens/s of each method at each batch size; the row's mode reads e.g. "sampling B=4", speedups per B."""
+    short = BenchmarkConfig(max_new_tokens=4, progress=False)
+    for spec in methods:  # warm-up: one-time costs (e.g. preparing an int8 draft) stay out of the timings
+        _batched_call(target, draft, tokenizer, batch_inputs(tokenizer, prompts, 1), spec, mode, short, 1)
     measurements = []
     runs = [(batch_size, repeat) for batch_size in batch_sizes for repeat in range(repeats)]
     with tqdm(total=len(runs) * len(methods), desc="batch sweep", disable=not config.progress) as bar:

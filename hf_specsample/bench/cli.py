@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Parse arguments, load the pair, run the requested comparisons; return (and optionally save) the report."""
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,7 +121,24 @@ def main(argv: list[str] | None = None) -> dict:
     if args.random_draft:
         draft = randomize(draft if args.pair is not BenchPair.SMOLLM2 else _copy_for_randomizing(draft))
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
-    meta = {
+    run = (target, draft, tokenizer, prompts)
+
+    report = _compare(args, config, *run)
+    c = report["meta"]["cost"]["c"]
+    if args.sweep:
+        report["sweep"] = _sweep(args, config, c, *run)
+    if args.batch_sizes:
+        report["batches"] = _batches(args, config, c, *run)
+    if args.pass_at_1:
+        report["pass_at_1"] = _pass_at_1(args, config, *run)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"json: {args.json}")
+    return report
+
+
+def _meta(args: argparse.Namespace, prompts: list) -> dict:
+    return {
         "pair": args.pair.value,
         "dtype": args.dtype,
         "target_quantization": args.target_quantization.value,
@@ -136,53 +154,51 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.processor() or platform.machine(),
     }
 
+
+def _compare(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -> dict:
+    """The per-prompt comparison of every method (or only the cost ratio with --skip-main)."""
+    meta = _meta(args, prompts)
     if args.skip_main:
-        result = None
-        cost = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
+        meta["cost"] = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
         report = to_json([], [], meta)
     else:
         result = run_benchmark(target, draft, tokenizer, prompts, config)
-        cost = result.cost
-    meta["cost"] = cost
+        meta.update(cost=result.cost, method_c=result.method_c)
+        report = to_json(result.rows, result.measurements, meta)
+    cost = meta["cost"]
     quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
     print(f"\n{args.pair.value}, {args.dtype}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
           f"target forward {cost['target_forward_s'] * 1000:.0f} ms, draft {cost['draft_forward_s'] * 1000:.0f} ms, "
           f"c = {cost['c']:.2f}")  # fmt: skip
-    if result is not None:
-        if result.method_c:
-            print(
-                "c of each method's prepared draft: " + ", ".join(f"{k}: {v:.2f}" for k, v in result.method_c.items())
-            )
-        meta["method_c"] = result.method_c
-        print(format_table(result.rows))
-        report = to_json(result.rows, result.measurements, meta)
-
-    if args.sweep:
-        sweep_rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, cost["c"])
-        print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(sweep_rows)}")
-        title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
-        print(f"plot: {plot_sweep(sweep_rows, args.plot, title)}")
-        report["sweep"] = to_json(sweep_rows, [], {})["summary"]
-
-    if args.batch_sizes:
-        batch_rows = run_batch_sweep(
-            target, draft, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, cost["c"]
-        )
-        print(f"\nbatches ({args.batch_mode.value}, tokens/s over all rows):\n{format_table(batch_rows)}")
-        report["batches"] = to_json(batch_rows, [], {})["summary"]
-
-    if args.pass_at_1:
-        methods = [spec for spec in parse_methods("target,hf_specsample")]
-        scores = pass_at_1(target, draft, tokenizer, load_problems(args.pass_at_1), methods, config)
-        print("\nHumanEval pass@1 (sampling, one sample per problem):")
-        for label, score in scores.items():
-            print(f"  {label:>20}: {score['pass@1']:.3f} ({score['passed']}/{score['total']})")
-        report["pass_at_1"] = scores
-
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"json: {args.json}")
+    if not args.skip_main:
+        prepared = ", ".join(f"{label}: {c:.2f}" for label, c in meta["method_c"].items())
+        print(f"c of each method's prepared draft: {prepared}\n{format_table(result.rows)}")
     return report
+
+
+def _sweep(args, config: BenchmarkConfig, c: float, target, draft, tokenizer, prompts) -> list[dict]:
+    rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, c)
+    print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(rows)}")
+    title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
+    print(f"plot: {plot_sweep(rows, args.plot, title)}")
+    return to_json(rows, [], {})["summary"]
+
+
+def _batches(args, config: BenchmarkConfig, c: float, target, draft, tokenizer, prompts) -> list[dict]:
+    rows = run_batch_sweep(
+        target, draft, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, c
+    )
+    print(f"\nbatches ({args.batch_mode.value}, tokens/s over all rows):\n{format_table(rows)}")
+    return to_json(rows, [], {})["summary"]
+
+
+def _pass_at_1(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -> dict:
+    methods = parse_methods("target,hf_specsample")
+    scores = pass_at_1(target, draft, tokenizer, load_problems(args.pass_at_1), methods, config)
+    print("\nHumanEval pass@1 (sampling, one sample per problem):")
+    for label, score in scores.items():
+        print(f"  {label:>20}: {score['pass@1']:.3f} ({score['passed']}/{score['total']})")
+    return scores
 
 
 def _copy_for_randomizing(draft):
