@@ -119,7 +119,8 @@ def weight_bytes(model: PreTrainedModel) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            total += module.weight().numel()  # one byte per int8 weight
+            # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
+            total += module.in_features * module.out_features
         total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
     return total
 
