@@ -161,7 +161,9 @@ def test_cli_every_section_on_the_tiny_pair(tmp_path):
     assert {row["label"] for row in report["summary"]} == {
         "target", "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
     }  # fmt: skip
-    assert set(report["meta"]["method_c"]) == {"hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"}
+    assert set(report["meta"]["method_c"]) == {
+        "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
+    }  # fmt: skip
     assert len(report["sweep"]) == 3 and len(report["batches"]) == 4
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["pair"] == "tiny"
     skipped = main(args + ["--skip-main", "--random-draft"])
