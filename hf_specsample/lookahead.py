@@ -144,9 +144,11 @@ class AdaptiveLookahead(LookaheadPolicy):
         self,
         max_lookahead: int = 8,  # caps K; more rarely pays on CPU and costs buffer room
         costs: MeasuredCosts | StaticCosts | None = None,  # default: measured on the wall clock
-        first_lookahead: int = 3,  # K while no cost is known yet
+        first_lookahead: int = 2,  # K while no cost is known yet (the first two rounds)
         alpha_prior: float = 0.6,  # until a few tokens are tested; a fair draft of the same family
-        probe_every: int = 12,  # when not drafting, a K=1 round this often re-measures alpha (~3% cost at c=0.4);
+        alpha_prior_weight: float = 2.0,  # the prior counts as this many tested tokens: a useless draft is found
+        # out after about three rejections, a good one is not abandoned after one unlucky round
+        probe_every: int = 16,  # when not drafting, a K=1 round this often re-measures alpha (~2% cost at c=0.3);
         # the interval doubles (up to 8x) while probes keep confirming that drafting does not pay
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
     ):
@@ -154,7 +156,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         self.costs = costs if costs is not None else MeasuredCosts(decay)
         self.first_lookahead = min(first_lookahead, max_lookahead)
         self.probe_every = probe_every
-        self.alpha = _DecayedMean(alpha_prior, weight=4.0, decay=decay)
+        self.alpha = _DecayedMean(alpha_prior, weight=alpha_prior_weight, decay=decay)
         self._rounds_without_drafting = 0
         self._probe_interval = probe_every
         self._probed = False

@@ -35,6 +35,13 @@ def test_useless_draft_stops_drafting_and_probes():
     assert 1 in tail  # but keeps checking
 
 
+def test_useless_draft_costs_few_draft_steps():
+    """Every wasted draft step costs c of a token: over 96 tokens a useless draft may cost at most 8 of them.
+    (With the earlier first K of 3, a prior worth 4 tested tokens and probes every 12 rounds it cost 13.)"""
+    choices = feed(AdaptiveLookahead(), 96, alpha=0.0, draft_step=0.04, verify=lambda k: 0.3 + 0.005 * k)
+    assert sum(choices) <= 8
+
+
 def test_probes_back_off_while_drafting_does_not_pay():
     policy = AdaptiveLookahead(max_lookahead=8, probe_every=12)
     choices = feed(policy, 400, alpha=0.0, draft_step=0.1, verify=lambda k: 0.2)
