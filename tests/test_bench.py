@@ -149,8 +149,12 @@ def test_batch_sweep_on_the_tiny_pair():
     assert by_key[("target", "sampling B=4")].speedup == 1.0
 
 
-def test_cli_every_section_on_the_tiny_pair(tmp_path):
+def test_cli_every_section_on_the_tiny_pair(tmp_path, monkeypatch):
+    from hf_specsample.bench import cli
     from hf_specsample.bench.cli import main
+
+    real_method_c = cli.method_cost_ratios  # a marker value: sweep and batch rows must use the prepared draft's c
+    monkeypatch.setattr(cli, "method_cost_ratios", lambda *a: {k: 0.125 for k in real_method_c(*a)})
 
     args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "6", "--no-progress"]
     report = main(
@@ -165,6 +169,8 @@ def test_cli_every_section_on_the_tiny_pair(tmp_path):
         "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
     }  # fmt: skip
     assert len(report["sweep"]) == 3 and len(report["batches"]) == 4
+    drafted = [row for row in report["sweep"] + report["batches"] if row["label"] != "target"]
+    assert drafted and all(row["c"] == 0.125 for row in drafted)
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["pair"] == "tiny"
     skipped = main(args + ["--skip-main", "--random-draft"])
     assert skipped["summary"] == [] and skipped["meta"]["random_draft"] and skipped["meta"]["cost"]["c"] > 0

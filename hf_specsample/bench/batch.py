@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +26,7 @@ def batch_inputs(tokenizer, prompts: Sequence[Prompt], batch_size: int) -> dict[
 
 def run_batch_sweep(
     target, draft, tokenizer, prompts: Sequence[Prompt], batch_sizes: Sequence[int], methods: Sequence[MethodSpec],
-    mode: Mode, config: BenchmarkConfig, c: float | None = None, repeats: int = 1,
+    mode: Mode, config: BenchmarkConfig, c: float | Mapping[str, float] | None = None, repeats: int = 1,
 ) -> list[Row]:  # fmt: skip
     """Tokens/s of each method at each batch size; the row's mode reads e.g. "sampling B=4", speedups per B."""
     short = BenchmarkConfig(max_new_tokens=4, progress=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from .batch import run_batch_sweep
-from .measure import cost_ratio
-from .methods import Mode, parse_methods
+from .measure import cost_ratio, method_cost_ratios
+from .methods import Method, MethodSpec, Mode, parse_methods
 from .pairs import BenchPair, Quantization, load_bench_pair, randomize
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
@@ -124,11 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     run = (target, draft, tokenizer, prompts)
 
     report = _compare(args, config, *run)
-    c = report["meta"]["cost"]["c"]
+    target_seconds = report["meta"]["cost"]["target_forward_s"]
     if args.sweep:
-        report["sweep"] = _sweep(args, config, c, *run)
+        sweep_c = _method_c([MethodSpec(Method.SPECULATIVE, k) for k in args.sweep], target_seconds, *run)
+        report["sweep"] = _sweep(args, config, sweep_c, *run)
     if args.batch_sizes:
-        report["batches"] = _batches(args, config, c, *run)
+        batch_c = _method_c(args.batch_methods, target_seconds, *run)
+        report["batches"] = _batches(args, config, batch_c, *run)
     if args.pass_at_1:
         report["pass_at_1"] = _pass_at_1(args, config, *run)
     if args.json:
@@ -176,7 +178,13 @@ def _compare(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -
     return report
 
 
-def _sweep(args, config: BenchmarkConfig, c: float, target, draft, tokenizer, prompts) -> list[dict]:
+def _method_c(methods, target_seconds: float, target, draft, tokenizer, prompts) -> dict[str, float]:
+    """c of the draft each method really runs (the int8 copy by default), not of the draft as loaded."""
+    input_ids = prompts[0].encode(tokenizer)["input_ids"]
+    return method_cost_ratios(target, draft, tokenizer, methods, input_ids, target_seconds)
+
+
+def _sweep(args, config: BenchmarkConfig, c: dict[str, float], target, draft, tokenizer, prompts) -> list[dict]:
     rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, c)
     print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(rows)}")
     title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
@@ -184,7 +192,7 @@ def _sweep(args, config: BenchmarkConfig, c: float, target, draft, tokenizer, pr
     return to_json(rows, [], {})["summary"]
 
 
-def _batches(args, config: BenchmarkConfig, c: float, target, draft, tokenizer, prompts) -> list[dict]:
+def _batches(args, config: BenchmarkConfig, c: dict[str, float], target, draft, tokenizer, prompts) -> list[dict]:
     rows = run_batch_sweep(
         target, draft, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, c
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .methods import Method, MethodSpec, Mode
@@ -13,7 +13,7 @@ from .runner import BenchmarkConfig, run_measurements
 
 def run_sweep(
     target, draft, tokenizer, prompts: Sequence[Prompt], lookaheads: Sequence[int], mode: Mode,
-    config: BenchmarkConfig, c: float,
+    config: BenchmarkConfig, c: float | Mapping[str, float],
 ) -> list[Row]:  # fmt: skip
     """hf_specsample with each fixed K, next to the target alone, on the same prompts."""
     methods = [MethodSpec(Method.TARGET)] + [MethodSpec(Method.SPECULATIVE, k) for k in lookaheads]
