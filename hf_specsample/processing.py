@@ -7,7 +7,10 @@ lengths. To give every processor exactly the arguments plain `generate()` would 
 - processors that depend on the prefix (repetition penalty, n-gram bans, bad words, min-new-tokens, ...) are called
   once per distinct prefix length, with the rows that share it;
 - processors known to ignore `input_ids` and to treat rows independently (temperature, top-k, top-p, min-p, ...)
-  are called once on all positions flattened together.
+  are called once on all positions flattened together;
+- the two that read only the prefix's *length* (min-length and min-new-tokens: they forbid EOS while the sequence is
+  too short) are applied to all positions at once from a `(batch, positions)` tensor of lengths. Calling them per
+  distinct length cost up to B (K+1) calls per round, each scanning the vocabulary (`torch.isin`).
 
 The processor list keeps its order: it is cut into consecutive runs of the two kinds. Processors that read the
 row's index in the batch (`prefix_allowed_tokens_fn`'s `batch_id`, the per-row prompt padding of the repetition
@@ -17,6 +20,8 @@ itself would see group indices: processors are assumed to treat rows independent
 
 from __future__ import annotations
 
+import enum
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -41,6 +46,18 @@ VOCABULARY_FREE_PROCESSORS: tuple[type, ...] = (
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch).
 PREFIX_FREE_PROCESSORS: tuple[type, ...] = VOCABULARY_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
 
+# Processors that read only the prefix length: EOS is forbidden while the sequence is shorter than a threshold.
+LENGTH_ONLY_PROCESSORS: tuple[type, ...] = (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
+
+
+class RunKind(enum.Enum):
+    """How a run of consecutive processors is applied to `(batch, positions, vocab)` scores."""
+
+    PREFIX_FREE = "prefix_free"  # once, on all positions flattened
+    LENGTH_ONLY = "length_only"  # once, from each position's prefix length
+    PREFIX = "prefix"  # once per distinct prefix length, with that prefix
+
+
 # Processors that keep state across calls or need a second batch: calling them for draft positions (or for
 # positions that are later rejected) would change what they do, so they are refused up front.
 UNSUPPORTED_PROCESSORS: tuple[type, ...] = (
@@ -60,16 +77,20 @@ def check_supported(processors: Sequence[lp.LogitsProcessor]) -> None:
             )
 
 
-def _is_prefix_free(processor: lp.LogitsProcessor) -> bool:
+def _kind(processor: lp.LogitsProcessor) -> RunKind:
     # Exact type, not isinstance: a subclass may well read `input_ids`.
-    return type(processor) in PREFIX_FREE_PROCESSORS
+    if type(processor) in PREFIX_FREE_PROCESSORS:
+        return RunKind.PREFIX_FREE
+    if type(processor) in LENGTH_ONLY_PROCESSORS:
+        return RunKind.LENGTH_ONLY
+    return RunKind.PREFIX
 
 
-def _runs(processors: Sequence[lp.LogitsProcessor]) -> list[tuple[bool, list[lp.LogitsProcessor]]]:
-    """Split the list into consecutive runs of (prefix_free, processors)."""
-    runs: list[tuple[bool, list[lp.LogitsProcessor]]] = []
+def _runs(processors: Sequence[lp.LogitsProcessor]) -> list[tuple[RunKind, list[lp.LogitsProcessor]]]:
+    """Split the list into consecutive runs of (kind, processors)."""
+    runs: list[tuple[RunKind, list[lp.LogitsProcessor]]] = []
     for processor in processors:
-        kind = _is_prefix_free(processor)
+        kind = _kind(processor)
         if runs and runs[-1][0] == kind:
             runs[-1][1].append(processor)
         else:
@@ -111,13 +132,17 @@ class PositionwiseProcessor:
         if not self.runs:
             return scores
         batch, positions, vocab = scores.shape
-        for prefix_free, processors in self.runs:
-            if prefix_free:
+        for kind, processors in self.runs:
+            if kind is RunKind.PREFIX_FREE:
                 flat = scores.reshape(batch * positions, vocab)
                 no_prefix = tokens.new_empty((batch * positions, 0))
                 for processor in processors:
                     flat = processor(no_prefix, flat)
                 scores = flat.reshape(batch, positions, vocab)
+            elif kind is RunKind.LENGTH_ONLY:
+                lengths = torch.tensor(list(prefix_lengths))[:, None] + torch.arange(positions)  # (batch, positions)
+                for processor in processors:
+                    scores = _forbid_eos_while_short(processor, lengths, scores)
             else:
                 row_ids = list(range(batch)) if row_ids is None else row_ids
                 scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, row_ids)
@@ -147,6 +172,32 @@ class PositionwiseProcessor:
                 group_scores = _call(processor, group_ids, group_scores, group_row_ids)
             out[rows, cols] = group_scores
         return out
+
+
+def _forbid_eos_while_short(processor: lp.LogitsProcessor, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """What a min-length / min-new-tokens processor does at every position at once.
+
+    Args:
+        processor: a `MinLengthLogitsProcessor` or `MinNewTokensLengthLogitsProcessor`.
+        lengths: `(batch, positions)` long, each position's prefix length (`input_ids.shape[-1]` in `generate()`).
+        scores: `(batch, positions, vocab)`.
+
+    Returns:
+        `(batch, positions, vocab)` scores with the EOS ids at -inf where the prefix is still too short.
+    """
+    if isinstance(processor, lp.MinNewTokensLengthLogitsProcessor):
+        too_short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
+    else:
+        too_short = lengths < processor.min_length
+    vocab = scores.shape[-1]
+    eos = processor.eos_token_id.to(scores.device).reshape(-1)
+    eos = eos[(eos >= 0) & (eos < vocab)]  # what torch.isin(arange(vocab), eos) selects
+    if not bool(too_short.any()) or eos.numel() == 0:
+        return scores
+    out = scores.clone()
+    masked = too_short.to(scores.device)[..., None].expand(-1, -1, eos.numel())  # (batch, positions, eos)
+    out[..., eos] = torch.where(masked, -math.inf, out[..., eos])
+    return out
 
 
 def _call(processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
