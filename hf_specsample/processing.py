@@ -4,15 +4,15 @@ Plain `generate()` calls the processor list once per step with `input_ids` of sh
 Speculative sampling scores up to K+1 positions per row at once, and rows of a batch may stand at different
 lengths. To give every processor exactly the arguments plain `generate()` would have given it:
 
-- processors that depend on the prefix (repetition penalty, n-gram bans, bad words, min-new-tokens, ...) are called
-  once per distinct prefix length, with the rows that share it;
+- processors that depend on the prefix (repetition penalty, n-gram bans, bad words, ...) are called once per
+  distinct prefix length, with the rows that share it;
 - processors known to ignore `input_ids` and to treat rows independently (temperature, top-k, top-p, min-p, ...)
   are called once on all positions flattened together;
 - the two that read only the prefix's *length* (min-length and min-new-tokens: they forbid EOS while the sequence is
   too short) are applied to all positions at once from a `(batch, positions)` tensor of lengths. Calling them per
   distinct length cost up to B (K+1) calls per round, each scanning the vocabulary (`torch.isin`).
 
-The processor list keeps its order: it is cut into consecutive runs of the two kinds. Processors that read the
+The processor list keeps its order: it is cut into consecutive runs of these three kinds. Processors that read the
 row's index in the batch (`prefix_allowed_tokens_fn`'s `batch_id`, the per-row prompt padding of the repetition
 penalty) are given the caller's row indices, not the indices inside a group. A user processor that indexes rows
 itself would see group indices: processors are assumed to treat rows independently otherwise.
