@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import distributed, validation
+from . import cache_rows, distributed, validation
 from .config import SpeculativeConfig
 from .draft_prep import prepare_draft, weight_bytes_ratio
 from .drafting import DraftModelProposer, Proposal
@@ -20,7 +20,7 @@ from .kv import CachedModel, input_device
 from .lookahead import RoundRecord
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
-from .rejection import Verdict, greedy_accept, speculative_accept
+from .rejection import NonFinite, Verdict, flag_nonfinite, greedy_accept, speculative_accept
 from .sequences import Sequences
 from .stats import SpeculativeStats
 from .stopping import first_stops
@@ -38,6 +38,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     speculative_config: SpeculativeConfig | None = None,
     speculative_streamer: BaseStreamer | None = None,
+    speculative_tokenizers: tuple[Any, Any] | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`.
@@ -60,19 +61,22 @@ def speculative_generate(
         speculative_config: further options, see `SpeculativeConfig`.
         speculative_streamer: where committed tokens are streamed (the registered `generate()` passes the caller's
             `streamer=` here, because transformers does not forward `streamer` to custom decoding callables).
-        **model_kwargs: `attention_mask` `(batch, prompt_length)`, the prepared `past_key_values`, and the flags
-            `generate()` sets (`use_cache`, `logits_to_keep`, `position_ids`).
+        speculative_tokenizers: (target tokenizer, draft tokenizer), set by the registered `generate()` from
+            `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`; a draft with another tokenizer is refused.
+        **model_kwargs: `attention_mask` `(batch, prompt_length)`, `position_ids` `(batch, prompt_length)`, the
+            prepared `past_key_values` (empty, or holding the first tokens of `input_ids` from an earlier turn), and
+            the flags `generate()` sets (`use_cache`, `logits_to_keep`).
 
     Returns:
         `(batch, sequence_length)` long sequences, or a `SpeculativeDecoderOnlyOutput` (with `speculative_stats`)
-        when `return_dict_in_generate=True`.
+        when `return_dict_in_generate=True`; its `past_key_values` hold what plain `generate()`'s would hold.
     """
     if draft_model is None:
         raise ValueError(
             "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
         )
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
-    validation.check_models(model, draft_model)
+    validation.check_models(model, draft_model, speculative_tokenizers)
     validation.check_generation_config(generation_config)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     decoder = SpeculativeDecoder(
@@ -110,18 +114,30 @@ class SpeculativeDecoder:
         self.generator = generator
 
         vocab_size = validation.vocab_size(model)
-        vocabulary = config.vocabulary_ids(vocab_size, _token_ids(generation_config))
-        draft = prepare_draft(draft_model, model, config.draft_quantization, vocabulary)
+        shared_width = min(vocab_size, validation.vocab_size(draft_model if draft_model != "auto" else model))
+        vocabulary = config.vocabulary_ids(shared_width, _token_ids(generation_config))
+        draft = prepare_draft(draft_model, model, config.draft_quantization, vocabulary, vocab_size)
         cost_ratio = weight_bytes_ratio(draft.model, model)
-        self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=input_ids.shape[0])
+        batch = input_ids.shape[0]
+        self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
 
         capacity = self.max_length + self.policy.capacity + 1
-        self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity)
-        self.target = CachedModel(model, self.sequences.token_is_real, cache=model_kwargs.get("past_key_values"))
+        position_ids = model_kwargs.get("position_ids")
+        position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
+        self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
+        cache = model_kwargs.get("past_key_values")
+        cached = cache_rows.total_slots(cache) if cache is not None else 0
+        self.target = CachedModel(model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached))
+        prompt_length = input_ids.shape[1]
+        self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
+        self.sequences.attach(self.target)
         self.drafter = DraftModelProposer(
             draft.model, self.sequences, self.processor, self.do_sample, generator, draft.vocabulary, vocab_size
         )
-        self.recorder = OutputRecorder(generation_config, input_ids.shape[0])
+        # Plain generate() returns its cache with the output object (unless use_cache=False): so do we.
+        self.keep_cache = bool(generation_config.return_dict_in_generate) and model_kwargs.get("use_cache") is not False
+        self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
+        self.recorder = OutputRecorder(generation_config, batch)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         devices = [input_ids.device, input_device(model), input_device(draft.model)]
         self.timer = PhaseTimer(self.policy.needs_timing, devices)
@@ -135,11 +151,20 @@ class SpeculativeDecoder:
             self.streamer.end()
         self.stats.target_forward_passes = self.target.forward_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
-        cache = self.target.cache if self.sequences.batch_size == 1 else None
-        return self.recorder.build(self.sequences.output(self.pad_token_id), self.stats, cache)
+        sequences = self.sequences.output(self.pad_token_id)
+        cache = self.plain_cache(sequences) if self.keep_cache else None
+        return self.recorder.build(sequences, self.stats, cache)
 
     def next_lookahead(self) -> int:
-        """Draft tokens for this round: the policy's K, never drafting past `max_length`."""
+        """Draft tokens for this round: the policy's K, never drafting past `max_length`.
+
+        A first round whose prompt ends in padding in some row (right padding) drafts nothing: the logits of that
+        padding position can come from an attention row with every key masked (a sliding window over padding),
+        which eager/SDPA attention fills by averaging over every key of the forward, so the target's first forward
+        must cover exactly the prompt, as plain decoding's does.
+        """
+        if self.stats.rounds == 0 and self.prompt_ends_in_padding:
+            return 0
         room = self.max_length - max(self.sequences.lengths) - 1
         return max(0, min(self.policy.choose(), room))
 
@@ -165,9 +190,8 @@ class SpeculativeDecoder:
         """
         lookahead = proposal.tokens.shape[1]
         lengths = self.sequences.lengths
-        raw_logits = self.target.feed(
-            self.sequences.tokens, upto=[length + lookahead for length in lengths], num_logits=lookahead + 1
-        )
+        upto = [length + lookahead for length in lengths]
+        raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
         scores = self.processor(self.sequences.tokens, lengths, raw_logits, self.sequences.row_ids)
         return scores, raw_logits
 
@@ -180,6 +204,7 @@ class SpeculativeDecoder:
             if draft_probs is None:  # no draft tokens this round
                 draft_probs = target_probs[:, :0]
             verdict = speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
+            verdict = flag_nonfinite(verdict, draft_probs, target_probs)
         return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
 
     def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> list[int]:
@@ -190,6 +215,7 @@ class SpeculativeDecoder:
         """
         seqs = self.sequences
         num_accepted = verdict.num_accepted.tolist()  # the round's one host sync
+        _raise_if_nonfinite(num_accepted)
         seqs.write(verdict.num_accepted, verdict.next_tokens)
         proposed = [count + 1 for count in num_accepted]
         stops = first_stops(self.stopping_criteria, seqs.tokens, seqs.lengths, proposed)
@@ -200,15 +226,45 @@ class SpeculativeDecoder:
         self.recorder.record(seqs.row_ids, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
         self.update_stats(proposal.tokens.shape[1], num_accepted, counts)
 
-        keep = [length + accepted for length, accepted in zip(seqs.lengths, num_accepted)]
-        self.target.rollback(keep)
-        self.drafter.update_candidate_strategy(keep)
         seqs.advance(counts)
-        remaining = seqs.retire([stop is not None for stop in stops])
-        if len(remaining) < len(stops) and remaining:
-            self.target.select_rows(remaining)
-            self.drafter.select_rows(remaining)
+        self.target.keep_confirmed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
+        done = [stop is not None for stop in stops]
+        if self.keep_cache:
+            self.keep_finished_caches(done)
+        seqs.retire(done)  # drops finished rows from the buffer and from both caches
+        if seqs.num_active:
+            self.drafter.keep_confirmed(seqs.lengths)
         return num_accepted
+
+    def keep_finished_caches(self, done: list[bool]) -> None:
+        """Set aside the target cache of each row that stops this round, for the cache `generate()` returns."""
+        rows = [row for row, is_done in enumerate(done) if is_done]
+        if rows == [0] and self.sequences.num_active == 1:  # the last row: its cache is the whole cache, no copy
+            self.finished_caches[self.sequences.row_ids[0]] = self.target
+            return
+        for row in rows:
+            self.finished_caches[self.sequences.row_ids[row]] = self.target.take_rows([row])
+
+    def plain_cache(self, sequences: torch.Tensor):
+        """The cache plain `generate()` would return with these sequences, in the cache object it was given.
+
+        Plain decoding keeps finished rows in the batch, feeding them padding, and never feeds the last token. So
+        each row holds ``sequences[b, :-1]``, from slot 0: finished rows are fed their EOS and padding here, then
+        every row's leading holes are dropped and the rows are stacked.
+
+        Args:
+            sequences: `(batch, length)` the output sequences.
+        """
+        parts = [self.finished_caches[row] for row in range(sequences.shape[0])]
+        length = sequences.shape[1] - 1
+        for row, part in enumerate(parts):
+            start = part.fed[0]
+            if start < length:
+                part.feed(self.sequences.columns_of(sequences[row : row + 1], [row], [start], length - start), 1)
+            part.left_align()
+        cache_rows.stack_rows_into(self.target.cache, [part.cache for part in parts])
+        self.target.stop_recording()
+        return self.target.cache
 
     def update_stats(self, lookahead: int, num_accepted: list[int], counts: list[int]) -> None:
         stats = self.stats
@@ -220,6 +276,25 @@ class SpeculativeDecoder:
             stats.row_rejections[row_id] += int(accepted < lookahead)
             stats.row_new_tokens[row_id] += count
             stats.row_target_passes[row_id] += 1
+
+
+def _raise_if_nonfinite(num_accepted: list[int]) -> None:
+    """Raise where plain sampling raises: a distribution sampled from holds NaN or inf (see `flag_nonfinite`)."""
+    codes = {code for code in num_accepted if code < 0}
+    if not codes:
+        return
+    if NonFinite.TARGET in codes:
+        raise RuntimeError(
+            "The target's processed next-token scores contain NaN or inf, so they are no distribution to sample "
+            "from (plain generate() fails here too: 'probability tensor contains either inf, nan or element < 0'). "
+            "Usual causes: float16 overflow (load the model in bfloat16 or float32), a broken checkpoint, or a logits "
+            "processor that writes inf. `remove_invalid_values=True` replaces them, as in plain generate()."
+        )
+    raise RuntimeError(
+        "The draft's processed next-token scores contain NaN or inf, so its proposals have no distribution to "
+        "verify against. Usual causes: float16 overflow (load the draft in bfloat16 or float32) or a broken "
+        "checkpoint; use another draft, or pass `remove_invalid_values=True`."
+    )
 
 
 def _token_ids(generation_config: GenerationConfig) -> list[int]:

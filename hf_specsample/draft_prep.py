@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .self_draft import layer_skip_draft
+from .validation import vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,28 @@ def prepare_draft(
     target: PreTrainedModel,
     quantization: DraftQuantization,
     vocabulary: torch.Tensor | None,
+    target_width: int | None = None,
 ) -> PreparedDraft:
-    """The draft the loop will run: the user's draft (or an "auto" self-draft), restricted and quantized."""
+    """The draft the loop will run: the user's draft (or an "auto" self-draft), restricted and quantized.
+
+    Args:
+        vocabulary: FR-Spec token ids (sorted, within both models' logit widths), or None.
+        target_width: the target's logit width. A draft of another width (a padded vocabulary: Qwen2.5-7B and up
+            have 152064 logit rows, their small siblings 151936) drafts over the ids both have: the returned
+            vocabulary is then ``0 .. min(widths) - 1`` unless an FR-Spec subset was asked for.
+    """
     quantization = DraftQuantization(quantization)
     owner = target if draft == AUTO_DRAFT else draft
     key = (draft == AUTO_DRAFT, quantization, _vocabulary_key(vocabulary))
-    return _CACHE.get(owner, key, lambda: _build(draft, target, quantization, vocabulary))
+    prepared = _CACHE.get(owner, key, lambda: _build(draft, target, quantization, vocabulary))
+    draft_width = _logit_width(owner)
+    if prepared.vocabulary is None and target_width is not None and draft_width != target_width:
+        return PreparedDraft(prepared.model, torch.arange(min(draft_width, target_width)))
+    return prepared
+
+
+def _logit_width(model: PreTrainedModel) -> int:
+    return vocab_size(model)
 
 
 def _build(draft, target, quantization: DraftQuantization, vocabulary: torch.Tensor | None) -> PreparedDraft:

@@ -33,8 +33,10 @@ class Proposal(NamedTuple):
 class DraftModelProposer:
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
-    With a `vocabulary` (a subset of token ids, see `draft_prep.restrict_vocabulary`) the draft's logits cover only
-    those ids. When every logits processor is vocabulary-free (temperature, top-k/p, min-p, ...) the draft's
+    With a `vocabulary` (sorted token ids: an FR-Spec subset, see `draft_prep.restrict_vocabulary`, or the ids both
+    models have when their logit widths differ) the draft's logits stand for those ids only: the first
+    `len(vocabulary)` columns are used, a draft wider than the target never proposes an id the target lacks, and
+    ids outside the vocabulary get draft probability 0. When every logits processor is vocabulary-free (temperature, top-k/p, min-p, ...) the draft's
     processing and sampling run on that compact vocabulary; otherwise its logits are spread over the full
     vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
     """
@@ -49,7 +51,8 @@ class DraftModelProposer:
         vocabulary: torch.Tensor | None = None,
         vocab_size: int | None = None,
     ):
-        self.runner = CachedModel(draft_model, sequences.token_is_real)
+        self.runner = CachedModel(draft_model, sequences.num_active)
+        sequences.attach(self.runner)
         self.processor = processor
         self.do_sample = do_sample
         self.generator = generator
@@ -70,8 +73,10 @@ class DraftModelProposer:
         tokens, lengths = sequences.tokens, sequences.lengths
         drafted, drafted_probs = [], []
         for step in range(num_tokens):
-            logits = self.runner.feed(tokens, upto=[length + step for length in lengths], num_logits=1)
             prefix_lengths = [length + step for length in lengths]
+            logits = self.runner.feed_upto(sequences, prefix_lengths, num_logits=1)
+            if self.vocabulary is not None:
+                logits = logits[..., : self.vocabulary.numel()]
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.row_ids)[:, 0]
             if self.do_sample:
                 probs = probabilities(scores)  # (batch, vocab or subset)
@@ -101,10 +106,6 @@ class DraftModelProposer:
         full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
         return full.scatter_(-1, self.vocabulary.expand(*probs.shape[:-1], -1), probs)
 
-    def update_candidate_strategy(self, keep: Sequence[int]) -> None:
-        """Roll the draft's cache back to the first `keep[b]` buffer positions of each row."""
-        self.runner.rollback(keep)
-
-    def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these active rows (others finished)."""
-        self.runner.select_rows(rows)
+    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+        """Roll the draft's cache back to the committed tokens (`CachedModel.keep_confirmed`)."""
+        self.runner.keep_confirmed(lengths)

@@ -1,13 +1,17 @@
-"""One model's KV cache over the shared token buffer, with rollback and ragged rows, through the Cache API only.
+"""One model's KV cache over the shared token buffer: hole-free rows, per-row rollback, plain `generate()`'s layout.
 
-Rows of a batch accept different numbers of draft tokens, but a `Cache` can only be cropped by the same amount in
-every row. So a model's cache is a sequence of *slots* shared by all rows; each slot of each row either holds a
-buffer position of that row or is a *hole*. Holes (and prompt padding) are masked out with the 2D attention mask,
-and position ids count only the real tokens, so the model computes exactly what it would on the unpadded row.
-Rolling back crops the slots that no row needs any more (`Cache.crop`) and turns the rest into holes; finished rows
-leave the batch through `Cache.batch_select_indices`. No cache tensor is sliced by hand.
+Invariant (what makes every architecture compute exactly what plain decoding computes): row ``b`` of the cache
+holds buffer positions ``0 .. fed[b] - 1`` of that row, in order, in its last ``fed[b]`` slots. The slots in front
+are *holes*, masked out. So each row's slots are laid out exactly as plain `generate()` lays out that row (prompt
+padding included, masked the same way), only shifted right, and a sliding window, which counts slots, covers the
+same tokens. Rows of a batch are fed the same number of new positions in each forward; a rollback that drops
+different numbers of positions from different rows moves each row back to the end (`cache_rows.realign`, one
+gather per layer); a uniform one is a `Cache.crop`.
 
-The slot bookkeeping lives on the CPU (it is a handful of small integer tensors), so it costs no device sync.
+Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
+back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
+one, which is all the loop ever drops (rejected drafts, and at most the last draft-fed position to even rows out);
+`cache_rows` raises rather than compute with slots it no longer has.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
-HOLE = -1  # slot_positions value of a slot that holds no token of its row
+from . import cache_rows
+from .sequences import Columns, Sequences
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
@@ -38,122 +43,161 @@ def input_device(model: PreTrainedModel) -> torch.device:
 
 
 class CachedModel:
-    """A model plus its KV cache, fed from a `(batch, capacity)` token buffer.
+    """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
     Attributes:
+        cache: the `Cache` (a `DynamicCache` of attention layers).
         fed: per row, the number of leading buffer positions whose keys/values are in the cache.
+        slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
-        token_is_real: torch.Tensor,
-        cache: DynamicCache | None = None,
+        batch: int,
+        cache: Cache | None = None,
+        cached_is_real: torch.Tensor | None = None,
     ):
         """
         Args:
             model: a decoder-only model with an LM head.
-            token_is_real: `(batch, capacity)` bool on the CPU, False for prompt padding of each buffer position.
-            cache: an empty cache to fill (e.g. the one `generate()` prepared); a `DynamicCache` if None.
+            batch: rows.
+            cache: a cache to extend: empty, or holding the first ``C`` buffer positions of every row as plain
+                `generate()` left it (a previous chat turn). A `DynamicCache` if None.
+            cached_is_real: `(batch, C)` bool, the attention mask over those ``C`` positions (None: all real).
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
-        self.cache.activate_past_recording()  # lets sliding-window / linear layers be cropped back
-        self.token_is_real = token_is_real
-        batch = token_is_real.shape[0]
-        self.slot_positions = torch.empty((batch, 0), dtype=torch.long)  # (batch, slots), HOLE or buffer position
-        self.slot_is_real = torch.empty((batch, 0), dtype=torch.bool)  # (batch, slots), attended to or not
-        self.fed = [0] * batch
+        unsupported = cache_rows.unsupported_layers(self.cache)
+        if unsupported:
+            raise ValueError(
+                f"`draft_model=` needs a DynamicCache of attention layers; this cache has {', '.join(unsupported)}. "
+                "Pass no `past_key_values` / `cache_implementation`, or generate without `draft_model=`."
+            )
+        self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
+        self.cache.activate_past_recording()  # lets sliding-window layers be rolled back after a forward
+        cached = cache_rows.total_slots(self.cache)
+        if cached_is_real is None:
+            cached_is_real = torch.ones((batch, cached), dtype=torch.bool)
+        self.slot_is_real = cached_is_real.bool().cpu()  # (batch, slots)
+        self.fed = [cached] * batch
         self.forward_passes = 0
-        self._needs_mask = False  # True once any slot of any row is masked
         signature = inspect.signature(model.forward).parameters
         self._takes_position_ids = "position_ids" in signature
         self._takes_logits_to_keep = "logits_to_keep" in signature
+
+    @property
+    def slots(self) -> int:
+        return self.slot_is_real.shape[1]
 
     @property
     def input_device(self) -> torch.device:
         """Where input ids go: see `input_device`."""
         return input_device(self.model)
 
-    def feed(self, tokens: torch.Tensor, upto: Sequence[int], num_logits: int) -> torch.Tensor:
-        """Run the model on buffer positions ``fed[b] .. upto[b] - 1`` of every row and return the last logits.
+    def feed_upto(self, sequences: Sequences, upto: Sequence[int], num_logits: int) -> torch.Tensor:
+        """`feed` the buffer positions ``fed[b] .. upto[b] - 1`` of every active row of `sequences` (one width)."""
+        widths = {end - fed for end, fed in zip(upto, self.fed)}
+        assert len(widths) == 1, f"rows must feed the same number of positions, got {sorted(widths)}"
+        return self.feed(sequences.columns(self.fed, widths.pop()), num_logits)
 
-        Rows needing fewer new positions than the widest row get holes in front of theirs, so the last
-        `num_logits` slots of every row are its last `num_logits` new positions.
+    def feed(self, columns: Columns, num_logits: int) -> torch.Tensor:
+        """Run the model on the next `width` buffer positions of every row and return the last logits.
 
         Args:
-            tokens: `(batch, capacity)` long token buffer (any device).
-            upto: per row, the buffer length the cache must cover after this call; ``upto[b] - fed[b] >= num_logits``.
-            num_logits: how many trailing positions to return logits for.
+            columns: buffer positions ``fed[b] .. fed[b] + width - 1`` of every row (`Sequences.columns`).
+            num_logits: how many trailing positions to return logits for (<= width).
 
         Returns:
-            `(batch, num_logits, vocab)` float32 logits on `tokens.device`.
+            `(batch, num_logits, vocab)` float32 logits on the device of `columns.input_ids`.
         """
-        fed = torch.tensor(self.fed)
-        upto_t = torch.tensor(list(upto))
-        width = int((upto_t - fed).max())
-        assert int((upto_t - fed).min()) >= num_logits, "every row must feed at least num_logits positions"
-        new_positions = upto_t[:, None] - width + torch.arange(width)  # (batch, width), right-aligned
-        new_positions = torch.where(new_positions >= fed[:, None], new_positions, HOLE)
-        is_hole = new_positions == HOLE
-        new_is_real = ~is_hole & self.token_is_real.gather(1, new_positions.clamp(min=0))  # (batch, width)
-
-        real_before = self.slot_is_real.sum(-1, keepdim=True)  # (batch, 1)
-        position_ids = real_before + new_is_real.long().cumsum(-1) - 1  # (batch, width)
-        position_ids = position_ids.clamp(min=0).masked_fill(~new_is_real, 1)
-        self.slot_positions = torch.cat([self.slot_positions, new_positions], dim=1)
-        self.slot_is_real = torch.cat([self.slot_is_real, new_is_real], dim=1)
-        self._needs_mask = self._needs_mask or not bool(new_is_real.all())
-        self.fed = list(upto)
+        width = columns.input_ids.shape[1]
+        assert width >= num_logits, "every row must feed at least num_logits positions"
+        self.slot_is_real = torch.cat([self.slot_is_real, columns.is_real], dim=1)
+        self.fed = [fed + width for fed in self.fed]
 
         device = self.input_device
-        input_ids = tokens.gather(1, new_positions.clamp(min=0).to(tokens.device)).to(device)
         kwargs = {"past_key_values": self.cache, "use_cache": True}
-        if self._needs_mask:
+        if not bool(self.slot_is_real.all()):
             kwargs["attention_mask"] = self.slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids.to(device)
+            kwargs["position_ids"] = columns.position_ids.to(device)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
-        logits = self.model(input_ids=input_ids, **kwargs).logits
+        logits = self.model(input_ids=columns.input_ids.to(device), **kwargs).logits
         self.forward_passes += 1
-        return logits[:, -num_logits:].to(device=tokens.device, dtype=torch.float32)
+        return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
 
-    def rollback(self, keep: Sequence[int]) -> None:
-        """Forget buffer positions ``>= keep[b]`` of each row (rejected draft tokens).
+    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+        """Roll back to what the committed tokens confirm, leaving every row the same distance behind its length.
 
-        Slots no row needs any more are cropped from the cache; the others become holes.
+        A row keeps at most ``lengths[b] - 1`` positions (the last committed token is fed with the next round, as in
+        plain decoding, where the cache always holds the sequence minus its last token). If some row is further
+        behind, the others drop positions too, so the next forward feeds every row the same number of positions.
 
         Args:
-            keep: per row, the buffer length to keep in the cache (values above `fed` change nothing).
+            lengths: per row, the committed length.
         """
-        keep_t = torch.tensor(list(keep))[:, None]  # (batch, 1)
-        drop = (self.slot_positions >= keep_t) & (self.slot_positions != HOLE)  # (batch, slots)
-        if not bool(drop.any()):
+        keep = [min(fed, length - 1) for fed, length in zip(self.fed, lengths)]
+        behind = max(length - kept for length, kept in zip(lengths, keep))
+        self.rollback([length - behind for length in lengths])
+
+    def rollback(self, keep: Sequence[int]) -> None:
+        """Forget buffer positions ``>= keep[b]`` of each row; rows end up right-aligned, holes in front.
+
+        Args:
+            keep: per row, the buffer length to keep (at most `fed[b]`).
+        """
+        drops = [fed - kept for fed, kept in zip(self.fed, keep)]
+        assert min(drops) >= 0, "cannot keep positions that were never fed"
+        if len(set(drops)) == 1:  # uniform: a crop (which also trims sliding-window layers back to their window)
+            cache_rows.crop(self.cache, drops[0])
+            self.slot_is_real = self.slot_is_real[:, : self.slots - drops[0]]
+            self.fed = list(keep)
             return
-        self.slot_positions = self.slot_positions.masked_fill(drop, HOLE)
-        self.slot_is_real = self.slot_is_real & ~drop
-        self._needs_mask = True
-        self.fed = [min(f, k) for f, k in zip(self.fed, keep)]
-        self._crop_trailing_holes()
+        self._realign(keep, total=max(keep))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
         self.cache.batch_select_indices(index)  # a CPU index works for cache layers on any device
-        self.slot_positions = self.slot_positions[index]
         self.slot_is_real = self.slot_is_real[index]
-        self.token_is_real = self.token_is_real[index]
         self.fed = [self.fed[row] for row in rows]
-        self._crop_trailing_holes()
+        if max(self.fed) < self.slots:  # the rows left share leading holes: drop them (no trim: see module doc)
+            self._realign(self.fed, total=max(self.fed), trim=False)
 
-    def _crop_trailing_holes(self) -> None:
-        used = (self.slot_positions != HOLE).any(dim=0)  # (slots,)
-        num_used = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
-        num_unused = self.slot_positions.shape[1] - num_used
-        if num_unused > 0:
-            self.cache.crop(-num_unused)
-            self.slot_positions = self.slot_positions[:, :num_used]
-            self.slot_is_real = self.slot_is_real[:, :num_used]
-        self._needs_mask = not bool(self.slot_is_real.all())
+    def take_rows(self, rows: Sequence[int]) -> "CachedModel":
+        """A `CachedModel` of the same model holding copies of these rows' caches (this one is unchanged)."""
+        taken = CachedModel.__new__(CachedModel)
+        taken.__dict__.update(self.__dict__)
+        index = torch.tensor(list(rows), dtype=torch.long)
+        taken.cache = cache_rows.take_rows(self.cache, rows)
+        taken.slot_is_real = self.slot_is_real[index]
+        taken.fed = [self.fed[row] for row in rows]
+        taken.forward_passes = 0
+        return taken
+
+    def left_align(self) -> None:
+        """Drop every row's leading holes (all rows must hold the same number of positions): plain's layout."""
+        assert len(set(self.fed)) == 1, "rows of a left-aligned cache hold the same positions"
+        if self.slots > self.fed[0]:
+            self._realign(self.fed, total=self.fed[0])
+
+    def stop_recording(self) -> None:
+        """Trim sliding-window layers to their window and stop recording their past, as before this call."""
+        cache_rows.crop(self.cache, 0)
+        for layer, was_recording in zip(self.cache.layers, self._was_recording):
+            if was_recording is not None:
+                layer.record_past = was_recording
+
+    def _realign(self, keep: Sequence[int], total: int, trim: bool = True) -> None:
+        """Keep buffer positions ``0 .. keep[b] - 1`` of each row in its last `keep[b]` of `total` slots."""
+        old_starts = [self.slots - fed for fed in self.fed]
+        new_starts = [total - kept for kept in keep]
+        cache_rows.realign(self.cache, old_starts, new_starts, keep, total, trim=trim)
+        slots = torch.arange(total)[None, :]  # (1, total)
+        new_starts_t = torch.tensor(new_starts)[:, None]
+        source = (slots - new_starts_t + torch.tensor(old_starts)[:, None]).clamp(0, max(self.slots - 1, 0))
+        self.slot_is_real = (slots >= new_starts_t) & self.slot_is_real.gather(1, source)
+        self.fed = list(keep)

@@ -5,8 +5,10 @@
 `speculative_generate`, so `generate()` still prepares inputs, processors and stopping criteria itself.
 
 Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
-parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, and turns
-`stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria.
+parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
+`stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria, and
+passes `tokenizer` with `draft_tokenizer=` (or transformers' name `assistant_tokenizer=`) as
+`speculative_tokenizers`, so that a draft with another tokenizer is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     if kwargs.get("assistant_model") is not None:
         raise ValueError("Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both.")
     kwargs["custom_generate"] = speculative_generate
+    draft_tokenizer = kwargs.pop("draft_tokenizer", None) or kwargs.pop("assistant_tokenizer", None)
+    if draft_tokenizer is not None and kwargs.get("tokenizer") is not None:
+        kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
     streamer = kwargs.pop("streamer", None)
     if streamer is not None:
         kwargs["speculative_streamer"] = streamer

@@ -20,6 +20,7 @@ Every round therefore commits ``num_accepted + 1`` tokens: the accepted ones and
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import torch
@@ -126,3 +127,35 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Ve
     num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
     next_tokens = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # (batch,)
     return Verdict(num_accepted, next_tokens)
+
+
+class NonFinite(enum.IntEnum):
+    """Codes that replace `Verdict.num_accepted` for a row whose distributions hold NaN or inf (see `flag_nonfinite`)."""
+
+    TARGET = -1
+    DRAFT = -2
+
+
+def flag_nonfinite(verdict: Verdict, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> Verdict:
+    """Mark rows that sampled from a NaN/inf distribution, where plain sampling would have raised, without a sync.
+
+    Only the distributions a row really used count: the target's at positions ``0 .. num_accepted`` and the draft's
+    at the positions before that. (A NaN target or draft probability never passes the acceptance test, so the
+    first such position is always at or after ``num_accepted``.) The codes travel with `num_accepted` to the
+    round's one host synchronisation, where the caller raises.
+
+    Args:
+        verdict: the round's verdict.
+        draft_probs: `(batch, num_draft, vocab)`.
+        target_probs: `(batch, num_draft + 1, vocab)`.
+
+    Returns:
+        The verdict with `num_accepted` replaced by `NonFinite.TARGET` / `NonFinite.DRAFT` in the rows concerned.
+    """
+    num_draft = draft_probs.shape[1]
+    used = torch.arange(num_draft + 1, device=target_probs.device) <= verdict.num_accepted[:, None]  # (batch, K+1)
+    target_bad = (~torch.isfinite(target_probs).all(dim=-1) & used).any(dim=-1)  # (batch,)
+    draft_bad = (~torch.isfinite(draft_probs).all(dim=-1) & used[:, :num_draft]).any(dim=-1)  # (batch,)
+    codes = torch.where(draft_bad, int(NonFinite.DRAFT), verdict.num_accepted)
+    codes = torch.where(target_bad, int(NonFinite.TARGET), codes)
+    return Verdict(codes, verdict.next_tokens)

@@ -1,43 +1,116 @@
-"""The token buffer shared by draft and target: committed tokens, this round's drafts, finished rows."""
+"""The rows being generated: the one owner of every row's tokens, lengths, positions and membership of the batch."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
+
+
+class Columns(NamedTuple):
+    """Buffer columns ``starts[b] .. starts[b] + width - 1`` of each row, ready for a forward pass.
+
+    Attributes:
+        input_ids: `(rows, width)` long, on the token buffer's device.
+        position_ids: `(rows, width)` long on the CPU: the position ids plain `generate()` gives these tokens.
+        is_real: `(rows, width)` bool on the CPU: False for prompt padding (masked out, as `generate()` masks it).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    is_real: torch.Tensor
+
+
+class RowMember(Protocol):
+    """Anything holding per-row state that must follow the batch (a model's KV cache)."""
+
+    def select_rows(self, rows: Sequence[int]) -> None: ...
+
+
+def generate_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`(batch, length)` position ids as `generate()` numbers a prompt: real tokens count up from 0, padding is 0."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 
 class Sequences:
     """Token buffer of the rows still being generated, plus the final tokens of rows that finished.
 
-    Row ``b`` of `tokens` holds its prompt (left padding included, as `generate()` received it), its committed
-    tokens up to ``lengths[b]``, and during a round the draft tokens after that. Only active rows are kept in
-    `tokens`; `row_ids` maps them back to the caller's batch.
+    Row ``b`` of `tokens` holds its prompt exactly as `generate()` received it (padding included, on either side),
+    its committed tokens up to ``lengths[b]``, and during a round the draft tokens after that. Only active rows are
+    kept in `tokens`; `row_ids` maps them back to the caller's batch. Models' caches register with `attach`, and
+    `retire` drops finished rows from the buffer and from every attached cache at once.
+
+    Positions follow `generate()`: the prompt's are `generate()`'s own `position_ids` (from the attention mask:
+    padding gets 0, on the left or the right), and each new token's is the previous column's plus one.
     """
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int):
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        capacity: int,
+        position_ids: torch.Tensor | None = None,
+    ):
         """
         Args:
             input_ids: `(batch, prompt_length)` long, the prompt as `generate()` prepared it.
             attention_mask: `(batch, prompt_length)` or None (no padding).
             capacity: buffer length; must cover the longest sequence plus a round of drafts.
+            position_ids: `(batch, prompt_length)` the prompt's position ids as `generate()` prepared them; None:
+                computed from the mask the same way.
         """
         batch, prompt_length = input_ids.shape
         self.prompt_length = prompt_length
         self.batch_size = batch
         self.tokens = input_ids.new_zeros((batch, capacity))  # (batch, capacity)
         self.tokens[:, :prompt_length] = input_ids
-        # (batch, capacity) on the CPU: False for prompt padding, which no model may attend to.
-        self.token_is_real = torch.ones((batch, capacity), dtype=torch.bool)
-        if attention_mask is not None:
-            self.token_is_real[:, :prompt_length] = attention_mask.bool().cpu()
+        mask = torch.ones((batch, prompt_length), dtype=torch.bool) if attention_mask is None else attention_mask
+        mask = mask.bool().cpu()
+        prompt_positions = generate_position_ids(mask) if position_ids is None else position_ids.long().cpu()
+        # Caller-row tables (never re-selected), on the CPU: (batch, capacity).
+        self._is_real = torch.ones((batch, capacity), dtype=torch.bool)
+        self._is_real[:, :prompt_length] = mask
+        steps = torch.arange(1, capacity - prompt_length + 1)
+        self._positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + steps], dim=1)
         self.lengths = [prompt_length] * batch
         self.row_ids = list(range(batch))
         self.finished: dict[int, torch.Tensor] = {}
+        self._members: list[RowMember] = []
 
     @property
     def num_active(self) -> int:
         return len(self.row_ids)
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    def attach(self, member: RowMember) -> None:
+        """Have `member.select_rows` follow every change of the active rows."""
+        self._members.append(member)
+
+    def is_real(self, row_ids: Sequence[int], width: int) -> torch.Tensor:
+        """`(rows, width)` bool on the CPU: which of the first `width` columns of the caller's rows are not padding."""
+        return self._is_real[list(row_ids), :width]
+
+    def columns(self, starts: Sequence[int], width: int) -> Columns:
+        """Columns ``starts[b] ..`` (`width` of them) of every active row."""
+        return self.columns_of(self.tokens, self.row_ids, starts, width)
+
+    def columns_of(self, tokens: torch.Tensor, row_ids: Sequence[int], starts: Sequence[int], width: int) -> Columns:
+        """Columns of the given token rows, which stand for the caller's rows `row_ids` (e.g. finished rows).
+
+        Args:
+            tokens: `(rows, >= max(starts) + width)` long.
+        """
+        cols = torch.tensor(list(starts))[:, None] + torch.arange(width)  # (rows, width)
+        rows = list(row_ids)
+        return Columns(
+            input_ids=tokens.gather(1, cols.to(tokens.device)),
+            position_ids=self._positions[rows].gather(1, cols),
+            is_real=self._is_real[rows].gather(1, cols),
+        )
 
     def write(self, offsets: Sequence[int] | torch.Tensor, new_tokens: torch.Tensor) -> None:
         """Write one token per active row at position ``lengths[b] + offsets[b]``.
@@ -61,17 +134,18 @@ class Sequences:
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
 
     def retire(self, done: Sequence[bool]) -> list[int]:
-        """Move the rows flagged in `done` out of the buffer; return the indices of the rows that stay active."""
+        """Drop the rows flagged in `done` from the buffer and every attached member; return the rows kept."""
         keep = [row for row, is_done in enumerate(done) if not is_done]
         for row, is_done in enumerate(done):
             if is_done:
                 self.finished[self.row_ids[row]] = self.tokens[row, : self.lengths[row]].clone()
         if len(keep) < self.num_active:
-            index = torch.tensor(keep, dtype=torch.long)
-            self.tokens = self.tokens[index.to(self.tokens.device)]
-            self.token_is_real = self.token_is_real[index]
+            self.tokens = self.tokens[torch.tensor(keep, dtype=torch.long, device=self.tokens.device)]
             self.lengths = [self.lengths[row] for row in keep]
             self.row_ids = [self.row_ids[row] for row in keep]
+            if keep:
+                for member in self._members:
+                    member.select_rows(keep)
         return keep
 
     def output(self, pad_token_id: int | None) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from . import cache_rows
+
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"})
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -22,8 +24,17 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(out_features) if out_features is not None else int(model.config.get_text_config().vocab_size)
 
 
-def check_models(target: PreTrainedModel, draft: Any) -> None:
-    """The draft must be a decoder-only LM with the target's vocabulary (or "auto")."""
+def check_models(target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any] | None = None) -> None:
+    """The draft must be a decoder-only LM over the target's token ids (or "auto"), both with a rollable KV cache.
+
+    Logit widths may differ (padded vocabularies: Qwen2.5-7B and up have 152064 rows, their small siblings 151936):
+    speculative sampling stays exact whatever the draft proposes, and a draft never proposes an id beyond the
+    target's width. What must not differ is the tokenizer: when both are known (`tokenizer=` and `draft_tokenizer=`
+    / `assistant_tokenizer=`) and their vocabularies differ, the draft's ids mean other strings.
+
+    Args:
+        tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
+    """
     if isinstance(draft, str) and draft == "auto":
         draft = target
     if not isinstance(draft, PreTrainedModel):
@@ -37,14 +48,26 @@ def check_models(target: PreTrainedModel, draft: Any) -> None:
                 f"The {role} model is encoder-decoder ({type(model).__name__}); hf_specsample drafts for decoder-only "
                 "causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
-    target_vocab, draft_vocab = vocab_size(target), vocab_size(draft)
-    if target_vocab != draft_vocab:
+        problem = cache_rows.model_cache_problem(model)
+        if problem is not None:
+            raise ValueError(
+                f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls the "
+                "cache back to the last accepted token every round, and a recurrent (state-space) state cannot be "
+                f"rolled back. Use an attention-only {role}"
+                + (" (a small transformer sharing the target's tokenizer)" if role == "draft" else "")
+                + ", or generate without `draft_model=`."
+            )
+    if tokenizers is not None and _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1]):
         raise ValueError(
-            f"The draft's vocabulary size ({draft_vocab}) differs from the target's ({target_vocab}). Speculative "
-            "sampling compares the two models' distributions token id by token id, so the draft must use the "
-            "target's tokenizer and logits of the same width: pick a smaller model of the same family, or use "
-            "transformers' `assistant_model=` with `assistant_tokenizer=` for a draft with another tokenizer."
+            "The draft's tokenizer differs from the target's: the same token id means another string to each "
+            "model, so the draft's proposals would nearly always be rejected. Use a draft that shares the target's "
+            "tokenizer (a smaller model of the same family), or transformers' `assistant_model=` with "
+            "`assistant_tokenizer=`."
         )
+
+
+def _vocabulary(tokenizer: Any) -> dict:
+    return tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else dict(tokenizer)
 
 
 def check_generation_config(config: GenerationConfig) -> None:
@@ -81,10 +104,19 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
             "attention_mask). Generate without `draft_model=` for these inputs."
         )
     cache = model_kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, Cache) or cache.get_seq_length() > 0 or not cache.is_croppable):
-        raise ValueError(
-            "`draft_model=` needs an empty, croppable KV cache (the default DynamicCache): pass no `past_key_values` "
-            "and no static `cache_implementation`."
-        )
+    if cache is not None:
+        unsupported = cache_rows.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
+        if unsupported or not cache.is_croppable:
+            raise ValueError(
+                f"`draft_model=` needs a DynamicCache (the default) to roll back rejected tokens; got a cache with "
+                f"{', '.join(unsupported) or 'layers that cannot be cropped'}. Pass no `past_key_values` and no "
+                "static/quantized `cache_implementation`, or a DynamicCache from an earlier generate() call."
+            )
+        if cache_rows.total_slots(cache) >= input_ids.shape[1]:
+            raise ValueError(
+                f"`past_key_values` already covers {cache_rows.total_slots(cache)} tokens but input_ids has "
+                f"{input_ids.shape[1]}: pass the whole conversation as input_ids (the cached turns plus the new one), "
+                "as for plain generate()."
+            )
     if input_ids.shape[1] == 0:
         raise ValueError("`draft_model=` needs a non-empty prompt (at least a BOS token).")

@@ -1,9 +1,11 @@
-"""CachedModel: logits with holes, padding and rollbacks equal a plain forward over each row's real tokens."""
+"""CachedModel: every row's cache is hole-free and computes what a plain forward over its own tokens computes."""
 
+import pytest
 import torch
-from tiny import tiny_lm
+from tiny import tiny_arch
 
 from hf_specsample.kv import CachedModel
+from hf_specsample.sequences import Sequences
 
 VOCAB = 32
 
@@ -13,50 +15,91 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
 
 
+def real_tokens(sequences: Sequences, row: int, length: int) -> list[int]:
+    is_real = sequences.is_real([sequences.row_ids[row]], length)[0].tolist()
+    return [t for t, ok in zip(sequences.tokens[row, :length].tolist(), is_real) if ok]
+
+
+def assert_hole_free(cached: CachedModel) -> None:
+    """Each row's positions sit in its last `fed` slots: no masked slot after the first real one but padding."""
+    assert cached.slots == max(cached.fed)
+    for row, fed in enumerate(cached.fed):
+        assert not cached.slot_is_real[row, : cached.slots - fed].any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding", "gemma2"])
 @torch.no_grad()
-def test_ragged_feeds_and_rollbacks_match_plain_forward():
-    model = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32)
+def test_ragged_rollbacks_keep_rows_exact(arch):
+    """Rows dropping different numbers of positions, sliding windows included, still compute their own logits."""
+    model = tiny_arch(arch, seed=0, vocab_size=VOCAB)
     generator = torch.Generator().manual_seed(0)
-    capacity = 40
-    tokens = torch.randint(3, VOCAB, (2, capacity), generator=generator)
-    is_real = torch.ones(2, capacity, dtype=torch.bool)
-    is_real[1, :3] = False  # row 1's prompt is left-padded by 3
-    cached = CachedModel(model, is_real)
+    prompt = torch.randint(3, VOCAB, (2, 8), generator=generator)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 is left-padded by 3
+    sequences = Sequences(prompt, mask, capacity=40)
+    sequences.tokens[:, 8:] = torch.randint(3, VOCAB, (2, 32), generator=generator)
+    cached = CachedModel(model, batch=2)
+    sequences.attach(cached)
 
-    def check(lengths):
-        logits = cached.feed(tokens, upto=lengths, num_logits=1)[:, 0]
-        for row, length in enumerate(lengths):
-            real = [t for t, ok in zip(tokens[row, :length].tolist(), is_real[row, :length].tolist()) if ok]
-            torch.testing.assert_close(logits[row], reference_logits(model, real), rtol=1e-4, atol=1e-4)
+    def check(upto):
+        logits = cached.feed_upto(sequences, upto, num_logits=1)[:, 0]
+        for row, length in enumerate(upto):
+            expected = reference_logits(model, real_tokens(sequences, row, length))
+            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+        assert_hole_free(cached)
 
-    check([8, 8])  # prompts (row 1 padded)
-    check([10, 9])  # ragged feed: row 1 gets a hole in front of its token
-    cached.rollback([9, 9])  # row 0 drops one position
-    check([12, 13])
-    cached.rollback([10, 13])  # row 0 drops two, row 1 nothing
-    check([11, 15])
-    assert cached.fed == [11, 15]
+    check([8, 8])  # prompts
+    for step in range(6):  # rows drop 0..3 positions, differently, far past the window
+        check([f + 4 for f in cached.fed])
+        cached.rollback([cached.fed[0] - step % 4, cached.fed[1] - (step + 2) % 4])
+        assert_hole_free(cached)
+    check([f + 3 for f in cached.fed])
+    # Committed lengths: row 0 one past its cache, row 1 two past. Row 0 drops one more so both stand 2 behind.
+    lengths = [cached.fed[0] + 1, cached.fed[1] + 2]
+    cached.keep_confirmed(lengths)
+    assert [length - fed for length, fed in zip(lengths, cached.fed)] == [2, 2]
+    assert_hole_free(cached)
+    check([f + 2 for f in cached.fed])
+    cached.keep_confirmed([f - 1 for f in cached.fed])  # both drop two: a uniform crop
+    assert_hole_free(cached)
+    check([f + 3 for f in cached.fed])
 
 
 @torch.no_grad()
-def test_rollback_crops_slots_no_row_needs():
-    model = tiny_lm(seed=0, vocab_size=VOCAB)
-    tokens = torch.randint(3, VOCAB, (2, 20))
-    cached = CachedModel(model, torch.ones(2, 20, dtype=torch.bool))
-    cached.feed(tokens, upto=[10, 10], num_logits=1)
-    cached.rollback([6, 8])
-    assert cached.cache.get_seq_length() == 8  # two trailing slots were nobody's
-    assert cached.slot_is_real[0].tolist() == [True] * 6 + [False] * 2  # row 0 keeps holes
+def test_dropping_what_a_sliding_layer_no_longer_stores_raises():
+    """Never compute with missing slots: rolling back past the last trim of a sliding window is an error."""
+    model = tiny_arch("mistral_sliding", seed=0, vocab_size=VOCAB)
+    sequences = Sequences(torch.randint(3, VOCAB, (1, 10)), None, capacity=20)
+    cached = CachedModel(model, batch=1)
+    cached.feed_upto(sequences, [10], num_logits=1)
+    cached.rollback([9])  # trims the window layers to 3 slots
+    with pytest.raises(RuntimeError, match="no longer stores"):
+        cached.rollback([7])
+
+@pytest.mark.parametrize("arch", ["llama", "starcoder2"])
+@torch.no_grad()
+def test_select_rows_keeps_the_chosen_rows_exact(arch):
+    model = tiny_arch(arch, seed=0, vocab_size=VOCAB)
+    prompt = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
+    sequences = Sequences(prompt, None, capacity=30)
+    sequences.tokens[:, 6:] = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(2))
+    cached = CachedModel(model, batch=3)
+    sequences.attach(cached)
+    cached.feed_upto(sequences, [12, 12, 12], num_logits=1)
+    cached.rollback([12, 7, 9])  # row 0 is the longest: dropping it leaves shared leading holes
+    sequences.retire([True, False, False])
+    assert cached.slots == 9, "leading holes every remaining row shares are dropped"
+    assert_hole_free(cached)
+    logits = cached.feed_upto(sequences, [9, 11], num_logits=1)[:, 0]
+    torch.testing.assert_close(logits[0], reference_logits(model, sequences.tokens[0, :9].tolist()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[1], reference_logits(model, sequences.tokens[1, :11].tolist()), rtol=1e-4, atol=1e-4)
 
 
 @torch.no_grad()
-def test_select_rows_keeps_the_chosen_rows_exact():
-    model = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32)
-    tokens = torch.randint(3, VOCAB, (3, 20))
-    cached = CachedModel(model, torch.ones(3, 20, dtype=torch.bool))
-    cached.feed(tokens, upto=[6, 6, 6], num_logits=1)
-    cached.rollback([6, 4, 5])
-    cached.select_rows([1, 2])
-    logits = cached.feed(tokens[1:], upto=[8, 9], num_logits=1)[:, 0]
-    torch.testing.assert_close(logits[0], reference_logits(model, tokens[1, :8].tolist()), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits[1], reference_logits(model, tokens[2, :9].tolist()), rtol=1e-4, atol=1e-4)
+def test_feeds_of_different_widths_are_refused():
+    """A ragged feed would put holes inside rows; CachedModel refuses it rather than computing something else."""
+    model = tiny_arch("llama", seed=0, vocab_size=VOCAB)
+    sequences = Sequences(torch.randint(3, VOCAB, (2, 5)), None, capacity=12)
+    cached = CachedModel(model, batch=2)
+    with pytest.raises(AssertionError, match="same number of positions"):
+        cached.feed_upto(sequences, [5, 4], num_logits=1)

@@ -66,3 +66,84 @@ def prepared_processors(
 
     model.generate(input_ids, custom_generate=capture, **generate_kwargs)
     return captured["processors"], captured["criteria"]
+
+
+# Tiny configs of the architectures the matrix tests cover. Sliding-window variants use a window of 4 slots, so
+# texts of a dozen tokens already reach past the window.
+SLIDING_WINDOW = 4
+
+
+def _llama_like(config_class, vocab_size: int, **overrides):
+    settings = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.3,
+    )  # fmt: skip
+    settings.update(overrides)
+    return config_class(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, **settings)
+
+
+def _plain(config_class, vocab_size: int, **settings):
+    config = config_class(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, **settings)
+    for name in ("initializer_range", "init_std"):  # peaked distributions, as for the llama-like configs
+        if hasattr(config, name):
+            setattr(config, name, 0.3)
+    return config
+
+
+def _architectures():
+    import transformers as tf
+
+    window = SLIDING_WINDOW
+    return {
+        "llama": lambda v: _llama_like(tf.LlamaConfig, v),
+        "qwen2": lambda v: _llama_like(tf.Qwen2Config, v),
+        "qwen2_sliding": lambda v: _llama_like(
+            tf.Qwen2Config, v, use_sliding_window=True, sliding_window=window, max_window_layers=0
+        ),
+        "qwen3": lambda v: _llama_like(tf.Qwen3Config, v, head_dim=8),
+        "mistral_sliding": lambda v: _llama_like(tf.MistralConfig, v, sliding_window=window),
+        "mixtral": lambda v: _llama_like(tf.MixtralConfig, v, num_local_experts=4, num_experts_per_tok=2),
+        "gemma": lambda v: _llama_like(tf.GemmaConfig, v, head_dim=8),
+        "gemma2": lambda v: _llama_like(tf.Gemma2Config, v, head_dim=8, sliding_window=window),
+        "gemma3_text": lambda v: _llama_like(
+            tf.Gemma3TextConfig, v, head_dim=8, sliding_window=window, sliding_window_pattern=2
+        ),
+        "phi3": lambda v: _llama_like(tf.Phi3Config, v),
+        "starcoder2": lambda v: _llama_like(tf.Starcoder2Config, v, sliding_window=window),
+        "olmo2": lambda v: _llama_like(tf.Olmo2Config, v),
+        "cohere": lambda v: _llama_like(tf.CohereConfig, v),
+        "granite": lambda v: _llama_like(tf.GraniteConfig, v),
+        "gpt2": lambda v: _plain(tf.GPT2Config, v, n_embd=32, n_layer=2, n_head=4, n_positions=256),
+        "gpt_neox": lambda v: _plain(
+            tf.GPTNeoXConfig, v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=256,
+        ),  # fmt: skip
+        "gptj": lambda v: _plain(tf.GPTJConfig, v, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256),
+        "opt": lambda v: _plain(
+            tf.OPTConfig, v, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+            max_position_embeddings=256, word_embed_proj_dim=32,
+        ),  # fmt: skip
+        "bloom": lambda v: _plain(tf.BloomConfig, v, hidden_size=32, n_layer=2, n_head=4),
+        "falcon": lambda v: _plain(
+            tf.FalconConfig, v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            new_decoder_architecture=False,
+        ),  # fmt: skip
+    }
+
+
+ARCHITECTURES = tuple(_architectures())
+SLIDING_ARCHITECTURES = ("qwen2_sliding", "mistral_sliding", "gemma2", "gemma3_text", "starcoder2")
+
+
+def tiny_arch(name: str, seed: int, vocab_size: int = 48, dtype: torch.dtype = torch.float32):
+    """A tiny randomly initialised causal LM of architecture `name` (one of `ARCHITECTURES`)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _architectures()[name](vocab_size)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+def arch_draft(target, seed: int, scale: float = 0.3):
+    """A draft for a `tiny_arch` target: the target with noise (same architecture, same vocabulary)."""
+    return perturbed_copy(target, seed=seed, scale=scale)

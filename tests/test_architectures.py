@@ -1,0 +1,120 @@
+"""The architecture matrix: on tiny models of 20 architectures, speculative output equals plain `generate()`'s.
+
+For each architecture (sliding-window variants with a window of 4 slots, so every text here runs past it):
+- greedy: one prompt, a ragged left-padded batch, and right-padded prompts give plain greedy's tokens;
+- EOS inside an accepted block, rows stopping at different steps: sequences, `scores`, `logits` and the returned
+  `past_key_values` equal plain's, and a second chat turn on that cache equals plain's second turn;
+- sampling never leaves the target's top-k, checked against a cache-free forward over every sampled text.
+"""
+
+import pytest
+import torch
+from tiny import ARCHITECTURES, PAD, arch_draft, tiny_arch
+
+VOCAB = 48
+NEW_TOKENS = 14
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def pair(request):
+    target = tiny_arch(request.param, seed=0, vocab_size=VOCAB)
+    return request.param, target, arch_draft(target, seed=1)
+
+
+def batch(rows: list[list[int]], side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows, longest)` input ids and attention mask, padded on `side` with PAD."""
+    longest = max(len(row) for row in rows)
+    ids = torch.full((len(rows), longest), PAD)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(longest - len(row), longest) if side == "left" else slice(0, len(row))
+        ids[i, span], mask[i, span] = torch.tensor(row), 1
+    return ids, mask
+
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 7, 3], [1, 30, 31, 32, 33]]
+
+
+def both(target, draft, ids, mask=None, **kwargs):
+    """(plain, speculative) outputs of generate() with the same arguments."""
+    kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, **kwargs)
+    plain = target.generate(ids, attention_mask=mask, **kwargs)
+    speculative = target.generate(ids, attention_mask=mask, draft_model=draft, num_lookahead=3, **kwargs)
+    return plain, speculative
+
+
+@torch.no_grad()
+def test_greedy_single_prompt(pair):
+    _, target, draft = pair
+    plain, speculative = both(target, draft, torch.tensor([PROMPTS[0]]))
+    assert speculative.tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_greedy_ragged_batch(pair, side):
+    _, target, draft = pair
+    ids, mask = batch(PROMPTS, side)
+    plain, speculative = both(target, draft, ids, mask)
+    assert speculative.tolist() == plain.tolist()
+
+
+def assert_same_cache(plain_cache, speculative_cache, attention_mask):
+    """Same shapes, same keys and values in every slot the attention mask lets a query see.
+
+    Slots of prompt padding are never attended to. Their deeper-layer values depend on how many positions their
+    forward held (eager attention averages a fully masked row over all its keys), in plain decoding as here.
+    """
+    assert speculative_cache.get_seq_length() == plain_cache.get_seq_length()
+    for plain_layer, layer in zip(plain_cache.layers, speculative_cache.layers):
+        assert layer.keys.shape == plain_layer.keys.shape
+        seen = attention_mask[:, -layer.keys.shape[-2] :].bool()[:, None, :, None].expand_as(layer.keys)
+        torch.testing.assert_close(layer.keys[seen], plain_layer.keys[seen], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.values[seen], plain_layer.values[seen], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_eos_in_block_outputs_cache_and_next_turn(pair):
+    _, target, draft = pair
+    ids, mask = batch(PROMPTS, "left")
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    new = free[:, ids.shape[1] :]
+    # An EOS that row 0 emits mid-way and the other rows at other steps, or never.
+    eos = next(int(token) for token in new[0, 3:].tolist() if token not in new[0, :3].tolist())
+    flags = dict(eos_token_id=eos, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    plain, speculative = both(target, draft, ids, mask, **flags)
+    assert speculative.sequences.tolist() == plain.sequences.tolist()
+    assert len(speculative.scores) == len(plain.scores) and len(speculative.logits) == len(plain.logits)
+    for step, (mine, theirs) in enumerate(zip(speculative.scores, plain.scores)):
+        assert mine.shape == theirs.shape
+        unfinished = ~(plain.sequences[:, ids.shape[1] : ids.shape[1] + step] == eos).any(dim=1)
+        torch.testing.assert_close(mine[unfinished], theirs[unfinished], rtol=1e-4, atol=1e-4)
+    cached_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1]
+    assert_same_cache(plain.past_key_values, speculative.past_key_values, cached_mask)
+
+    # A second chat turn reusing each call's cache (the whole conversation as input ids, as plain generate() wants).
+    turn = torch.tensor([[11, 12, 13]] * ids.shape[0])
+    second_ids = torch.cat([plain.sequences, turn], dim=1)
+    second_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :]), torch.ones_like(turn)], 1)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
+    plain_2 = target.generate(second_ids, attention_mask=second_mask, past_key_values=plain.past_key_values, **kwargs)
+    speculative_2 = target.generate(
+        second_ids, attention_mask=second_mask, past_key_values=speculative.past_key_values, draft_model=draft,
+        num_lookahead=3, **kwargs,
+    )  # fmt: skip
+    assert speculative_2.tolist() == plain_2.tolist()
+
+
+@torch.no_grad()
+def test_sampling_stays_in_target_top_k(pair):
+    """Every sampled token is among the target's top 3 after its own prefix (computed without any cache)."""
+    _, target, draft = pair
+    prompt = torch.tensor([PROMPTS[0]])
+    out = target.generate(
+        prompt, do_sample=True, top_k=3, max_new_tokens=NEW_TOKENS, num_return_sequences=12, pad_token_id=PAD,
+        draft_model=draft, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    logits = target(input_ids=out).logits[:, prompt.shape[1] - 1 : -1]  # (rows, new, vocab)
+    top = logits.topk(3, dim=-1).indices
+    sampled = out[:, prompt.shape[1] :, None]
+    assert bool((top == sampled).any(dim=-1).all()), "a sampled token lies outside the target's top-k"
