@@ -73,7 +73,7 @@ class SpeculativeConfig:
         if vocabulary is None:
             return None
         if isinstance(vocabulary, int):
-            ids = set(range(min(vocabulary, vocab_size))) | set(special_ids)
+            ids = set(range(min(vocabulary, vocab_size))) | {token for token in special_ids if 0 <= token < vocab_size}
             return torch.tensor(sorted(ids), dtype=torch.long)
         ids = vocabulary.flatten().long().unique()
         if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:

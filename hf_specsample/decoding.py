@@ -39,6 +39,7 @@ def speculative_generate(
     speculative_config: SpeculativeConfig | None = None,
     speculative_streamer: BaseStreamer | None = None,
     speculative_tokenizers: tuple[Any, Any] | None = None,
+    speculative_caller_cache: bool = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`.
@@ -63,6 +64,9 @@ def speculative_generate(
             `streamer=` here, because transformers does not forward `streamer` to custom decoding callables).
         speculative_tokenizers: (target tokenizer, draft tokenizer), set by the registered `generate()` from
             `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`; a draft with another tokenizer is refused.
+        speculative_caller_cache: set by the registered `generate()` when the caller passed `past_key_values`:
+            that object is then left holding what plain `generate()` leaves in it, even without
+            `return_dict_in_generate` (a non-empty cache is taken to be the caller's in any case).
         **model_kwargs: `attention_mask` `(batch, prompt_length)`, `position_ids` `(batch, prompt_length)`, the
             prepared `past_key_values` (empty, or holding the first tokens of `input_ids` from an earlier turn), and
             the flags `generate()` sets (`use_cache`, `logits_to_keep`).
@@ -81,7 +85,7 @@ def speculative_generate(
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     decoder = SpeculativeDecoder(
         model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
-        generator, speculative_streamer,
+        generator, speculative_streamer, speculative_caller_cache,
     )  # fmt: skip
     return decoder.run()
 
@@ -101,6 +105,7 @@ class SpeculativeDecoder:
         config: SpeculativeConfig,
         generator: torch.Generator | None,
         streamer: BaseStreamer | None,
+        caller_cache: bool = False,
     ):
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
@@ -134,8 +139,10 @@ class SpeculativeDecoder:
         self.drafter = DraftModelProposer(
             draft.model, self.sequences, self.processor, self.do_sample, generator, draft.vocabulary, vocab_size
         )
-        # Plain generate() returns its cache with the output object (unless use_cache=False): so do we.
-        self.keep_cache = bool(generation_config.return_dict_in_generate) and model_kwargs.get("use_cache") is not False
+        # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
+        # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
+        wanted = bool(generation_config.return_dict_in_generate) or caller_cache or cached > 0
+        self.keep_cache = wanted and model_kwargs.get("use_cache") is not False
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
@@ -153,7 +160,7 @@ class SpeculativeDecoder:
         self.stats.draft_forward_passes = self.drafter.forward_passes
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
-        return self.recorder.build(sequences, self.stats, cache)
+        return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
     def next_lookahead(self) -> int:
         """Draft tokens for this round: the policy's K, never drafting past `max_length`.
@@ -262,7 +269,8 @@ class SpeculativeDecoder:
             if start < length:
                 part.feed(self.sequences.columns_of(sequences[row : row + 1], [row], [start], length - start), 1)
             part.left_align()
-        cache_rows.stack_rows_into(self.target.cache, [part.cache for part in parts])
+        if parts != [self.target]:  # a single row that never left the batch is already in place
+            cache_rows.stack_rows_into(self.target.cache, [part.cache for part in parts])
         self.target.stop_recording()
         return self.target.cache
 

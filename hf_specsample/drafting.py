@@ -51,7 +51,11 @@ class DraftModelProposer:
         vocabulary: torch.Tensor | None = None,
         vocab_size: int | None = None,
     ):
-        self.runner = CachedModel(draft_model, sequences.num_active)
+        embeddings = draft_model.get_input_embeddings()
+        embeddable = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
+        self.runner = CachedModel(
+            draft_model, sequences.num_active, embeddable=embeddable if vocab_size and embeddable < vocab_size else None
+        )
         sequences.attach(self.runner)
         self.processor = processor
         self.do_sample = do_sample

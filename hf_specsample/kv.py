@@ -58,6 +58,7 @@ class CachedModel:
         batch: int,
         cache: Cache | None = None,
         cached_is_real: torch.Tensor | None = None,
+        embeddable: int | None = None,
     ):
         """
         Args:
@@ -66,6 +67,9 @@ class CachedModel:
             cache: a cache to extend: empty, or holding the first ``C`` buffer positions of every row as plain
                 `generate()` left it (a previous chat turn). A `DynamicCache` if None.
             cached_is_real: `(batch, C)` bool, the attention mask over those ``C`` positions (None: all real).
+            embeddable: ids ``>= embeddable`` are fed as id 0 (a draft narrower than the target cannot embed the
+                target's padded ids; its proposals then condition on another token, which exactness allows: the
+                verifier only needs the distribution the draft really sampled from). None: every id is embeddable.
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -83,6 +87,7 @@ class CachedModel:
         self.slot_is_real = cached_is_real.bool().cpu()  # (batch, slots)
         self.fed = [cached] * batch
         self.forward_passes = 0
+        self.embeddable = embeddable
         signature = inspect.signature(model.forward).parameters
         self._takes_position_ids = "position_ids" in signature
         self._takes_logits_to_keep = "logits_to_keep" in signature
@@ -125,7 +130,10 @@ class CachedModel:
             kwargs["position_ids"] = columns.position_ids.to(device)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
-        logits = self.model(input_ids=columns.input_ids.to(device), **kwargs).logits
+        input_ids = columns.input_ids.to(device)
+        if self.embeddable is not None:
+            input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
+        logits = self.model(input_ids=input_ids, **kwargs).logits
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
 
@@ -183,6 +191,8 @@ class CachedModel:
         assert len(set(self.fed)) == 1, "rows of a left-aligned cache hold the same positions"
         if self.slots > self.fed[0]:
             self._realign(self.fed, total=self.fed[0])
+        else:
+            cache_rows.crop(self.cache, 0)  # trims sliding-window layers as a realign would
 
     def stop_recording(self) -> None:
         """Trim sliding-window layers to their window and stop recording their past, as before this call."""

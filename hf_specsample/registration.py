@@ -44,6 +44,8 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     draft_tokenizer = kwargs.pop("draft_tokenizer", None) or kwargs.pop("assistant_tokenizer", None)
     if draft_tokenizer is not None and kwargs.get("tokenizer") is not None:
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
+    if kwargs.get("past_key_values") is not None:  # the caller holds this object: leave it as plain would
+        kwargs["speculative_caller_cache"] = True
     streamer = kwargs.pop("streamer", None)
     if streamer is not None:
         kwargs["speculative_streamer"] = streamer

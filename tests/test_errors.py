@@ -2,8 +2,16 @@
 
 import pytest
 import torch
-from tiny import PAD, tiny_lm
-from transformers import BartConfig, BartForConditionalGeneration, LogitsProcessorList
+from tiny import PAD, char_tokenizer, tiny_lm
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    JambaConfig,
+    JambaForCausalLM,
+    LogitsProcessorList,
+    MambaConfig,
+    MambaForCausalLM,
+)
 from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
 
 from hf_specsample import SpeculativeConfig
@@ -46,9 +54,37 @@ def assert_fails_before_work(target, draft, match, error=ValueError, **kwargs):
     assert counter.calls == 0
 
 
-def test_different_vocabulary_names_both_sizes(target):
-    other = tiny_lm(seed=1, vocab_size=48)
-    assert_fails_before_work(target, other, match=r"draft's vocabulary size \(48\) differs from the target's \(32\)")
+def test_draft_with_another_tokenizer(target, draft):
+    """Both tokenizers known and different: the ids mean other strings, so the pair is refused up front."""
+    assert_fails_before_work(
+        target, draft, match="tokenizer differs from the target's", tokenizer=char_tokenizer(32),
+        draft_tokenizer=char_tokenizer(40),
+    )  # fmt: skip
+    assert_fails_before_work(
+        target, draft, match="tokenizer differs", tokenizer=char_tokenizer(32), assistant_tokenizer=char_tokenizer(40)
+    )
+
+
+def _mamba():
+    config = MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, state_size=4, expand=2)
+    return MambaForCausalLM(config).eval()
+
+
+def _jamba():
+    config = JambaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+        mamba_d_state=4, mamba_expand=2, pad_token_id=PAD,
+    )  # fmt: skip
+    return JambaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make", [_mamba, _jamba], ids=["mamba", "jamba"])
+def test_state_space_and_hybrid_models_refused(target, make):
+    """A recurrent state cannot be rolled back to the last accepted token: refused as draft and as target."""
+    recurrent = make()
+    assert_fails_before_work(target, recurrent, match="The draft model cannot be used.*cannot be rolled back")
+    assert_fails_before_work(recurrent, target, match="The target model cannot be used.*cannot be rolled back")
 
 
 @pytest.mark.parametrize("bad", [0, -2])
@@ -104,7 +140,7 @@ def test_attentions_and_hidden_states(target, draft):
 
 
 def test_static_cache(target, draft):
-    assert_fails_before_work(target, draft, match="empty, croppable KV cache", cache_implementation="static")
+    assert_fails_before_work(target, draft, match="needs a DynamicCache", cache_implementation="static")
 
 
 def test_stateful_watermark_processor(target, draft):
