@@ -83,6 +83,7 @@ def speculative_generate(
     validation.check_models(model, draft_model, speculative_tokenizers)
     validation.check_generation_config(generation_config)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
+    validation.check_stopping(stopping_criteria, input_ids.shape[0])
     decoder = SpeculativeDecoder(
         model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
         generator, speculative_streamer, speculative_caller_cache,

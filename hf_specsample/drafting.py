@@ -18,6 +18,9 @@ from .rejection import sample_from_weights
 from .sequences import Sequences
 
 
+_DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+
+
 class Proposal(NamedTuple):
     """Draft tokens of one round.
 
@@ -57,6 +60,7 @@ class DraftModelProposer:
             draft_model, sequences.num_active, embeddable=embeddable if vocab_size and embeddable < vocab_size else None
         )
         sequences.attach(self.runner)
+        self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
         self.processor = processor
         self.do_sample = do_sample
         self.generator = generator
@@ -78,7 +82,7 @@ class DraftModelProposer:
         drafted, drafted_probs = [], []
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
-            logits = self.runner.feed_upto(sequences, prefix_lengths, num_logits=1)
+            logits = self._forward(sequences, prefix_lengths)
             if self.vocabulary is not None:
                 logits = logits[..., : self.vocabulary.numel()]
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.row_ids)[:, 0]
@@ -95,6 +99,21 @@ class DraftModelProposer:
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
             probs=self._full(torch.stack(drafted_probs, dim=1)) if drafted_probs else None,
         )
+
+    def _forward(self, sequences: Sequences, upto: list[int]) -> torch.Tensor:
+        """`(batch, 1, width)` draft logits after ``upto[b]`` tokens of each row."""
+        try:
+            return self.runner.feed_upto(sequences, upto, num_logits=1)
+        except RuntimeError as error:
+            # fbgemm's dynamic quantization cannot choose a scale for NaN/inf activations; say what that means.
+            if self.int8 and "ChooseQuantizationParams" in str(error):
+                raise RuntimeError(
+                    "The draft's activations contain NaN or inf, which its dynamic-int8 copy (draft_quantization "
+                    "'auto' on the CPU) cannot quantize: the draft is broken (float16 overflow, a bad checkpoint). "
+                    "Use another draft, load it in bfloat16 or float32, or run it as given with "
+                    "speculative_config=SpeculativeConfig(draft_quantization='none')."
+                ) from error
+            raise
 
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:
         """`(batch, 1, subset)` logits -> `(batch, 1, vocab)` with -inf outside the subset, unless compact."""

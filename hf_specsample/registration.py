@@ -42,7 +42,12 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
         raise ValueError("Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both.")
     kwargs["custom_generate"] = speculative_generate
     draft_tokenizer = kwargs.pop("draft_tokenizer", None) or kwargs.pop("assistant_tokenizer", None)
-    if draft_tokenizer is not None and kwargs.get("tokenizer") is not None:
+    if draft_tokenizer is not None:
+        if kwargs.get("tokenizer") is None:
+            raise ValueError(
+                "`draft_tokenizer=` / `assistant_tokenizer=` is compared with the target's tokenizer: pass the target's "
+                "as `tokenizer=` too."
+            )
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
     if kwargs.get("past_key_values") is not None:  # the caller holds this object: leave it as plain would
         kwargs["speculative_caller_cache"] = True

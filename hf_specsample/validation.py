@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel
+from transformers import Cache, GenerationConfig, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from . import cache_rows
@@ -120,3 +121,23 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
             )
     if input_ids.shape[1] == 0:
         raise ValueError("`draft_model=` needs a non-empty prompt (at least a BOS token).")
+
+
+def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> None:
+    """Refuse the one stopping setup whose plain behaviour the loop does not reproduce.
+
+    Plain `generate()` pads a finished row only when an EOS criterion exists. Without one, a row whose stop string
+    or custom criterion fires keeps receiving real tokens until every row's has fired. The speculative loop retires
+    rows when they stop, so a batch with such criteria and no EOS id would come out different.
+    """
+    if batch_size == 1 or any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria):
+        return
+    per_row = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria))]
+    if per_row:
+        raise ValueError(
+            f"With a batch ({batch_size} rows), stopping criteria {per_row} and no `eos_token_id`, plain generate() "
+            "keeps generating rows whose criterion fired (it pads finished rows only when an EOS id is set) until "
+            "every row's has fired; `draft_model=` retires rows as they stop. Set `eos_token_id=` (e.g. "
+            "tokenizer.eos_token_id; rows are then padded after they stop, as plain generate() does), or generate "
+            "one row per call."
+        )

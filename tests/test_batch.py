@@ -137,3 +137,21 @@ def test_each_row_follows_its_own_prompts_distribution(small_pair):
         exact = exact_distribution(small_target, prompt_ids, processors, NUM_TOKENS)
         rows = samples[index * ROWS : (index + 1) * ROWS]
         assert chisquare_pvalue(exact, rows) > 1e-3
+
+
+def test_custom_criterion_with_eos_pads_stopped_rows_like_plain(target, draft):
+    """With an EOS id, plain pads rows once any criterion stops them: so does the speculative batch."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ids, mask = left_padded(PROMPTS)
+    free = greedy(target, ids, mask, max_new_tokens=12)[:, ids.shape[1] :]
+    stop_token = int(free[0, 3])
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop_token
+
+    kwargs = dict(max_new_tokens=12, eos_token_id=VOCAB - 1, stopping_criteria=StoppingCriteriaList([StopOn()]))
+    plain = greedy(target, ids, mask, **kwargs)
+    assert (plain[0, ids.shape[1] + 4 :] == PAD).all(), "row 0 stops on the criterion and is padded"
+    assert greedy(target, ids, mask, draft_model=draft, num_lookahead=3, **kwargs).tolist() == plain.tolist()

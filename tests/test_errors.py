@@ -155,3 +155,31 @@ def test_stateful_watermark_processor(target, draft):
         do_sample=True,
         logits_processor=LogitsProcessorList([watermark]),
     )
+
+
+def test_draft_tokenizer_without_the_targets(target, draft):
+    assert_fails_before_work(target, draft, match="pass the target's as `tokenizer=`", draft_tokenizer=char_tokenizer(32))
+
+
+def test_batch_with_per_row_stop_criteria_and_no_eos_is_refused(target, draft):
+    """Plain keeps generating rows whose criterion fired when no EOS id is set: refused instead of differing."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == 12
+
+    counter = ForwardCounter(target, draft)
+    try:
+        with pytest.raises(ValueError, match="plain generate\\(\\) keeps generating rows whose criterion fired"):
+            target.generate(
+                PROMPT.expand(2, -1), max_new_tokens=5, pad_token_id=PAD, draft_model=draft,
+                stopping_criteria=StoppingCriteriaList([StopOn()]),
+            )  # fmt: skip
+    finally:
+        counter.remove()
+    assert counter.calls == 0
+    # One row, or an EOS id (rows are then padded after they stop, as plain pads them): accepted.
+    target.generate(
+        PROMPT, max_new_tokens=5, pad_token_id=PAD, draft_model=draft, stopping_criteria=StoppingCriteriaList([StopOn()])
+    )

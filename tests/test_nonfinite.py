@@ -98,3 +98,17 @@ def test_flag_counts_only_the_distributions_a_row_used():
     verdict = Verdict(torch.tensor([1, 0, 1]), torch.zeros(3, dtype=torch.long))
     flagged = flag_nonfinite(verdict, draft_probs, target_probs)
     assert flagged.num_accepted.tolist() == [NonFinite.TARGET, 0, NonFinite.DRAFT]
+
+
+def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft):
+    """The default int8 copy cannot quantize NaN activations: a clear error, and the way out works."""
+    from hf_specsample import SpeculativeConfig
+
+    broken = perturbed_copy(draft, seed=2, scale=0.0)
+    with torch.no_grad():
+        broken.model.norm.weight[0] = math.nan  # NaN hidden states reach the quantized LM head
+    with pytest.raises(RuntimeError, match="draft's activations contain NaN or inf.*draft_quantization='none'"):
+        generate(target, broken, do_sample=False)
+    as_given = SpeculativeConfig(draft_quantization="none")
+    plain = generate(target, do_sample=False)
+    assert generate(target, broken, do_sample=False, speculative_config=as_given).tolist() == plain.tolist()
