@@ -27,13 +27,18 @@ def pair():
 
 
 def left_padded(rows):
+    return padded(rows, "left")
+
+
+def padded(rows, side: str):
     longest = max(len(row) for row in rows)
-    ids = torch.tensor([[PAD] * (longest - len(row)) + row for row in rows])
+    pads = [[PAD] * (longest - len(row)) for row in rows]
+    ids = torch.tensor([pad + row if side == "left" else row + pad for pad, row in zip(pads, rows)])
     return ids, (ids != PAD).long()
 
 
-def sample(target, draft, seed: int, lookahead: int):
-    ids, mask = left_padded(PROMPTS)
+def sample(target, draft, seed: int, lookahead: int, side: str = "left"):
+    ids, mask = padded(PROMPTS, side)
     return target.generate(
         ids, attention_mask=mask, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=SAMPLES,
         pad_token_id=PAD, draft_model=draft, num_lookahead=lookahead, generator=torch.Generator().manual_seed(seed),
@@ -53,12 +58,13 @@ def pvalues(target, out):
     return result
 
 
-@pytest.mark.parametrize("lookahead", [1, 3])
+@pytest.mark.parametrize("lookahead, side", [(1, "left"), (3, "left"), (3, "right")])
 @torch.no_grad()
-def test_batched_sampling_past_the_window_is_exact(pair, lookahead):
+def test_batched_sampling_past_the_window_is_exact(pair, lookahead, side):
+    """Left padding, and right padding (padding inside each row's window; generate()'s own position ids)."""
     assert len(PROMPTS[1]) + NUM_TOKENS > SLIDING_WINDOW
     target, draft = pair
-    out = sample(target, draft, seed=lookahead, lookahead=lookahead)
+    out = sample(target, draft, seed=lookahead, lookahead=lookahead, side=side)
     assert min(pvalues(target, out)) > ALPHA
 
 
