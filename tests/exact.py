@@ -19,6 +19,7 @@ def exact_distribution(
     processors: LogitsProcessorList,
     num_tokens: int,
     eos_token_ids: Sequence[int] = (),
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[Continuation, float]:
     """P(continuation) under `model` with `processors` applied at every step, for every continuation.
 
@@ -27,7 +28,13 @@ def exact_distribution(
 
     Args:
         prompt: `(1, prompt_length)` long.
+        attention_mask: `(1, prompt_length)` for a padded prompt: the model then gets the mask and the position ids
+            plain `generate()` gives (padding 0, new tokens continuing from the last prompt column).
     """
+    if attention_mask is not None:
+        from hf_specsample.sequences import generate_position_ids
+
+        prompt_positions = generate_position_ids(attention_mask)
     frontier: dict[Continuation, float] = {(): 1.0}
     finished: dict[Continuation, float] = {}
     for _ in range(num_tokens):
@@ -35,7 +42,16 @@ def exact_distribution(
         ids = torch.cat(
             [prompt.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1
         )
-        logits = model(input_ids=ids).logits[:, -1].float()
+        if attention_mask is None:
+            logits = model(input_ids=ids).logits[:, -1].float()
+        else:
+            new = ids.shape[1] - prompt.shape[1]
+            mask = torch.cat([attention_mask, torch.ones(1, new, dtype=attention_mask.dtype)], 1)
+            positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + torch.arange(1, new + 1)], 1)
+            rows = len(prefixes)
+            logits = model(
+                input_ids=ids, attention_mask=mask.expand(rows, -1), position_ids=positions.expand(rows, -1)
+            ).logits[:, -1].float()
         probs = torch.softmax(processors(ids, logits).double(), dim=-1)
         next_frontier: dict[Continuation, float] = {}
         for prefix, row in zip(prefixes, probs):

@@ -46,13 +46,14 @@ def sample(target, draft, seed: int, lookahead: int, side: str = "left"):
     )  # fmt: skip
 
 
-def pvalues(target, out):
-    ids, _ = left_padded(PROMPTS)
+def pvalues(target, out, side: str = "left"):
+    """Per prompt, the p-value of its rows against plain sampling from that (padded) prompt."""
+    ids, mask = padded(PROMPTS, side)
     result = []
-    for index, prompt in enumerate(PROMPTS):
-        prompt = torch.tensor([prompt])
+    for index in range(len(PROMPTS)):
+        prompt, prompt_mask = ids[index : index + 1], mask[index : index + 1]
         processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=NUM_TOKENS, **SETTINGS)
-        exact = exact_distribution(target, prompt, processors, NUM_TOKENS)
+        exact = exact_distribution(target, prompt, processors, NUM_TOKENS, attention_mask=prompt_mask)
         rows = out[index * SAMPLES : (index + 1) * SAMPLES]
         result.append(chisquare_pvalue(exact, continuations(rows, ids.shape[1])))
     return result
@@ -65,7 +66,22 @@ def test_batched_sampling_past_the_window_is_exact(pair, lookahead, side):
     assert len(PROMPTS[1]) + NUM_TOKENS > SLIDING_WINDOW
     target, draft = pair
     out = sample(target, draft, seed=lookahead, lookahead=lookahead, side=side)
-    assert min(pvalues(target, out)) > ALPHA
+    assert min(pvalues(target, out, side)) > ALPHA
+
+
+@torch.no_grad()
+def test_the_reference_is_plain_generate_right_padded(pair):
+    """The enumerated reference for a right-padded prompt is plain sampling's (mask and generate()'s position ids),
+    and differs from the unpadded prompt's: so the right-padded case above compares with what plain would do."""
+    target, _ = pair
+    ids, mask = padded(PROMPTS, "right")
+    torch.manual_seed(0)
+    out = target.generate(
+        ids, attention_mask=mask, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=SAMPLES,
+        pad_token_id=PAD, **SETTINGS,
+    )  # fmt: skip
+    assert min(pvalues(target, out, "right")) > ALPHA
+    assert min(pvalues(target, out, "left")) < 1e-6  # the row padded on the right samples another distribution
 
 
 @torch.no_grad()
