@@ -1,0 +1,105 @@
+"""This checkout against an earlier commit of the library, in one process, interleaved: did a change cost speed?
+
+    python benchmarks/versions.py --base 7c2921d --pair qwen-coder --num-prompts 4 --max-new-tokens 96
+
+The earlier commit's `hf_specsample/` is extracted with `git archive` into a temporary folder under another package
+name (the library imports itself only relatively), so both versions run on the same loaded models. For every
+prompt and mode the calls alternate: the target alone, this checkout's default, the base's default (after one
+warm-up round of each). Every call generates exactly `--max-new-tokens` tokens (min_new_tokens = max_new_tokens).
+Both versions are called through transformers' own `generate(custom_generate=...)`, so neither's registration
+wrapper is in the way. Printed: tokens/s per method, each version's speed-up over the target alone, and
+this/base per prompt (median). Figures are printed, never asserted; this CPU drifts by about 10% between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.utils import GenerationMixin
+
+PLAIN_GENERATE = GenerationMixin.generate  # before either version registers its wrapper
+REPO = Path(__file__).resolve().parents[1]
+
+
+def import_base(revision: str, folder: Path):
+    """The library as of `revision`, imported as package `hf_specsample_base`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", revision, "hf_specsample"], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "hf_specsample").rename(folder / "hf_specsample_base")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("hf_specsample_base")
+
+
+def timed(model, inputs, **kwargs) -> float:
+    start = time.perf_counter()
+    PLAIN_GENERATE(model, **inputs, **kwargs)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare with (e.g. a commit before a change)")
+    parser.add_argument("--pair", default="qwen-coder", help="a benchmark pair (qwen-coder, smollm2, tiny)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many HumanEval prompts first")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--modes", default="sampling,greedy")
+    args = parser.parse_args()
+
+    import hf_specsample
+    from hf_specsample.bench.pairs import load_bench_pair
+    from hf_specsample.bench.prompts import PromptSet, load_prompts
+
+    with tempfile.TemporaryDirectory() as folder:
+        base = import_base(args.base, Path(folder))
+        hf_specsample.unregister()
+        target, draft, tokenizer = load_bench_pair(args.pair)
+        prompts = load_prompts(PromptSet.HUMANEVAL, args.num_prompts, offset=args.prompt_offset)
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line), "")
+        print(f"this checkout {head.stdout.strip()} vs base {args.base}; {platform.machine()} {cpu.split(':')[-1]}")
+        print(f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, {args.max_new_tokens} tokens")
+        methods = {
+            "target": {},
+            "this": dict(custom_generate=hf_specsample.speculative_generate, draft_model=draft),
+            "base": dict(custom_generate=base.speculative_generate, draft_model=draft),
+        }
+        n = args.max_new_tokens
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        for mode in args.modes.split(","):
+            sampling = dict(do_sample=True, temperature=0.7, top_p=0.95) if mode == "sampling" else dict(do_sample=False)
+            common = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **sampling)
+            warm = tokenizer(prompts[0].text, return_tensors="pt")
+            for extra in methods.values():
+                PLAIN_GENERATE(target, **warm, **{**common, "max_new_tokens": 8, "min_new_tokens": 8}, **extra)
+            seconds = {name: [] for name in methods}
+            for prompt in prompts:
+                inputs = tokenizer(prompt.text, return_tensors="pt")
+                for name, extra in methods.items():
+                    seconds[name].append(timed(target, inputs, **common, **extra))
+            rate = {name: len(prompts) * n / sum(times) for name, times in seconds.items()}
+            per_prompt = [b / t for t, b in zip(seconds["this"], seconds["base"])]
+            print(
+                f"{mode:>8}: target {rate['target']:.2f} tok/s | this {rate['this']:.2f} tok/s "
+                f"({rate['this'] / rate['target']:.2f}x) | base {rate['base']:.2f} tok/s "
+                f"({rate['base'] / rate['target']:.2f}x) | this/base {rate['this'] / rate['base']:.2f} "
+                f"(per-prompt median {statistics.median(per_prompt):.2f})"
+            )
+
+
+if __name__ == "__main__":
+    main()
