@@ -44,13 +44,19 @@ def model_cache_problem(model: PreTrainedModel) -> str | None:
     parameters = inspect.signature(model.forward).parameters
     if "past_key_values" not in parameters or "cache_params" in parameters:
         return f"{type(model).__name__} keeps a recurrent state (`cache_params`), not a KV cache"
+    supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports_dynamic is not None and not supports_dynamic():
+        return f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers says so itself)"
     try:
         cache = DynamicCache(config=model.config)
     except Exception as error:  # noqa: BLE001 (any config this cannot build a cache for is refused)
         return f"no DynamicCache can be built for {type(model).__name__} ({error})"
     unsupported = unsupported_layers(cache)
     if unsupported:
-        return f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (recurrent or indexed state)"
+        return (
+            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (a recurrent state, or keys "
+            "and values shared with other layers), which hf_specsample cannot roll back row by row"
+        )
     return None
 
 

@@ -113,7 +113,9 @@ class SpeculativeDecoder:
         self.pad_token_id = _as_int(generation_config._pad_token_tensor)
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
-        self.processor = PositionwiseProcessor(logits_processor)
+        self.processor = PositionwiseProcessor(
+            logits_processor, batch_size=input_ids.shape[0], fast=config.fast_processors
+        )
         self.tensor_parallel = distributed.is_tensor_parallel(model)
         if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
             generator = distributed.shared_generator(generator, input_ids.device)

@@ -12,10 +12,14 @@ lengths. To give every processor exactly the arguments plain `generate()` would 
   too short) are applied to all positions at once from a `(batch, positions)` tensor of lengths. Calling them per
   distinct length cost up to B (K+1) calls per round, each scanning the vocabulary (`torch.isin`).
 
-The processor list keeps its order: it is cut into consecutive runs of these three kinds. Processors that read the
-row's index in the batch (`prefix_allowed_tokens_fn`'s `batch_id`, the per-row prompt padding of the repetition
-penalty) are given the caller's row indices, not the indices inside a group. A user processor that indexes rows
-itself would see group indices: processors are assumed to treat rows independently otherwise.
+The processor list keeps its order: it is cut into consecutive runs of these three kinds. Among prefix-dependent
+processors, only those known to compute each row from that row alone (`ROW_LOCAL_PROCESSORS`) are called on the
+group of rows sharing a prefix length. Every other one (a user's processor, `prefix_allowed_tokens_fn`, which
+receives a `batch_id`, the encoder repetition penalty and n-gram ban, which look up each row's prompt by index, the
+repetition penalty of a padded batch, which holds one padding length per row) is called with the caller's whole
+batch, each row at its own index, as plain `generate()` calls it; the rows not at that prefix length are filled
+with zeros and their output is discarded. A processor whose row depends on *other* rows' contents cannot be
+applied exactly to draft positions; none of transformers' processors does this outside beam search.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers.generation import logits_process as lp
+
+from .fast_processors import fast_equivalent
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
 # and not on which token id a column stands for: they give the same result on any subset of the vocabulary.
@@ -45,6 +51,20 @@ VOCABULARY_FREE_PROCESSORS: tuple[type, ...] = (
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch).
 PREFIX_FREE_PROCESSORS: tuple[type, ...] = VOCABULARY_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
+
+# Prefix-dependent processors whose output row depends only on the same row of `input_ids` and `scores`, never on
+# the row's index in the batch: they may be called on any group of rows. (The repetition penalty only while its
+# `prompt_ignore_length` is not a per-row tensor: see `_row_local`.)
+ROW_LOCAL_PROCESSORS: tuple[type, ...] = (
+    lp.RepetitionPenaltyLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor,
+    lp.NoBadWordsLogitsProcessor,
+    lp.SequenceBiasLogitsProcessor,
+    lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor,
+    lp.ExponentialDecayLengthPenalty,
+    lp.SuppressTokensAtBeginLogitsProcessor,
+)
 
 # Processors that read only the prefix length: EOS is forbidden while the sequence is shorter than a threshold.
 LENGTH_ONLY_PROCESSORS: tuple[type, ...] = (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
@@ -105,9 +125,19 @@ class PositionwiseProcessor:
     plain `generate()` passes when it samples that position.
     """
 
-    def __init__(self, processors: Sequence[lp.LogitsProcessor]):
+    def __init__(self, processors: Sequence[lp.LogitsProcessor], batch_size: int, fast: bool = True):
+        """
+        Args:
+            processors: the list `generate()` built.
+            batch_size: rows of the caller's batch (`row_ids` index them): the batch given to processors that are
+                not row-local.
+            fast: replace processors that sort the vocabulary by exact sort-free equivalents
+                (`fast_processors.fast_equivalent`); any other processor runs as given.
+        """
         check_supported(processors)
         self.runs = _runs(processors)
+        self.batch_size = batch_size
+        self._fast = {id(p): fast_equivalent(p) for p in processors} if fast else {}
         # Exact type, as for prefix-freedom: a subclass may read token ids.
         self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
 
@@ -137,7 +167,8 @@ class PositionwiseProcessor:
                 flat = scores.reshape(batch * positions, vocab)
                 no_prefix = tokens.new_empty((batch * positions, 0))
                 for processor in processors:
-                    flat = processor(no_prefix, flat)
+                    fast = self._fast.get(id(processor))
+                    flat = fast(flat) if fast is not None else processor(no_prefix, flat)
                 scores = flat.reshape(batch, positions, vocab)
             elif kind is RunKind.LENGTH_ONLY:
                 lengths = torch.tensor(list(prefix_lengths))[:, None] + torch.arange(positions)  # (batch, positions)
@@ -148,14 +179,15 @@ class PositionwiseProcessor:
                 scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, row_ids)
         return scores
 
-    @staticmethod
     def _by_prefix_length(
+        self,
         processors: list[lp.LogitsProcessor],
         tokens: torch.Tensor,
         prefix_lengths: Sequence[int],
         scores: torch.Tensor,
         row_ids: Sequence[int],
     ) -> torch.Tensor:
+        """Call the processors once per distinct prefix length, with the rows at that length (see module doc)."""
         batch, positions, _ = scores.shape
         groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for row in range(batch):
@@ -167,11 +199,39 @@ class PositionwiseProcessor:
             cols = torch.tensor([col for _, col in pairs], device=scores.device)
             group_ids = tokens[rows, :length]  # (group, length)
             group_scores = scores[rows, cols]  # (group, vocab)
-            group_row_ids = [row_ids[row] for row, _ in pairs]
+            caller_rows = torch.tensor([row_ids[row] for row, _ in pairs], device=scores.device)  # (group,)
             for processor in processors:
-                group_scores = _call(processor, group_ids, group_scores, group_row_ids)
+                if _row_local(processor):
+                    group_scores = processor(group_ids, group_scores)
+                else:
+                    group_scores = self._whole_batch_call(processor, group_ids, group_scores, caller_rows)
             out[rows, cols] = group_scores
         return out
+
+    def _whole_batch_call(
+        self, processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, caller_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """`processor` called on the caller's whole batch with the group's rows at their own indices.
+
+        Args:
+            ids: `(group, length)` the group's prefixes; scores: `(group, vocab)`; caller_rows: `(group,)` their
+                indices in the caller's batch (distinct: a row has one position per prefix length).
+
+        Returns:
+            `(group, vocab)` the processed scores of the group's rows.
+        """
+        whole_ids = ids.new_zeros((self.batch_size, ids.shape[1]))
+        whole_ids[caller_rows] = ids
+        whole_scores = scores.new_zeros((self.batch_size, scores.shape[1]))
+        whole_scores[caller_rows] = scores
+        return processor(whole_ids, whole_scores)[caller_rows]
+
+
+def _row_local(processor: lp.LogitsProcessor) -> bool:
+    """Whether `processor` may be called on any group of rows (exact type: a subclass may index rows)."""
+    if type(processor) is lp.RepetitionPenaltyLogitsProcessor:
+        return not isinstance(processor.prompt_ignore_length, torch.Tensor)  # a tensor holds one length per row
+    return type(processor) in ROW_LOCAL_PROCESSORS
 
 
 def _forbid_eos_while_short(processor: lp.LogitsProcessor, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -198,27 +258,6 @@ def _forbid_eos_while_short(processor: lp.LogitsProcessor, lengths: torch.Tensor
     masked = too_short.to(scores.device)[..., None].expand(-1, -1, eos.numel())  # (batch, positions, eos)
     out[..., eos] = torch.where(masked, -math.inf, out[..., eos])
     return out
-
-
-def _call(processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
-    """Call `processor` on a group of rows, giving row-indexed processors the rows' indices in the caller's batch.
-
-    Two processors `generate()` builds index rows: `prefix_allowed_tokens_fn` receives a `batch_id`, and the
-    repetition penalty of a padded batch holds one prompt-padding length per row.
-    """
-    if isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
-        allowed_fn = processor._prefix_allowed_tokens_fn
-        rows = []
-        for i, row_id in enumerate(row_ids):
-            one_row = lp.PrefixConstrainedLogitsProcessor(lambda _, sent, row_id=row_id: allowed_fn(row_id, sent), 1)
-            rows.append(one_row(ids[i : i + 1], scores[i : i + 1]))
-        return torch.cat(rows)
-    if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) and isinstance(
-        processor.prompt_ignore_length, torch.Tensor
-    ):
-        ignore = processor.prompt_ignore_length[torch.tensor(row_ids, device=processor.prompt_ignore_length.device)]
-        return lp.RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignore)(ids, scores)
-    return processor(ids, scores)
 
 
 def probabilities(scores: torch.Tensor) -> torch.Tensor:

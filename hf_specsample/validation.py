@@ -52,9 +52,9 @@ def check_models(target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any
         problem = cache_rows.model_cache_problem(model)
         if problem is not None:
             raise ValueError(
-                f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls the "
-                "cache back to the last accepted token every round, and a recurrent (state-space) state cannot be "
-                f"rolled back. Use an attention-only {role}"
+                f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls each "
+                "row's cache back to its last accepted token every round, which needs a DynamicCache of plain "
+                f"attention layers (full or sliding window). Use such a {role}"
                 + (" (a small transformer sharing the target's tokenizer)" if role == "draft" else "")
                 + ", or generate without `draft_model=`."
             )

@@ -4,6 +4,7 @@ import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 VOCAB = 64
@@ -137,6 +138,66 @@ def test_each_row_follows_its_own_prompts_distribution(small_pair):
         exact = exact_distribution(small_target, prompt_ids, processors, NUM_TOKENS)
         rows = samples[index * ROWS : (index + 1) * ROWS]
         assert chisquare_pvalue(exact, rows) > 1e-3
+
+
+ROW_INDEXED_SETTINGS = {  # processors plain generate() calls with the whole batch and that look rows up by index
+    "encoder_repetition_penalty": dict(encoder_repetition_penalty=0.3),
+    "encoder_no_repeat_ngram_size": dict(encoder_no_repeat_ngram_size=1),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_INDEXED_SETTINGS))
+def test_row_indexed_processors_sample_each_rows_distribution(small_pair, name):
+    """Two ragged prompts in one call (rows finish in another order than they started): each row's samples follow
+    plain sampling from its own padded prompt, whose prompt the processor looks up by the row's index. Calling
+    the processor on groups of rows crashed or penalised another row's prompt (p = 2.7e-3 in the review)."""
+    small_target, small_draft = small_pair
+    prompts = [[1, 5, 2, 5], [1, 3]]
+    ids, mask = left_padded(prompts)
+    settings = dict(temperature=0.9, **ROW_INDEXED_SETTINGS[name])
+    common = dict(
+        attention_mask=mask, do_sample=True, num_return_sequences=ROWS, max_new_tokens=NUM_TOKENS, pad_token_id=PAD,
+        **settings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = small_target.generate(ids, **common)
+    out = small_target.generate(
+        ids, draft_model=small_draft, num_lookahead=2, generator=torch.Generator().manual_seed(22), **common
+    )
+    for index in range(len(prompts)):
+        prompt, prompt_mask = ids[index : index + 1], mask[index : index + 1]
+        processors, _ = prepared_processors(
+            small_target, prompt, attention_mask=prompt_mask, do_sample=True, max_new_tokens=NUM_TOKENS, **settings
+        )
+        exact = exact_distribution(small_target, prompt, processors, NUM_TOKENS, attention_mask=prompt_mask)
+        rows = slice(index * ROWS, (index + 1) * ROWS)
+        assert chisquare_pvalue(exact, continuations(plain[rows], ids.shape[1])) > 1e-3  # the reference is plain's
+        assert chisquare_pvalue(exact, continuations(out[rows], ids.shape[1])) > 1e-3
+
+
+class PerRowVocabulary(LogitsProcessor):
+    """A user processor constraining rows by their index (row i emits only ids congruent to i mod 3)."""
+
+    def __call__(self, input_ids, scores):
+        allowed = (torch.arange(scores.shape[1])[None, :] % 3) == torch.arange(scores.shape[0])[:, None] % 3
+        return scores.masked_fill(~allowed, -float("inf"))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(encoder_repetition_penalty=0.3),
+        dict(encoder_no_repeat_ngram_size=2),
+        dict(logits_processor=LogitsProcessorList([PerRowVocabulary()])),
+    ],
+    ids=["encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "user_per_row_processor"],
+)
+def test_greedy_with_row_indexed_processors_equals_plain(target, draft, settings):
+    ids, mask = left_padded(PROMPTS)
+    expected = greedy(target, ids, mask, max_new_tokens=20, **settings)
+    for lookahead in (1, 3):
+        got = greedy(target, ids, mask, max_new_tokens=20, draft_model=draft, num_lookahead=lookahead, **settings)
+        assert torch.equal(got, expected)
 
 
 def test_custom_criterion_with_eos_pads_stopped_rows_like_plain(target, draft):

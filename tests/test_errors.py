@@ -79,12 +79,47 @@ def _jamba():
     return JambaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("make", [_mamba, _jamba], ids=["mamba", "jamba"])
-def test_state_space_and_hybrid_models_refused(target, make):
-    """A recurrent state cannot be rolled back to the last accepted token: refused as draft and as target."""
-    recurrent = make()
-    assert_fails_before_work(target, recurrent, match="The draft model cannot be used.*cannot be rolled back")
-    assert_fails_before_work(recurrent, target, match="The target model cannot be used.*cannot be rolled back")
+def _minimax_full_attention():
+    """MiniMax with full-attention layers only: attention, but transformers gives it a cache of its own."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    config = MiniMaxConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, pad_token_id=PAD,
+        layer_types=["full_attention", "full_attention"],
+    )  # fmt: skip
+    return MiniMaxForCausalLM(config).eval()
+
+
+def _gemma3n():
+    """Gemma3n: attention only, but its last layers reuse earlier layers' keys and values."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=[64] * 4, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=32, laurel_rank=4,
+        altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, pad_token_id=PAD,
+    )  # fmt: skip
+    return Gemma3nForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (_mamba, "recurrent state"),
+        (_jamba, "recurrent state"),
+        (_minimax_full_attention, "cache of its own"),
+        (_gemma3n, "shared with other layers"),
+    ],
+    ids=["mamba", "jamba", "minimax-full-attention", "gemma3n-shared-kv"],
+)
+def test_models_whose_cache_cannot_be_rolled_back_are_refused(target, make, reason):
+    """Refused as draft and as target before any forward, with the model's own reason and what to use instead."""
+    model = make()
+    for role, pair in (("draft", (target, model)), ("target", (model, target))):
+        match = f"The {role} model cannot be used.*{reason}.*rolls each row's cache back.*Use such a {role}"
+        assert_fails_before_work(*pair, match=match)
 
 
 @pytest.mark.parametrize("bad", [0, -2])

@@ -1,0 +1,128 @@
+"""Sort-free processors keep exactly the tokens transformers' own processors keep (random, tied, boundary logits)."""
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+from hf_specsample import fast_processors
+from hf_specsample.fast_processors import fast_top_p
+
+NO_IDS = torch.empty((0, 0), dtype=torch.long)
+
+
+def random_logits(rows: int, vocab: int, scale: float, seed: int) -> torch.Tensor:
+    return torch.randn((rows, vocab), generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Few distinct values: ties everywhere, the nucleus boundary often between equal scores."""
+    return torch.randint(0, 6, (rows, vocab), generator=torch.Generator().manual_seed(seed)).float()
+
+
+def boundary_logits(vocab: int) -> torch.Tensor:
+    """Rows whose cumulative mass hits 1 - top_p exactly in exact arithmetic (quarters, eighths, halves)."""
+    rows = []
+    for top in (2, 4, 8):
+        row = torch.full((vocab,), -float("inf"))
+        row[:top] = 0.0
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def assert_same(warper, scores):
+    expected = warper(torch.empty((scores.shape[0], 0), dtype=torch.long), scores)
+    got = fast_top_p(warper, scores)
+    assert bool(((got == expected) | (got.isnan() & expected.isnan())).all())  # bit for bit, NaN where NaN
+
+
+@pytest.mark.parametrize("top_p", [0.0, 0.1, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("min_keep", [1, 3])
+def test_top_p_random_and_tied(top_p, min_keep):
+    warper = lp.TopPLogitsWarper(top_p, min_tokens_to_keep=min_keep)
+    for seed, scale in enumerate([0.5, 2.0, 4.0, 8.0]):
+        assert_same(warper, random_logits(16, 2048, scale, seed))
+    assert_same(warper, tied_logits(16, 512, seed=7))
+    assert_same(warper, boundary_logits(256))
+
+
+def test_top_p_after_top_k_and_temperature():
+    """The usual chain: temperature, then top-k (-inf outside), then top-p."""
+    scores = random_logits(32, 4096, 3.0, seed=1)
+    scores = lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
+    for top_p in (0.8, 0.95):
+        assert_same(lp.TopPLogitsWarper(top_p), scores)
+
+
+def test_top_p_large_vocabulary_and_nonfinite_rows():
+    """A Qwen-sized row (151,936), a flat row (nucleus beyond every candidate size), NaN and all -inf rows."""
+    scores = random_logits(4, 151_936, 3.0, seed=2)
+    scores[1] = 0.0  # flat: the nucleus holds 95% of 151,936 tokens
+    scores[2, 5] = float("nan")
+    scores[3] = -float("inf")
+    scores[3, 9] = 1.0
+    assert_same(lp.TopPLogitsWarper(0.95), scores)
+
+
+def test_the_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
+    """Peaked rows are settled by the candidates (no fallback), and a wrong keep count is caught by the comparison."""
+    warper = lp.TopPLogitsWarper(0.9)
+    scores = random_logits(8, 4096, 4.0, seed=3)
+    calls = []
+    original = lp.TopPLogitsWarper.__call__
+    monkeypatch.setattr(lp.TopPLogitsWarper, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    fast_top_p(warper, scores)
+    assert calls == []  # every row settled without the full sort
+    monkeypatch.setattr(lp.TopPLogitsWarper, "__call__", original)
+    counts = fast_processors.top_p_keep_counts
+    monkeypatch.setattr(fast_processors, "top_p_keep_counts", lambda *a: torch.clamp(counts(*a) + 1, min=-1))
+    with pytest.raises(AssertionError):
+        assert_same(warper, scores)
+
+
+# --- through generate(): a vocabulary wider than the first candidate count, so the sort-free path really runs ---
+
+WIDE_VOCAB = 160  # > CANDIDATES[0]
+TOP_P_SETTINGS = dict(temperature=0.8, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def wide_pair():
+    from tiny import perturbed_copy, tiny_lm
+
+    target = tiny_lm(seed=0, vocab_size=WIDE_VOCAB, hidden=32, init_range=0.6)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def test_sampling_with_sort_free_top_p_is_exact(wide_pair, monkeypatch):
+    from exact import sampled_pvalue
+
+    target, draft = wide_pair
+    settled = []
+    counts = fast_processors.top_p_keep_counts
+    monkeypatch.setattr(fast_processors, "top_p_keep_counts", lambda *a: settled.append(r := counts(*a)) or r)
+    p = sampled_pvalue(
+        target, torch.tensor([[1, 17, 42, 5]]), num_tokens=2, rows=4000, seed=3, settings=TOP_P_SETTINGS,
+        draft_model=draft, num_lookahead=2,
+    )  # fmt: skip
+    assert p > 1e-3
+    settled = torch.cat(settled)
+    assert (settled >= 0).float().mean() > 0.5, "the sort-free path was hardly used: the test would not test it"
+
+
+def test_scores_equal_plain_generate_bit_for_bit(wide_pair):
+    """The processed scores returned with the output are transformers' own, position by position."""
+    from tiny import PAD, prepared_processors
+
+    target, draft = wide_pair
+    prompt = torch.tensor([[1, 17, 42, 5], [1, 3, 9, 11]])
+    kwargs = dict(
+        do_sample=True, max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
+        output_logits=True, **TOP_P_SETTINGS,
+    )  # fmt: skip
+    out = target.generate(prompt, draft_model=draft, num_lookahead=3, generator=torch.Generator().manual_seed(0), **kwargs)
+    warpers, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=12, **TOP_P_SETTINGS)
+    assert [type(w) for w in warpers][-1] is lp.TopPLogitsWarper  # (after transformers' default top_k=50)
+    no_ids = torch.empty((prompt.shape[0], 0), dtype=torch.long)
+    for logits, scores in zip(out.logits, out.scores):
+        expected = warpers(no_ids, logits.clone())
+        assert torch.equal(scores, expected)
