@@ -110,6 +110,75 @@ def speculative_accept(
     return Verdict(num_accepted, sample_from_weights(residual, generator))
 
 
+def block_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> Verdict:
+    """Block verification (Sun et al. 2024, arXiv 2403.10444): the draft block is verified jointly.
+
+    Same contract as `speculative_accept` (the committed tokens follow `target_probs` exactly), and never fewer
+    accepted tokens in expectation. Per row, with ``ratio_i = target(X_i) / draft(X_i)`` at draft position i:
+
+    - ``weight_0 = 1``, ``weight_i = min(1, weight_{i-1} * ratio_i)``: how much of the block up to i the target
+      would still have produced;
+    - ``residual_i(x) = max(0, weight_i * target_{i+1}(x) - draft_{i+1}(x))`` (0-based: the distributions at the
+      position after i tokens), of mass ``mass_i``;
+    - keep-probability ``h_i = mass_i / (mass_i + 1 - weight_i)`` for i < K, and ``h_K = weight_K``;
+    - with ``u_i ~ U(0, 1)``, the number accepted is the *last* i in 1..K with ``u_i < h_i`` (0 if none), and the
+      next token is drawn from ``residual_i`` (i < K) or from the target after the last draft token (i = K).
+
+    Token verification's test differs only in stopping at the first failure and using ``weight_{i-1} = 1``.
+
+    Args:
+        draft_tokens: `(batch, num_draft)` long.
+        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from.
+        target_probs: `(batch, num_draft + 1, vocab)` float.
+        generator: optional generator for the draws.
+        uniform: optional `(batch, num_draft)` draws in [0, 1) (tests); drawn with `generator` if None.
+
+    Returns:
+        A :class:`Verdict`. A zero draft probability gives weight 0 (never divides); an all-zero residual falls back
+        to the target's distribution at that position (a case of probability zero).
+    """
+    batch, num_draft = draft_tokens.shape
+    assert draft_probs.shape[:2] == (batch, num_draft), f"draft_probs {tuple(draft_probs.shape)}"
+    assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
+    rows = torch.arange(batch, device=target_probs.device)
+    if num_draft == 0:
+        return Verdict(rows * 0, sample_from_weights(target_probs[:, 0], generator))
+    if uniform is None:
+        uniform = uniform_like((batch, num_draft), target_probs.device, generator)
+
+    index = draft_tokens.unsqueeze(-1)
+    draft_p = draft_probs.gather(-1, index).squeeze(-1).double()  # (batch, K)
+    target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1).double()  # (batch, K)
+    ratio = torch.where(draft_p > 0, target_p / draft_p.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    weights = [torch.ones_like(ratio[:, 0])]  # weight_0 .. weight_K, each (batch,)
+    for i in range(num_draft):
+        weights.append(torch.minimum(weights[-1] * ratio[:, i], torch.ones_like(ratio[:, i])))
+    weight = torch.stack(weights, dim=1)  # (batch, K + 1)
+    # residual_i for i = 0 .. K-1: after i accepted tokens, against the draft's distribution at that position.
+    scale = weight[:, :num_draft, None].to(target_probs.dtype)
+    residual = (scale * target_probs[:, :num_draft] - draft_probs).clamp_min(0)  # (batch, K, vocab)
+    mass = residual.sum(dim=-1).double()  # (batch, K)
+    denominator = mass + 1 - weight[:, :num_draft]
+    keep = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
+    keep = torch.cat([keep[:, 1:], weight[:, num_draft:]], dim=1)  # h_1 .. h_K, (batch, K)
+    passed = uniform.double() < keep  # (batch, K); `<`: probability h_i for u in [0, 1), never when h_i = 0
+    positions = torch.arange(1, num_draft + 1, device=target_probs.device)
+    num_accepted = (passed * positions).amax(dim=-1)  # (batch,) the last i that passed, 0 if none
+
+    target_next = target_probs[rows, num_accepted]  # (batch, vocab)
+    last = num_accepted.clamp(max=num_draft - 1)
+    chosen = residual[rows, last]  # (batch, vocab)
+    bonus = (num_accepted == num_draft).unsqueeze(-1)
+    weights_next = torch.where(bonus | (chosen.sum(-1, keepdim=True) <= 0), target_next, chosen)
+    return Verdict(num_accepted, sample_from_weights(weights_next, generator))
+
+
 def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """Greedy verification: keep draft tokens while they equal the target's argmax, then take the target's token.
 
