@@ -1,0 +1,97 @@
+"""Prompt-lookup drafting: propose what followed an earlier occurrence of the text's last n-gram.
+
+Outputs that copy their inputs (code edits, quoting, extraction) repeat long runs of the prompt. The drafter looks
+for the row's last ``n`` tokens earlier in the row (prompt and text so far; longest ``n`` first, the latest
+occurrence) and proposes the tokens that followed it. No model runs, so a round costs one target forward.
+
+Exact when sampling: a deterministic proposal is a draft distribution like any other, a point mass on the proposed
+token, so the verifier accepts it with probability ``target(token)`` and otherwise samples the residual, the target's
+distribution without that token. A row with no match (or a match shorter than the round) is padded with its last
+token, another point mass: exactness never depends on the proposal being good.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .drafting import Proposal
+from .sequences import Sequences
+
+DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
+
+
+def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: int, num_tokens: int) -> torch.Tensor:
+    """What followed the latest earlier occurrence of the row's last n-gram, longest n first.
+
+    Args:
+        tokens: `(length,)` long, one row's tokens so far.
+        usable: `(length,)` bool, False for prompt padding (no n-gram may touch it).
+        max_ngram: the longest n tried (then n - 1, ..., 1).
+        num_tokens: how many tokens to return at most.
+
+    Returns:
+        `(m,)` long with ``0 <= m <= num_tokens``: the continuation (empty: no occurrence).
+    """
+    length = tokens.shape[0]
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        if not bool(usable[length - n :].all()):
+            continue
+        windows = tokens[: length - 1].unfold(0, n, 1)  # (length - n, n): every earlier n-gram
+        fits = (windows == tokens[length - n :]).all(dim=1) & usable[: length - 1].unfold(0, n, 1).all(dim=1)
+        starts = fits.nonzero().squeeze(1)
+        if starts.numel():
+            begin = int(starts[-1]) + n
+            return tokens[begin : min(begin + num_tokens, length)]
+    return tokens[:0]
+
+
+class PromptLookupProposer:
+    """Drafts every row from its own text (`ngram_continuation`), with point-mass draft distributions.
+
+    Attributes:
+        max_ngram: the longest n-gram looked up.
+        vocab_size: the target's logit width (the point masses' width).
+        do_sample: whether probabilities are returned (greedy verification needs none).
+        forward_passes: always 0 (no model runs).
+    """
+
+    forward_passes = 0
+
+    def __init__(self, vocab_size: int, do_sample: bool, max_ngram: int = DEFAULT_MAX_NGRAM):
+        if not isinstance(max_ngram, int) or isinstance(max_ngram, bool) or max_ngram < 1:
+            raise ValueError(f"max_matching_ngram_size must be a positive int, got {max_ngram!r}.")
+        self.vocab_size = vocab_size
+        self.do_sample = do_sample
+        self.max_ngram = max_ngram
+
+    def continuations(self, sequences: Sequences, num_tokens: int) -> list[torch.Tensor]:
+        """Per active row, its continuation of at most `num_tokens` tokens (possibly empty)."""
+        tokens = sequences.tokens.cpu()
+        usable = sequences.is_real(sequences.row_ids, sequences.capacity)
+        return [
+            ngram_continuation(tokens[row, :length], usable[row, :length], self.max_ngram, num_tokens)
+            for row, length in enumerate(sequences.lengths)
+        ]
+
+    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
+        """Write `num_tokens` proposed tokens after every active row's committed tokens.
+
+        Returns:
+            `Proposal` with `(batch, num_tokens)` tokens and, when sampling, their `(batch, num_tokens, vocab)`
+            one-hot distributions.
+        """
+        found = self.continuations(sequences, num_tokens)
+        rows = []
+        for row, continuation in enumerate(found):
+            last = continuation[-1:] if continuation.numel() else sequences.tokens[row, sequences.lengths[row] - 1 :][:1]
+            rows.append(torch.cat([continuation, last.cpu().repeat(num_tokens - continuation.numel())]))
+        proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, k)
+        for step in range(num_tokens):
+            sequences.write([step] * sequences.num_active, proposed[:, step])
+        probs = None
+        if self.do_sample:
+            probs = torch.nn.functional.one_hot(proposed, self.vocab_size).float()  # (batch, k, vocab)
+        return Proposal(tokens=proposed, probs=probs)
+
+    def keep_confirmed(self, lengths) -> None:
+        """Nothing to roll back: the drafter keeps no state between rounds."""
