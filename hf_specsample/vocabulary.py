@@ -1,10 +1,15 @@
-"""Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself."""
+"""Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself.
+
+Counts are cached on disk in hf_specsample's cache folder (`default_cache_dir`), which the benchmark's checkpoint
+fetcher (`hf_specsample_bench.models`) shares.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import os
 import sysconfig
 from collections import Counter
 from collections.abc import Iterable
@@ -13,6 +18,17 @@ from pathlib import Path
 import torch
 
 CORPUS_FILES = 200  # stdlib modules counted (sorted by name): ~0.9M tokens of code, enough for a stable top-32k
+CACHE_ENV_VAR = "HF_SPECSAMPLE_CACHE"  # overrides the cache folder; see default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """``$HF_SPECSAMPLE_CACHE`` if set, else ``$XDG_CACHE_HOME/hf_specsample``, else ``~/.cache/hf_specsample``."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hf_specsample"
 
 
 def default_corpus() -> Iterable[str]:
@@ -29,8 +45,6 @@ def token_counts(tokenizer, texts: Iterable[str] | None = None, cache_dir: Path 
     """Token frequencies of `texts` (default corpus, counted once per tokenizer and cached on disk)."""
     if texts is not None:
         return Counter(token for text in texts for token in tokenizer(text).input_ids)
-    from .models import default_cache_dir
-
     vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
     path = Path(cache_dir or default_cache_dir()) / "token_counts" / f"{vocab_hash}-{CORPUS_FILES}.json"
     if path.exists():

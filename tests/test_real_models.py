@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_specsample.models import KnownModel, load_model
+from hf_specsample_bench.models import KnownModel, load_model
 
 pytestmark = pytest.mark.slow
 

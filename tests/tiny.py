@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
 
-from hf_specsample.bench.tiny import char_tokenizer  # noqa: F401  (re-exported for the tests)
+from hf_specsample_bench.tiny import char_tokenizer  # noqa: F401  (re-exported for the tests)
 
 BOS, PAD = 1, 0
 

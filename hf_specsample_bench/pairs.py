@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import KnownModel, KnownPair, check_same_vocabulary, load_model
-from ..self_draft import layer_skip_draft
+from .models import KnownModel, KnownPair, check_same_vocabulary, load_model
+from hf_specsample.self_draft import layer_skip_draft
 from .methods import Choice
 from .tiny import tiny_pair
 

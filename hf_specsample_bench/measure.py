@@ -80,8 +80,8 @@ def method_cost_ratios(
     target, draft, tokenizer, methods, input_ids: torch.Tensor, target_seconds: float
 ) -> dict[str, float]:
     """c of each hf_specsample method, timing the draft it really runs (e.g. the int8 copy, the compact head)."""
-    from ..draft_prep import prepare_draft
-    from ..validation import vocab_size
+    from hf_specsample.draft_prep import prepare_draft
+    from hf_specsample.validation import vocab_size
     from .methods import Method
 
     ratios = {}

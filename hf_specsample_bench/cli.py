@@ -1,4 +1,4 @@
-"""`python -m hf_specsample.bench`: how much faster is generate() with a draft, and does it sample the same?"""
+"""`python -m hf_specsample_bench`: how much faster is generate() with a draft, and does it sample the same?"""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hf_specsample.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hf_specsample_bench", description=__doc__)
     parser.add_argument(
         "--pair",
         type=BenchPair,
@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> None:
+    """The `hf-specsample-bench` console script: `run`, printing the tables (a console script's return value is
+    its exit status, so this returns nothing)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None) -> dict:
     """Parse arguments, load the pair, run the requested comparisons; return (and optionally save) the report."""
     args = build_parser().parse_args(argv)
     if args.threads:

@@ -58,8 +58,8 @@ class MethodSpec:
 
     def speculative_config(self, tokenizer=None):
         """The `SpeculativeConfig` of a SPECULATIVE method (frequent tokens need the tokenizer)."""
-        from ..config import SpeculativeConfig
-        from ..vocabulary import frequent_tokens
+        from hf_specsample.config import SpeculativeConfig
+        from hf_specsample.vocabulary import frequent_tokens
 
         options: dict[str, Any] = {"num_lookahead": self.num_lookahead}
         if self.draft_quantization is not None:

@@ -16,7 +16,7 @@ from .report import Row, summarise
 
 @dataclass
 class BenchmarkConfig:
-    """Settings of one benchmark run; every default is what `python -m hf_specsample.bench` uses."""
+    """Settings of one benchmark run; every default is what `python -m hf_specsample_bench` uses."""
 
     methods: list[MethodSpec] = field(
         default_factory=lambda: [
