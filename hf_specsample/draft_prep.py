@@ -28,7 +28,7 @@ from enum import Enum
 import torch
 from transformers import PreTrainedModel
 
-from .self_draft import layer_skip_draft
+from .self_draft import default_layers_to_keep, layer_skip_draft
 from .validation import vocab_size
 
 logger = logging.getLogger(__name__)
@@ -184,8 +184,7 @@ def _build(draft, target, quantization: DraftQuantization, vocabulary: torch.Ten
     model = target if draft == AUTO_DRAFT else draft
     if draft == AUTO_DRAFT and not (_is_plain_cpu_float(target) and int8_engine()):
         layers = target.config.get_text_config().num_hidden_layers
-        third = layers // 3  # skip the middle third: measured best of the layer-skip variants on SmolLM2
-        model = layer_skip_draft(target, [i for i in range(layers) if not third <= i < 2 * third])
+        model = layer_skip_draft(target, default_layers_to_keep(layers))
         quantization = DraftQuantization.NONE
     if vocabulary is not None:
         vocabulary = vocabulary.sort().values
