@@ -6,10 +6,10 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
-from .config import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
+from .config import SpeculativeConfig
 from .decoding import speculative_generate
 from .draft_prep import DraftQuantization
-from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
+from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats

@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from .draft_prep import DraftQuantization
-from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, StaticCosts
-
-DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU and costs buffer room
-# Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
-# K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
-# but a batch verifies batch * (K+1) tokens and turns compute-bound.
-STATIC_VERIFY_SLOPE = 0.02
+from .lookahead import (
+    DEFAULT_MAX_LOOKAHEAD,
+    STATIC_VERIFY_SLOPE,
+    AdaptiveLookahead,
+    FixedLookahead,
+    LookaheadPolicy,
+    StaticCosts,
+)
 
 
 def _check_lookahead(name: str, value: int | None) -> None:

@@ -14,10 +14,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .config import SpeculativeConfig
-from .draft_prep import prepare_draft, weight_bytes_ratio
+from .draft_prep import prepare_draft
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
-from .lookahead import RoundRecord
+from .lookahead import RoundRecord, weight_bytes_ratio
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
 from .rejection import NonFinite, Verdict, flag_nonfinite, greedy_accept, speculative_accept
@@ -127,7 +127,9 @@ class SpeculativeDecoder:
         batch = input_ids.shape[0]
         self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
 
-        capacity = self.max_length + self.policy.capacity + 1
+        # A row never holds more than max_length tokens: next_lookahead caps K so that the drafts and the
+        # recovered/bonus token fit (one spare column).
+        capacity = self.max_length + 1
         position_ids = model_kwargs.get("position_ids")
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
@@ -164,7 +166,7 @@ class SpeculativeDecoder:
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
     def next_lookahead(self) -> int:
-        """Draft tokens for this round: the policy's K, never drafting past `max_length`.
+        """Draft tokens for this round: the policy's K (asked once per round), never drafting past `max_length`.
 
         A first round whose prompt ends in padding in some row (right padding) drafts nothing: the logits of that
         padding position can come from an attention row with every key masked (a sliding window over padding),

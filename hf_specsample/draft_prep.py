@@ -111,26 +111,6 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
     return view
 
 
-def weight_bytes(model: PreTrainedModel) -> int:
-    """Bytes of weights a decoding step reads: every parameter and int8-packed linear, except the input embedding
-    (a step reads one row of it) unless it is tied to the LM head."""
-    embedding = model.get_input_embeddings().weight
-    head = getattr(model.get_output_embeddings(), "weight", None)
-    skipped = {id(embedding)} if head is not embedding else set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
-            total += module.in_features * module.out_features
-        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
-    return total
-
-
-def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
-    """Draft over target weight bytes per step: a clock-free estimate of c for memory-bound decoding."""
-    return weight_bytes(draft) / max(1, weight_bytes(target))
-
-
 class _Cache:
     """Prepared drafts per (draft model, options), dropped with the draft model."""
 

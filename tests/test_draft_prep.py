@@ -11,8 +11,8 @@ from hf_specsample.draft_prep import (
     int8_dynamic_copy,
     prepare_draft,
     restrict_vocabulary,
-    weight_bytes,
 )
+from hf_specsample.lookahead import weight_bytes
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
