@@ -31,6 +31,37 @@ def default_cache_dir() -> Path:
     return base / "hf_specsample"
 
 
+def special_token_ids(generation_config) -> list[int]:
+    """The EOS, padding and BOS ids of a `GenerationConfig`: the ids a draft vocabulary of N lowest ids keeps."""
+    ids = []
+    for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
+        if value is not None:
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [int(token) for token in ids]
+
+
+def vocabulary_ids(vocabulary: torch.Tensor | int | None, width: int, special_ids: list[int]) -> torch.Tensor | None:
+    """A draft vocabulary option (`SpeculativeConfig.draft_vocabulary`, `prepare_draft(vocabulary=)`) as token ids.
+
+    Args:
+        vocabulary: None (every id), an int N (ids ``0 .. N - 1`` plus `special_ids`), or a tensor of ids.
+        width: the ids both models score; every id must lie below it.
+        special_ids: ids an int vocabulary keeps (`special_token_ids`).
+
+    Returns:
+        `(n,)` long on the CPU, sorted and unique; None for the whole vocabulary.
+    """
+    if vocabulary is None:
+        return None
+    if isinstance(vocabulary, int):
+        ids = set(range(min(vocabulary, width))) | {token for token in special_ids if 0 <= token < width}
+        return torch.tensor(sorted(ids), dtype=torch.long)
+    ids = vocabulary.flatten().long().unique().cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= width:
+        raise ValueError(f"draft_vocabulary holds ids outside [0, {width}).")
+    return ids
+
+
 def default_corpus() -> Iterable[str]:
     """CPython's own standard-library sources and its documentation topics: code and English prose, offline."""
     from pydoc_data.topics import topics

@@ -10,7 +10,8 @@ some of them split into numbered chunks (one chunk per distribution). This modul
 4. loads it with transformers (``gguf_file=``), and keeps a converted safetensors copy beside it, because
    loading that copy takes about a second where de-quantising the GGUF takes about a minute.
 
-``python -m hf_specsample_bench.models`` (or ``hf-specsample-fetch``) does all of this ahead of time for every known model.
+``python -m hf_specsample_bench.models`` (or ``hf-specsample-fetch``) does all of this ahead of time for every known
+model.
 
 Cache layout (``<cache>`` is :func:`default_cache_dir` unless given)::
 

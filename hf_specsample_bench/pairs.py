@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .models import KnownModel, KnownPair, check_same_vocabulary, load_model
 from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
+
 from .methods import Choice
+from .models import KnownModel, KnownPair, check_same_vocabulary, load_model
 from .tiny import tiny_pair
 
 

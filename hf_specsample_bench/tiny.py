@@ -47,7 +47,8 @@ def tiny_llama(
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048, bos_token_id=BOS_ID,
-        eos_token_id=eos_token_id, pad_token_id=PAD_ID, initializer_range=init_range, tie_word_embeddings=tie_embeddings,
+        eos_token_id=eos_token_id, pad_token_id=PAD_ID, initializer_range=init_range,
+        tie_word_embeddings=tie_embeddings,
     )  # fmt: skip
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
