@@ -82,8 +82,8 @@ def speculative_generate(
             "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
         )
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
-    runs = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
-    validation.check_models(model, runs, speculative_tokenizers)
+    running = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
+    validation.check_models(model, running, speculative_tokenizers)
     validation.check_generation_config(generation_config)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
