@@ -10,7 +10,7 @@ Three levers, each an argument of `prepare_draft` (and an option of `Speculative
   logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset); the cost is that a token outside the subset can never be drafted.
 - `draft="auto"`: a self-draft for targets with no small sibling: an int8 copy of the target on the CPU, a view
-  skipping the middle third of its layers elsewhere (or with `quantization=NONE`).
+  skipping the middle fifth of its layers elsewhere (or with `quantization=NONE`).
 
 `prepare_draft` returns a `PreparedDraft`, an object the caller holds and passes as `generate(draft_model=...)`.
 The one-line `generate(draft_model=small)` prepares one itself and keeps it in `_IMPLICIT`, the only cache here:
@@ -116,7 +116,7 @@ def prepare_draft(
 
     Args:
         draft: a causal LM sharing the target's tokenizer (its logit width may differ), or "auto": a draft made from
-            the target (an int8 copy on the CPU, a view skipping the middle third of its layers elsewhere or with
+            the target (an int8 copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
             `quantization="none"`).
         target: the model whose `generate()` will use the draft.
         quantization: AUTO (default: a dynamic-int8 copy of a float draft on the CPU, the draft as given

@@ -68,13 +68,15 @@ def _renumbered(layer: torch.nn.Module, index: int) -> torch.nn.Module:
 
 
 def default_layers_to_keep(num_layers: int) -> list[int]:
-    """The decoder layers a default self-draft runs: all but the middle third (SmolLM2's 30 layers: 0-9 and 20-29).
+    """The decoder layers a default self-draft runs: all but the middle fifth (at least one layer skipped).
 
     The first and last layers map tokens into and out of the model's representation; the middle ones refine it
-    and are the cheapest to skip (measured best of the layer-skip variants tried on SmolLM2-135M).
+    and are the cheapest to skip. How many: measured on SmolLM2-135M (30 layers; 3 prompts, greedy and sampling,
+    K=3), alpha was 0.55 skipping the middle fifth (layers 12-17), 0.55 a sixth, 0.30 a quarter, 0.19 a third.
     """
-    third = num_layers // 3
-    return [index for index in range(num_layers) if not third <= index < 2 * third]
+    skipped = max(1, num_layers // 5) if num_layers > 1 else 0
+    start = (num_layers - skipped) // 2
+    return [index for index in range(num_layers) if not start <= index < start + skipped]
 
 
 def layer_skip_draft(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
@@ -82,7 +84,7 @@ def layer_skip_draft(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedM
 
     Args:
         model: the target causal LM (any decoder with a `layers` / `h` / `blocks` list).
-        keep: indices of the decoder layers to run, e.g. ``default_layers_to_keep(30)`` (0-9 and 20-29).
+        keep: indices of the decoder layers to run, e.g. ``default_layers_to_keep(30)`` (all but 12-17).
 
     Returns:
         A model sharing all weights with `model`; it uses no extra parameter memory.

@@ -13,7 +13,7 @@ from .tiny import tiny_pair
 
 class BenchPair(Choice):
     QWEN_CODER = "qwen-coder"  # Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft
-    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without its middle third of layers as draft (quick)
+    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without layers 12-17 as draft (quick runs)
     TINY = "tiny"  # random 4-layer target, 1-layer draft, character tokenizer: measures the loop's own overhead
 
 

@@ -207,11 +207,11 @@ def test_an_auto_draft_drafts_only_for_its_own_target(pair):
         greedy(make_target(seed=5), draft_model=prepared)
 
 
-def test_auto_without_quantization_skips_the_middle_third_of_the_layers():
-    target = tiny_lm(seed=0, vocab_size=64, layers=6, hidden=32, init_range=0.3)
+def test_auto_without_quantization_skips_middle_layers():
+    target = tiny_lm(seed=0, vocab_size=64, layers=10, hidden=32, init_range=0.3)
     prepared = prepare_draft("auto", target, quantization="none")
-    assert len(prepared.model.model.layers) == 4
-    assert prepared.model.model.layers[2].mlp.up_proj.weight is target.model.layers[4].mlp.up_proj.weight
+    assert len(prepared.model.model.layers) == 8  # layers 4 and 5 skipped
+    assert prepared.model.model.layers[4].mlp.up_proj.weight is target.model.layers[6].mlp.up_proj.weight
     assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
 
 
