@@ -283,18 +283,23 @@ class _TensorState(NamedTuple):
 
     name: str
     tensor: weakref.ref  # the tensor object: replacing a Parameter makes a new one
-    version: int  # torch's in-place counter: copy_, load_state_dict, optimizer steps, init functions bump it
+    version: int | None  # torch's in-place counter: copy_, load_state_dict, optimizer steps, init functions bump it
     data_ptr: int  # `.to()` / `.half()` / `p.data = ...` swap the storage without bumping `version`
     dtype: torch.dtype
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> _TensorState:
-        return cls(name, weakref.ref(tensor), tensor._version, tensor.data_ptr(), tensor.dtype)
+        return cls(name, weakref.ref(tensor), _version(tensor), tensor.data_ptr(), tensor.dtype)
 
     def matches(self, name: str, tensor: torch.Tensor) -> bool:
-        return (name, tensor._version, tensor.data_ptr(), tensor.dtype) == (
+        return (name, _version(tensor), tensor.data_ptr(), tensor.dtype) == (
             self.name, self.version, self.data_ptr, self.dtype
         ) and self.tensor() is tensor  # fmt: skip
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place version counter; None for tensors made under `torch.inference_mode`, which have none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _weight_states(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
@@ -321,8 +326,9 @@ class _ImplicitDrafts:
     - Per model, keyed by exactly the options: the quantization asked for and the full vocabulary ids.
     - Valid while the model's weights are unchanged: every parameter and buffer is the same object, with the same
       storage and the same in-place version counter as when the entry was made; otherwise every entry of that
-      model is rebuilt. Writes through `.data` (`p.data.copy_(...)`) bypass torch's version counter and are not
-      seen: after such writes, pass `prepare_draft(draft, target)` yourself. Output stays exact either way; a stale
+      model is rebuilt. Writes through `.data` (`p.data.copy_(...)`) bypass torch's version counter, and weights
+      made under `torch.inference_mode` have none: such in-place writes are not seen; after them, pass
+      `prepare_draft(draft, target)` yourself. Output stays exact either way; a stale
       copy only drafts worse.
     """
 

@@ -130,6 +130,16 @@ def test_a_changed_draft_gets_a_new_copy(mutate):
     torch.testing.assert_close(second.model(PROMPT).logits, reference(PROMPT).logits)
 
 
+def test_a_draft_made_under_inference_mode_is_prepared_once(pair):
+    """Inference tensors have no version counter; such a draft still works and its copy is still kept."""
+    target, _ = pair
+    with torch.inference_mode():
+        draft = perturbed_copy(target, seed=1, scale=0.1)
+    assert next(draft.parameters()).is_inference()
+    assert torch.equal(greedy(target, draft_model=draft), greedy(target))
+    assert implicit_draft(draft, target) is implicit_draft(draft, target)
+
+
 def test_acceptance_follows_weights_loaded_into_the_draft():
     """The stale int8 copy kept acceptance at 0.00 after load_state_dict; a fresh one gets what the weights give."""
     target = make_target()
