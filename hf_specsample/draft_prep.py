@@ -62,14 +62,14 @@ class PreparedDraft:
         vocabulary: `(n,)` long, sorted: the token ids the model's logits stand for (its first n logit columns), an
             FR-Spec subset; None: the draft's own ids ``0 .. width - 1``.
         width: the logit width of the draft as given (before a compact head).
-        quantization: what was asked for (AUTO resolved or not, as given).
+        quantization: what was applied: INT8 (an int8 copy) or NONE.
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
     """
 
     model: PreTrainedModel
     vocabulary: torch.Tensor | None
     width: int
-    quantization: DraftQuantization = DraftQuantization.AUTO
+    quantization: DraftQuantization = DraftQuantization.NONE
     self_draft_of: weakref.ref | None = None
 
     def ids_for(self, target: PreTrainedModel) -> torch.Tensor | None:
@@ -179,7 +179,6 @@ def _build(
     wants_int8 = quantization is DraftQuantization.INT8 or (quantization is DraftQuantization.AUTO and can_int8)
     if is_auto and not wants_int8:
         model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
-        quantization = DraftQuantization.NONE
     if ids is not None:
         model = restrict_vocabulary(model, ids)
     if wants_int8:
@@ -190,8 +189,8 @@ def _build(
             )
         logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
         model = int8_dynamic_copy(model)
-    self_draft_of = weakref.ref(target) if is_auto else None
-    return PreparedDraft(model, ids, width, quantization, self_draft_of)
+    applied = DraftQuantization.INT8 if wants_int8 else DraftQuantization.NONE
+    return PreparedDraft(model, ids, width, applied, weakref.ref(target) if is_auto else None)
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
@@ -302,7 +301,8 @@ def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
-def _weight_states(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
+def _named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `model`, by name (shared tensors once)."""
     return [*model.named_parameters(), *model.named_buffers()]
 
 
@@ -311,7 +311,7 @@ class _Entry(NamedTuple):
     weights: tuple[_TensorState, ...]  # the owner's parameters and buffers when `prepared` was made
 
     def is_current(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
-        """Whether the owner's `weights` (`_weight_states`) are still those `prepared` was made from."""
+        """Whether the owner's `weights` (`_named_weights`) are still those `prepared` was made from."""
         return len(self.weights) == len(weights) and all(
             state.matches(name, tensor) for state, (name, tensor) in zip(self.weights, weights)
         )
@@ -328,8 +328,7 @@ class _ImplicitDrafts:
       storage and the same in-place version counter as when the entry was made; otherwise every entry of that
       model is rebuilt. Writes through `.data` (`p.data.copy_(...)`) bypass torch's version counter, and weights
       made under `torch.inference_mode` have none: such in-place writes are not seen; after them, pass
-      `prepare_draft(draft, target)` yourself. Output stays exact either way; a stale
-      copy only drafts worse.
+      `prepare_draft(draft, target)` yourself. Output stays exact either way; a stale copy only drafts worse.
     """
 
     def __init__(self):
@@ -345,7 +344,7 @@ class _ImplicitDrafts:
         owner = target if draft == AUTO_DRAFT else draft
         quantization = DraftQuantization(quantization)
         key = (draft == AUTO_DRAFT, quantization, None if ids is None else ids.numpy().tobytes())
-        weights = _weight_states(owner)
+        weights = _named_weights(owner)
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:

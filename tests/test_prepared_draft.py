@@ -41,6 +41,7 @@ def test_a_prepared_draft_runs_as_it_is(pair):
     target, draft = pair
     prepared = hf_specsample.prepare_draft(draft, target)
     assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert prepared.quantization is DraftQuantization.INT8  # AUTO resolved: a float draft on the CPU
     calls = []
     handle = prepared.model.register_forward_hook(lambda *args: calls.append(1))
     entries = len(_IMPLICIT)
