@@ -20,10 +20,10 @@ from transformers import DynamicCache
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import cache_rows
-from hf_specsample.bench.pairs import BenchPair, load_bench_pair
-from hf_specsample.bench.prompts import PromptSet, load_prompts
 from hf_specsample.decoding import SpeculativeDecoder
 from hf_specsample.kv import CachedModel
+from hf_specsample_bench.pairs import BenchPair, load_bench_pair
+from hf_specsample_bench.prompts import PromptSet, load_prompts
 
 
 class RealignClock:

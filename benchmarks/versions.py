@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import hf_specsample
-    from hf_specsample.bench.pairs import load_bench_pair
-    from hf_specsample.bench.prompts import PromptSet, load_prompts
+    from hf_specsample_bench.pairs import load_bench_pair
+    from hf_specsample_bench.prompts import PromptSet, load_prompts
 
     with tempfile.TemporaryDirectory() as folder:
         base = import_base(args.base, Path(folder))

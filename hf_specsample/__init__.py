@@ -3,13 +3,16 @@
     import hf_specsample  # registers draft_model= / num_lookahead= on generate()
     out = target.generate(**inputs, draft_model=draft, do_sample=True, temperature=0.7, top_p=0.95)
 
+    prepared = hf_specsample.prepare_draft(draft, target)  # optional: prepare once, hold it, pass it
+    out = target.generate(**inputs, draft_model=prepared)
+
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
-from .config import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
+from .config import SpeculativeConfig
 from .decoding import speculative_generate
-from .draft_prep import DraftQuantization
-from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy
+from .draft_prep import DraftQuantization, PreparedDraft, prepare_draft
+from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats
@@ -24,6 +27,8 @@ __all__ = [
     "FixedLookahead",
     "frequent_tokens",
     "LookaheadPolicy",
+    "PreparedDraft",
+    "prepare_draft",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",

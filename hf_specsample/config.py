@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from .draft_prep import DraftQuantization
-from .lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, StaticCosts
-
-DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU and costs buffer room
-# Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
-# K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
-# but a batch verifies batch * (K+1) tokens and turns compute-bound.
-STATIC_VERIFY_SLOPE = 0.02
+from .lookahead import (
+    DEFAULT_MAX_LOOKAHEAD,
+    STATIC_VERIFY_SLOPE,
+    AdaptiveLookahead,
+    FixedLookahead,
+    LookaheadPolicy,
+    StaticCosts,
+)
 
 
 def _check_lookahead(name: str, value: int | None) -> None:
@@ -40,11 +41,12 @@ class SpeculativeConfig:
         max_lookahead: upper bound of the adaptive K.
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
-        draft_quantization: "auto" (default: a dynamic-int8 copy of a float draft that runs on the CPU, made once
-            per draft model), "int8" or "none". See `draft_prep`.
+        draft_quantization: "auto" (default: a dynamic-int8 copy of a float draft that runs on the CPU, kept while
+            the draft model lives and its weights do not change), "int8" or "none". See `prepare_draft`; with a
+            `PreparedDraft` as `draft_model=`, set it there instead.
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
-            tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the special tokens. None
-            (default): the whole vocabulary.
+            tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
+            None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.
         fast_processors: apply top-p without sorting the vocabulary (`fast_processors.py`): the kept tokens are
             exactly transformers' (rows the top candidates cannot settle go to transformers' own warper), at about
             a thirtieth of the cost per position on a 152k vocabulary. True (default); False runs every processor
@@ -73,21 +75,6 @@ class SpeculativeConfig:
             raise TypeError(f"draft_vocabulary must be None, an int or a tensor of token ids, got {vocabulary!r}.")
         if isinstance(vocabulary, int) and vocabulary < 1:
             raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
-
-    def vocabulary_ids(self, vocab_size: int, special_ids: list[int]) -> torch.Tensor | None:
-        """The draft's token ids as a sorted long tensor, or None for the whole vocabulary."""
-        if not isinstance(self.fast_processors, bool):
-            raise TypeError(f"fast_processors must be True or False, got {self.fast_processors!r}.")
-        vocabulary = self.draft_vocabulary
-        if vocabulary is None:
-            return None
-        if isinstance(vocabulary, int):
-            ids = set(range(min(vocabulary, vocab_size))) | {token for token in special_ids if 0 <= token < vocab_size}
-            return torch.tensor(sorted(ids), dtype=torch.long)
-        ids = vocabulary.flatten().long().unique()
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"draft_vocabulary holds ids outside [0, {vocab_size}).")
-        return ids
 
     def make_policy(self, reproducible: bool, cost_ratio: float, batch_size: int = 1) -> LookaheadPolicy:
         """A fresh policy for one generate() call.

@@ -14,10 +14,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .config import SpeculativeConfig
-from .draft_prep import prepare_draft, weight_bytes_ratio
+from .draft_prep import PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
-from .lookahead import RoundRecord
+from .lookahead import RoundRecord, weight_bytes_ratio
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
 from .rejection import NonFinite, Verdict, flag_nonfinite, greedy_accept, speculative_accept
@@ -25,6 +25,7 @@ from .sequences import Sequences
 from .stats import SpeculativeStats
 from .stopping import first_stops
 from .timing import PhaseTimer
+from .vocabulary import special_token_ids
 
 
 def speculative_generate(
@@ -33,7 +34,7 @@ def speculative_generate(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
-    draft_model: PreTrainedModel | str | None = None,
+    draft_model: PreTrainedModel | PreparedDraft | str | None = None,
     num_lookahead: int | None = None,
     generator: torch.Generator | None = None,
     speculative_config: SpeculativeConfig | None = None,
@@ -54,8 +55,9 @@ def speculative_generate(
             draft and target alike, at every position with that position's own prefix.
         stopping_criteria: criteria `generate()` built; checked after every committed token.
         generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
-        draft_model: the draft causal LM; must share the target's vocabulary. "auto": a draft made from the target
-            (an int8 copy on the CPU, a layer-skipping view elsewhere), for targets with no small sibling.
+        draft_model: the draft causal LM; must share the target's tokenizer. "auto": a draft made from the target
+            (an int8 copy on the CPU, a layer-skipping view elsewhere), for targets with no small sibling. Or a
+            `PreparedDraft` from `hf_specsample.prepare_draft`, run as it is.
         num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`. Default:
             chosen before every round from measured acceptance and costs (see `AdaptiveLookahead`).
         generator: optional `torch.Generator` for all random draws (reproducible sampling).
@@ -80,7 +82,8 @@ def speculative_generate(
             "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
         )
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
-    validation.check_models(model, draft_model, speculative_tokenizers)
+    running = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
+    validation.check_models(model, running, speculative_tokenizers)
     validation.check_generation_config(generation_config)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
@@ -97,7 +100,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         model: PreTrainedModel,
-        draft_model: PreTrainedModel,
+        draft_model: PreTrainedModel | PreparedDraft | str,
         input_ids: torch.LongTensor,
         model_kwargs: dict[str, Any],
         logits_processor: LogitsProcessorList,
@@ -122,14 +125,17 @@ class SpeculativeDecoder:
         self.generator = generator
 
         vocab_size = validation.vocab_size(model)
-        shared_width = min(vocab_size, validation.vocab_size(draft_model if draft_model != "auto" else model))
-        vocabulary = config.vocabulary_ids(shared_width, _token_ids(generation_config))
-        draft = prepare_draft(draft_model, model, config.draft_quantization, vocabulary, vocab_size)
+        draft = draft_for_call(
+            draft_model, model, config.draft_quantization, config.draft_vocabulary, special_token_ids(generation_config)
+        )
+        draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
         cost_ratio = weight_bytes_ratio(draft.model, model)
         batch = input_ids.shape[0]
         self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
 
-        capacity = self.max_length + self.policy.capacity + 1
+        # A row never holds more than max_length tokens: next_lookahead caps K so that the drafts and the
+        # recovered/bonus token fit (one spare column).
+        capacity = self.max_length + 1
         position_ids = model_kwargs.get("position_ids")
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
@@ -140,7 +146,7 @@ class SpeculativeDecoder:
         self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
         self.sequences.attach(self.target)
         self.drafter = DraftModelProposer(
-            draft.model, self.sequences, self.processor, self.do_sample, generator, draft.vocabulary, vocab_size
+            draft.model, self.sequences, self.processor, self.do_sample, generator, draft_ids, vocab_size
         )
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
         # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
@@ -166,7 +172,7 @@ class SpeculativeDecoder:
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
     def next_lookahead(self) -> int:
-        """Draft tokens for this round: the policy's K, never drafting past `max_length`.
+        """Draft tokens for this round: the policy's K (asked once per round), never drafting past `max_length`.
 
         A first round whose prompt ends in padding in some row (right padding) drafts nothing: the logits of that
         padding position can come from an attention row with every key masked (a sliding window over padding),
@@ -306,15 +312,6 @@ def _raise_if_nonfinite(num_accepted: list[int]) -> None:
         "verify against. Usual causes: float16 overflow (load the draft in bfloat16 or float32) or a broken "
         "checkpoint; use another draft, or pass `remove_invalid_values=True`."
     )
-
-
-def _token_ids(generation_config: GenerationConfig) -> list[int]:
-    """EOS, padding and BOS ids of the generation config (the draft's vocabulary must keep them)."""
-    ids = []
-    for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
-        if value is not None:
-            ids.extend(value if isinstance(value, (list, tuple)) else [value])
-    return [int(token) for token in ids]
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

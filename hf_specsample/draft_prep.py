@@ -1,18 +1,21 @@
 """Making the draft cheap without touching the target: only the target defines the output distribution.
 
-Three levers, each an option of `SpeculativeConfig`:
+Three levers, each an argument of `prepare_draft` (and an option of `SpeculativeConfig`):
 
-- `draft_quantization`: a dynamic-int8 copy of a float CPU draft (torch's fbgemm kernels). On the CPU this was
-  measured to run a single-token step of Qwen2.5-Coder-0.5B in 41 ms where bf16 takes 132 ms and float32 113 ms.
+- `quantization`: a dynamic-int8 copy of a float CPU draft (torch's fbgemm kernels). On the CPU this was measured
+  to run a single-token step of Qwen2.5-Coder-0.5B in 41 ms where bf16 takes 132 ms and float32 113 ms.
   Quantization changes the draft's distribution a little (acceptance moves by a few points either way) and the
   output distribution not at all. Default AUTO: on for float drafts on the CPU, off elsewhere.
-- `draft_vocabulary` (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and
-  its logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
+- `vocabulary` (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
+  logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset); the cost is that a token outside the subset can never be drafted.
-- `draft_model="auto"`: a self-draft for targets with no small sibling: an int8 copy of the target on the CPU,
-  a layer-skipping view of it elsewhere.
+- `draft="auto"`: a self-draft for targets with no small sibling: an int8 copy of the target on the CPU, a view
+  skipping the middle fifth of its layers elsewhere (or with `quantization=NONE`).
 
-Prepared drafts are cached per draft model (weakly), so the one-time cost is paid on the first call only.
+`prepare_draft` returns a `PreparedDraft`, an object the caller holds and passes as `generate(draft_model=...)`.
+The one-line `generate(draft_model=small)` prepares one itself and keeps it in `_IMPLICIT`, the only cache here:
+weakly keyed by the draft model (the target for "auto"), so it is freed with that model, keyed by exactly the
+options asked for, and rebuilt when the model's weights changed since (see `_ImplicitDrafts`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
-from .self_draft import layer_skip_draft
-from .validation import vocab_size
+from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
+from .validation import check_models, vocab_size
+from .vocabulary import special_token_ids, vocabulary_ids
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +50,147 @@ class DraftQuantization(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PreparedDraft:
-    """The draft model the loop runs, and the token ids its logits stand for (None: the whole vocabulary)."""
+    """The draft the loop runs, made by `prepare_draft`; pass it as `generate(draft_model=prepared)`.
+
+    It is a snapshot: an int8 copy does not follow later changes to the draft's weights (prepare it again then).
+
+    Attributes:
+        model: the model the loop runs: the draft itself, its int8 copy, a view with a compact LM head, or a
+            self-draft of the target.
+        vocabulary: `(n,)` long, sorted: the token ids the model's logits stand for (its first n logit columns), an
+            FR-Spec subset; None: the draft's own ids ``0 .. width - 1``.
+        width: the logit width of the draft as given (before a compact head).
+        quantization: what was applied: INT8 (an int8 copy) or NONE.
+        self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
+    """
 
     model: PreTrainedModel
-    vocabulary: torch.Tensor | None = None  # (subset,) long, sorted
+    vocabulary: torch.Tensor | None
+    width: int
+    quantization: DraftQuantization = DraftQuantization.NONE
+    self_draft_of: weakref.ref | None = None
+
+    def ids_for(self, target: PreTrainedModel) -> torch.Tensor | None:
+        """The token ids this draft proposes over when drafting for `target`, or None for ``0 .. width - 1``.
+
+        A draft of another logit width than the target's (a padded vocabulary: Qwen2.5-7B and up have 152064
+        logit rows, their small siblings 151936) drafts over the ids both have, ``0 .. min(widths) - 1``, unless an
+        FR-Spec subset was asked for. Computed for each call, so one prepared draft serves targets of any width.
+
+        Raises:
+            ValueError: the draft was made by "auto" from another target, or its vocabulary holds ids the target
+                lacks.
+        """
+        if self.self_draft_of is not None and self.self_draft_of() is not target:
+            raise ValueError(
+                "This PreparedDraft was made by prepare_draft('auto', ...) from another target: a self-draft drafts "
+                "for the model it was made from. Call hf_specsample.prepare_draft('auto', target) for this target."
+            )
+        target_width = vocab_size(target)
+        if self.vocabulary is not None:
+            if int(self.vocabulary[-1]) >= target_width:
+                raise ValueError(
+                    f"This PreparedDraft's vocabulary holds ids up to {int(self.vocabulary[-1])}, but the target "
+                    f"scores only {target_width} ids: prepare the draft for this target (prepare_draft(draft, "
+                    "target, vocabulary=...)) with ids it has."
+                )
+            return self.vocabulary
+        return torch.arange(min(self.width, target_width)) if self.width != target_width else None
+
+
+def prepare_draft(
+    draft: PreTrainedModel | str,
+    target: PreTrainedModel,
+    *,
+    quantization: DraftQuantization | str = DraftQuantization.AUTO,
+    vocabulary: torch.Tensor | int | None = None,
+) -> PreparedDraft:
+    """Prepare a draft once, to pass as `target.generate(..., draft_model=prepared)` in every later call.
+
+    `generate(draft_model=draft)` does the same preparation itself (kept while `draft` lives and its weights do not
+    change); preparing it yourself gives you the object: you decide when it is made and freed, and a benchmark can
+    time exactly what `generate()` runs. Options are set here, not in `speculative_config` (a call that sets them
+    there too is refused).
+
+    Args:
+        draft: a causal LM sharing the target's tokenizer (its logit width may differ), or "auto": a draft made from
+            the target (an int8 copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
+            `quantization="none"`).
+        target: the model whose `generate()` will use the draft.
+        quantization: AUTO (default: a dynamic-int8 copy of a float draft on the CPU, the draft as given
+            otherwise), INT8 (forced; CPU float drafts only) or NONE.
+        vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
+            tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
+            `generation_config`); None (default): every id.
+
+    Returns:
+        A `PreparedDraft`. An int8 copy is a snapshot of the draft's weights: prepare again after changing them.
+
+    Raises:
+        ValueError / TypeError: a draft `generate(draft_model=...)` would refuse, options out of range, or INT8 for
+            a draft that is not a float model on the CPU.
+    """
+    check_models(target, draft)
+    quantization = DraftQuantization(quantization)
+    ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_token_ids(target.generation_config))
+    return _build(draft, target, quantization, ids)
+
+
+def draft_for_call(
+    draft: PreTrainedModel | str | PreparedDraft,
+    target: PreTrainedModel,
+    quantization: DraftQuantization,
+    vocabulary: torch.Tensor | int | None,
+    special_ids: list[int],
+) -> PreparedDraft:
+    """The prepared draft one `generate()` call runs: the caller's `PreparedDraft` as it is, or the implicit one.
+
+    Args:
+        quantization, vocabulary: the call's `speculative_config` options.
+        special_ids: the call's EOS / padding / BOS ids (an int `vocabulary` keeps them).
+    """
+    if isinstance(draft, PreparedDraft):
+        if quantization is not DraftQuantization.AUTO or vocabulary is not None:
+            raise ValueError(
+                "draft_model= is a PreparedDraft, whose quantization and vocabulary were fixed by prepare_draft(): "
+                "set them there (prepare_draft(draft, target, quantization=..., vocabulary=...)), not in "
+                "speculative_config."
+            )
+        return draft
+    ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_ids)
+    return _IMPLICIT.get(draft, target, quantization, ids)
+
+
+def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
+    """The ids both models score: an FR-Spec vocabulary must lie below this."""
+    return min(vocab_size(target), vocab_size(target if draft == AUTO_DRAFT else draft))
+
+
+def _build(
+    draft: PreTrainedModel | str, target: PreTrainedModel, quantization: DraftQuantization, ids: torch.Tensor | None
+) -> PreparedDraft:
+    """Make the prepared draft: the self-draft for "auto", then the compact head, then the int8 copy."""
+    is_auto = draft == AUTO_DRAFT
+    model = target if is_auto else draft
+    width = vocab_size(model)
+    can_int8 = _is_plain_cpu_float(model) and int8_engine() is not None
+    wants_int8 = quantization is DraftQuantization.INT8 or (quantization is DraftQuantization.AUTO and can_int8)
+    if is_auto and not wants_int8:
+        model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
+    if ids is not None:
+        model = restrict_vocabulary(model, ids)
+    if wants_int8:
+        if not can_int8:
+            raise ValueError(
+                "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
+                "dispatch; use draft_quantization='none' (or 'auto') for this draft."
+            )
+        logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
+        model = int8_dynamic_copy(model)
+    applied = DraftQuantization.INT8 if wants_int8 else DraftQuantization.NONE
+    return PreparedDraft(model, ids, width, applied, weakref.ref(target) if is_auto else None)
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
@@ -82,12 +222,40 @@ def _quantized_engine(engine: str):
         torch.backends.quantized.engine = previous
 
 
+class SharedFloat32Embedding(torch.nn.Module):
+    """An int8 copy's input embedding: rows looked up in the source model's own `nn.Embedding`, shared rather than
+    copied, and cast to float32. A float cast to float32 is exact, so this returns bit for bit what a float32 copy
+    of the embedding returns, without holding that copy (Qwen2.5-Coder-1.5B's: 934 MB)."""
+
+    def __init__(self, source: torch.nn.Embedding):
+        super().__init__()
+        # Held in a tuple, not as a submodule: `.float()` / `.to()` on the copy must not convert the source in place.
+        self._source = (source,)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self._source[0].weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self._source[0].num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`(batch, length)` ids -> `(batch, length, hidden)` float32."""
+        return self._source[0](input_ids).float()
+
+
 def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A copy of `model` (float32) whose `nn.Linear` layers are dynamically quantized to int8 (CPU)."""
+    """A copy of `model` (float32) whose `nn.Linear` layers are dynamically quantized to int8 (CPU).
+
+    A plain `nn.Embedding` input embedding is shared with `model` (`SharedFloat32Embedding`), not copied.
+    """
     engine = int8_engine()
     if engine is None:
         raise RuntimeError("this torch build has no quantized CPU engine for dynamic int8 (fbgemm/x86/qnnpack).")
-    quantized = copy.deepcopy(model).float().eval()
+    embedding = model.get_input_embeddings()
+    memo = {id(embedding): SharedFloat32Embedding(embedding)} if type(embedding) is torch.nn.Embedding else {}
+    quantized = copy.deepcopy(model, memo).float().eval()
     with _quantized_engine(engine), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(deprecated|quantize_per_tensor).*")
         torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
@@ -99,8 +267,6 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
 
     The head is a new `nn.Linear` holding the selected rows; every other weight is shared with `model`.
     """
-    from .self_draft import _shallow_clone  # the module-cloning helper shared with layer_skip_draft
-
     head = model.get_output_embeddings()
     weight = head.weight.detach()[token_ids.to(head.weight.device)]
     compact = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
@@ -111,96 +277,86 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
     return view
 
 
-def weight_bytes(model: PreTrainedModel) -> int:
-    """Bytes of weights a decoding step reads: every parameter and int8-packed linear, except the input embedding
-    (a step reads one row of it) unless it is tied to the LM head."""
-    embedding = model.get_input_embeddings().weight
-    head = getattr(model.get_output_embeddings(), "weight", None)
-    skipped = {id(embedding)} if head is not embedding else set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
-            total += module.in_features * module.out_features
-        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
-    return total
+class _TensorState(NamedTuple):
+    """One parameter or buffer of a model as it was when a draft was prepared from it."""
+
+    name: str
+    tensor: weakref.ref  # the tensor object: replacing a Parameter makes a new one
+    version: int | None  # torch's in-place counter: copy_, load_state_dict, optimizer steps, init functions bump it
+    data_ptr: int  # `.to()` / `.half()` / `p.data = ...` swap the storage without bumping `version`
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> _TensorState:
+        return cls(name, weakref.ref(tensor), _version(tensor), tensor.data_ptr(), tensor.dtype)
+
+    def matches(self, name: str, tensor: torch.Tensor) -> bool:
+        return (name, _version(tensor), tensor.data_ptr(), tensor.dtype) == (
+            self.name, self.version, self.data_ptr, self.dtype
+        ) and self.tensor() is tensor  # fmt: skip
 
 
-def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
-    """Draft over target weight bytes per step: a clock-free estimate of c for memory-bound decoding."""
-    return weight_bytes(draft) / max(1, weight_bytes(target))
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place version counter; None for tensors made under `torch.inference_mode`, which have none."""
+    return None if tensor.is_inference() else tensor._version
 
 
-class _Cache:
-    """Prepared drafts per (draft model, options), dropped with the draft model."""
+def _named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `model`, by name (shared tensors once)."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+class _Entry(NamedTuple):
+    prepared: PreparedDraft
+    weights: tuple[_TensorState, ...]  # the owner's parameters and buffers when `prepared` was made
+
+    def is_current(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether the owner's `weights` (`_named_weights`) are still those `prepared` was made from."""
+        return len(self.weights) == len(weights) and all(
+            state.matches(name, tensor) for state, (name, tensor) in zip(self.weights, weights)
+        )
+
+
+class _ImplicitDrafts:
+    """The drafts `generate(draft_model=model)` prepared itself, so that the int8 copy is made once, not per call.
+
+    - Weakly keyed by the model they were made from (the target for "auto"): an entry is freed with that model.
+      No entry references its key (an int8 copy or a view holds submodules and tensors, never the model object),
+      and the draft as given is never stored (nothing to prepare: it runs as it is).
+    - Per model, keyed by exactly the options: the quantization asked for and the full vocabulary ids.
+    - Valid while the model's weights are unchanged: every parameter and buffer is the same object, with the same
+      storage and the same in-place version counter as when the entry was made; otherwise every entry of that
+      model is rebuilt. Writes through `.data` (`p.data.copy_(...)`) bypass torch's version counter, and weights
+      made under `torch.inference_mode` have none: such in-place writes are not seen; after them, pass
+      `prepare_draft(draft, target)` yourself. Output stays exact either way; a stale copy only drafts worse.
+    """
 
     def __init__(self):
-        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._entries: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, _Entry]] = weakref.WeakKeyDictionary()
 
-    def get(self, owner: PreTrainedModel, key: tuple, build) -> PreparedDraft:
-        entries = self._entries.setdefault(owner, {})
+    def get(
+        self,
+        draft: PreTrainedModel | str,
+        target: PreTrainedModel,
+        quantization: DraftQuantization,
+        ids: torch.Tensor | None,
+    ) -> PreparedDraft:
+        owner = target if draft == AUTO_DRAFT else draft
+        quantization = DraftQuantization(quantization)
+        key = (draft == AUTO_DRAFT, quantization, None if ids is None else ids.numpy().tobytes())
+        weights = _named_weights(owner)
+        # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
+        entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            entries[key] = build()
-        return entries[key]
+            prepared = _build(draft, target, quantization, ids)
+            if prepared.model is owner:  # nothing was made: the draft runs as given
+                return prepared
+            entries[key] = _Entry(prepared, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
+        self._entries[owner] = entries
+        return entries[key].prepared
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._entries.values())
 
 
-_CACHE = _Cache()
-
-
-def _vocabulary_key(vocabulary: torch.Tensor | None) -> tuple:
-    return () if vocabulary is None else (vocabulary.numel(), int(vocabulary.sum()), int(vocabulary[-1]))
-
-
-def prepare_draft(
-    draft: PreTrainedModel | str,
-    target: PreTrainedModel,
-    quantization: DraftQuantization,
-    vocabulary: torch.Tensor | None,
-    target_width: int | None = None,
-) -> PreparedDraft:
-    """The draft the loop will run: the user's draft (or an "auto" self-draft), restricted and quantized.
-
-    Args:
-        vocabulary: FR-Spec token ids (sorted, within both models' logit widths), or None.
-        target_width: the target's logit width. A draft of another width (a padded vocabulary: Qwen2.5-7B and up
-            have 152064 logit rows, their small siblings 151936) drafts over the ids both have: the returned
-            vocabulary is then ``0 .. min(widths) - 1`` unless an FR-Spec subset was asked for.
-    """
-    quantization = DraftQuantization(quantization)
-    owner = target if draft == AUTO_DRAFT else draft
-    key = (draft == AUTO_DRAFT, quantization, _vocabulary_key(vocabulary))
-    prepared = _CACHE.get(owner, key, lambda: _build(draft, target, quantization, vocabulary))
-    draft_width = _logit_width(owner)
-    if prepared.vocabulary is None and target_width is not None and draft_width != target_width:
-        return PreparedDraft(prepared.model, torch.arange(min(draft_width, target_width)))
-    return prepared
-
-
-def _logit_width(model: PreTrainedModel) -> int:
-    return vocab_size(model)
-
-
-def _build(draft, target, quantization: DraftQuantization, vocabulary: torch.Tensor | None) -> PreparedDraft:
-    model = target if draft == AUTO_DRAFT else draft
-    if draft == AUTO_DRAFT and not (_is_plain_cpu_float(target) and int8_engine()):
-        layers = target.config.get_text_config().num_hidden_layers
-        third = layers // 3  # skip the middle third: measured best of the layer-skip variants on SmolLM2
-        model = layer_skip_draft(target, [i for i in range(layers) if not third <= i < 2 * third])
-        quantization = DraftQuantization.NONE
-    if vocabulary is not None:
-        vocabulary = vocabulary.sort().values
-        model = restrict_vocabulary(model, vocabulary)
-    wants_int8 = quantization is DraftQuantization.INT8 or (
-        quantization is DraftQuantization.AUTO and _is_plain_cpu_float(model) and int8_engine() is not None
-    )
-    if wants_int8:
-        if not _is_plain_cpu_float(model):
-            raise ValueError(
-                "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
-                "dispatch; use draft_quantization='none' (or 'auto') for this draft."
-            )
-        logger.info("hf_specsample: making a dynamic-int8 copy of the draft (once per draft model)")
-        model = int8_dynamic_copy(model)
-    elif draft == AUTO_DRAFT and vocabulary is None and model is target:
-        raise ValueError("draft_model='auto' with draft_quantization='none' would draft with the target itself.")
-    return PreparedDraft(model, vocabulary)
+_IMPLICIT = _ImplicitDrafts()

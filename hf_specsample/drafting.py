@@ -1,7 +1,9 @@
 """Draft proposers: they write K draft tokens per row and report the distributions they sampled them from.
 
-The interface mirrors transformers' `CandidateGenerator` (`get_candidates` / `update_candidate_strategy`), batched
-over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
+`get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`, batched over rows of different lengths and
+returning the draft's *processed* probabilities, which exactness needs. `keep_confirmed` only rolls the draft's
+cache back to the committed tokens (transformers' `update_candidate_strategy` also adapts K; here the lookahead
+policy does that).
 """
 
 from __future__ import annotations

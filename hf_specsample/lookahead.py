@@ -12,7 +12,8 @@ keeps up to date while generating:
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used when a
 `generator=` is given, and always under tensor parallelism) d and v come from the models' weight sizes instead of
-the clock, so the sequence of K's, and with it every sample, is reproducible. K = 0 is plain decoding: when
+the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's, and with it
+every sample, is reproducible. K = 0 is plain decoding: when
 drafting does not pay (a useless draft), the policy stops drafting and probes with K = 1 now and then to notice if
 it starts paying. Choosing K from past rounds never biases the output: each round is exact for any K.
 """
@@ -21,6 +22,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
+# Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
+# K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
+# but a batch verifies batch * (K+1) tokens and turns compute-bound.
+STATIC_VERIFY_SLOPE = 0.02
 
 
 @dataclass(frozen=True)
@@ -40,15 +50,11 @@ class LookaheadPolicy(ABC):
 
     @abstractmethod
     def choose(self) -> int:
-        """K for the next round (the caller caps it by the room left before `max_length`)."""
+        """K for the next round; called exactly once before each round. Any K >= 0 is allowed: the caller caps it
+        by the room left before `max_length`."""
 
     def observe(self, record: RoundRecord) -> None:  # noqa: B027 (optional hook)
         """Learn from a finished round."""
-
-    @property
-    def capacity(self) -> int:
-        """The largest K this policy can ask for (sizes the token buffer)."""
-        return self.choose()
 
     @property
     def needs_timing(self) -> bool:
@@ -117,14 +123,38 @@ class MeasuredCosts:
         return max(1e-9, mean_v + slope * (lookahead - mean_k))
 
 
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes of weights a decoding step reads: every parameter and int8-packed linear, except the input embedding
+    (a step reads one row of it) unless it is tied to the LM head."""
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    skipped = {id(embedding)} if head is not embedding else set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
+            total += module.in_features * module.out_features
+        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
+    return total
+
+
+def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """Draft over target weight bytes per step: a clock-free estimate of c for memory-bound decoding."""
+    return weight_bytes(draft) / max(1, weight_bytes(target))
+
+
 class StaticCosts:
     """Costs fixed in advance, in units of one target step: d = c, v(K) = 1 + slope K. No clock, so the choice of
     K depends only on the tokens drawn: runs with the same generator repeat exactly, and tensor-parallel ranks agree.
+
+    Args:
+        cost_ratio: c, the draft step's cost in target steps (`weight_bytes_ratio`).
+        verify_slope: v(K)'s growth per draft token (`STATIC_VERIFY_SLOPE` per row verified together).
     """
 
     ready = True
 
-    def __init__(self, cost_ratio: float, verify_slope: float = 0.02):
+    def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE):
         self.cost_ratio, self.verify_slope = cost_ratio, verify_slope
 
     def observe(self, record: RoundRecord) -> None:
@@ -142,7 +172,7 @@ class AdaptiveLookahead(LookaheadPolicy):
 
     def __init__(
         self,
-        max_lookahead: int = 8,  # caps K; more rarely pays on CPU and costs buffer room
+        max_lookahead: int = DEFAULT_MAX_LOOKAHEAD,  # caps K
         costs: MeasuredCosts | StaticCosts | None = None,  # default: measured on the wall clock
         first_lookahead: int = 2,  # K while no cost is known yet (the first two rounds)
         alpha_prior: float = 0.6,  # until a few tokens are tested; a fair draft of the same family
@@ -160,10 +190,6 @@ class AdaptiveLookahead(LookaheadPolicy):
         self._rounds_without_drafting = 0
         self._probe_interval = probe_every
         self._probed = False
-
-    @property
-    def capacity(self) -> int:
-        return self.max_lookahead
 
     @property
     def needs_timing(self) -> bool:

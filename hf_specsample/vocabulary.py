@@ -1,10 +1,15 @@
-"""Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself."""
+"""Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself.
+
+Counts are cached on disk in hf_specsample's cache folder (`default_cache_dir`), which the benchmark's checkpoint
+fetcher (`hf_specsample_bench.models`) shares.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import os
 import sysconfig
 from collections import Counter
 from collections.abc import Iterable
@@ -13,6 +18,48 @@ from pathlib import Path
 import torch
 
 CORPUS_FILES = 200  # stdlib modules counted (sorted by name): ~0.9M tokens of code, enough for a stable top-32k
+CACHE_ENV_VAR = "HF_SPECSAMPLE_CACHE"  # overrides the cache folder; see default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """``$HF_SPECSAMPLE_CACHE`` if set, else ``$XDG_CACHE_HOME/hf_specsample``, else ``~/.cache/hf_specsample``."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hf_specsample"
+
+
+def special_token_ids(generation_config) -> list[int]:
+    """The EOS, padding and BOS ids of a `GenerationConfig`: the ids a draft vocabulary of N lowest ids keeps."""
+    ids = []
+    for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
+        if value is not None:
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [int(token) for token in ids]
+
+
+def vocabulary_ids(vocabulary: torch.Tensor | int | None, width: int, special_ids: list[int]) -> torch.Tensor | None:
+    """A draft vocabulary option (`SpeculativeConfig.draft_vocabulary`, `prepare_draft(vocabulary=)`) as token ids.
+
+    Args:
+        vocabulary: None (every id), an int N (ids ``0 .. N - 1`` plus `special_ids`), or a tensor of ids.
+        width: the ids both models score; every id must lie below it.
+        special_ids: ids an int vocabulary keeps (`special_token_ids`).
+
+    Returns:
+        `(n,)` long on the CPU, sorted and unique; None for the whole vocabulary.
+    """
+    if vocabulary is None:
+        return None
+    if isinstance(vocabulary, int):
+        ids = set(range(min(vocabulary, width))) | {token for token in special_ids if 0 <= token < width}
+        return torch.tensor(sorted(ids), dtype=torch.long)
+    ids = vocabulary.flatten().long().unique().cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= width:
+        raise ValueError(f"draft_vocabulary holds ids outside [0, {width}).")
+    return ids
 
 
 def default_corpus() -> Iterable[str]:
@@ -29,8 +76,6 @@ def token_counts(tokenizer, texts: Iterable[str] | None = None, cache_dir: Path 
     """Token frequencies of `texts` (default corpus, counted once per tokenizer and cached on disk)."""
     if texts is not None:
         return Counter(token for text in texts for token in tokenizer(text).input_ids)
-    from .models import default_cache_dir
-
     vocab_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
     path = Path(cache_dir or default_cache_dir()) / "token_counts" / f"{vocab_hash}-{CORPUS_FILES}.json"
     if path.exists():

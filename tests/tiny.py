@@ -5,11 +5,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
+from transformers import LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
 
-from hf_specsample.bench.tiny import char_tokenizer  # noqa: F401  (re-exported for the tests)
-
-BOS, PAD = 1, 0
+from hf_specsample_bench.tiny import BOS_ID as BOS
+from hf_specsample_bench.tiny import PAD_ID as PAD
+from hf_specsample_bench.tiny import char_tokenizer, tiny_llama  # noqa: F401  (re-exported for the tests)
 
 
 def tiny_lm(
@@ -21,23 +21,10 @@ def tiny_lm(
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
-    """A Llama with random weights. A large `init_range` makes its next-token distributions far from uniform."""
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        bos_token_id=BOS,
-        eos_token_id=eos_token_id,
-        pad_token_id=PAD,
-        initializer_range=init_range,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(dtype).eval()
+    """A Llama with random weights (`tiny_llama` with the tests' defaults: 2 heads, 1 KV head, no EOS). A large
+    `init_range` makes its next-token distributions far from uniform."""
+    return tiny_llama(seed, vocab_size, layers, hidden, heads=2, kv_heads=1, init_range=init_range,
+                      eos_token_id=eos_token_id, dtype=dtype)  # fmt: skip
 
 
 def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausalLM:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .methods import Method, MethodSpec, Mode
+from .methods import Method, MethodDrafts, MethodSpec, Mode
 from .prompts import Prompt
 from .report import Row, summarise
 from .runner import BenchmarkConfig, run_measurements
@@ -15,9 +15,11 @@ def run_sweep(
     target, draft, tokenizer, prompts: Sequence[Prompt], lookaheads: Sequence[int], mode: Mode,
     config: BenchmarkConfig, c: float | Mapping[str, float],
 ) -> list[Row]:  # fmt: skip
-    """hf_specsample with each fixed K, next to the target alone, on the same prompts."""
+    """hf_specsample with each fixed K, next to the target alone, on the same prompts (`draft`: as in
+    `run_benchmark`)."""
     methods = [MethodSpec(Method.TARGET)] + [MethodSpec(Method.SPECULATIVE, k) for k in lookaheads]
-    measurements = run_measurements(target, draft, tokenizer, prompts, methods, [mode], config, description="K sweep")
+    drafts = MethodDrafts.wrap(target, draft, tokenizer)
+    measurements = run_measurements(target, drafts, tokenizer, prompts, methods, [mode], config, description="K sweep")
     return summarise(measurements, c)
 
 

@@ -9,14 +9,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .measure import Measurement, cost_ratio, method_cost_ratios, timed_generate
-from .methods import Method, MethodSpec, Mode, sampling_kwargs
+from .methods import Method, MethodDrafts, MethodSpec, Mode, sampling_kwargs
 from .prompts import Prompt
 from .report import Row, summarise
 
 
 @dataclass
 class BenchmarkConfig:
-    """Settings of one benchmark run; every default is what `python -m hf_specsample.bench` uses."""
+    """Settings of one benchmark run; every default is what `python -m hf_specsample_bench` uses."""
 
     methods: list[MethodSpec] = field(
         default_factory=lambda: [
@@ -43,17 +43,18 @@ class BenchmarkResult:
 
 
 def _call(
-    target, draft, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, seed: int
-) -> Measurement:
+    target, drafts: MethodDrafts, tokenizer, prompt: Prompt, spec: MethodSpec, mode: Mode, config: BenchmarkConfig,
+    seed: int,
+) -> Measurement:  # fmt: skip
     inputs = prompt.encode(tokenizer)
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        **sampling_kwargs(mode, config.temperature, config.top_p), **spec.generate_kwargs(draft, tokenizer),
+        **sampling_kwargs(mode, config.temperature, config.top_p), **drafts.generate_kwargs(spec),
     )  # fmt: skip
     torch.manual_seed(seed)
     output, seconds, target_passes, draft_passes = timed_generate(
-        target, draft if spec.uses_draft else None, inputs, kwargs
+        target, drafts.draft if spec.uses_draft else None, inputs, kwargs
     )
     sequences = output.sequences if hasattr(output, "sequences") else output
     prompt_length = inputs["input_ids"].shape[1]
@@ -69,8 +70,8 @@ def _call(
 
 
 def run_measurements(
-    target, draft, tokenizer, prompts: Sequence[Prompt], methods: Sequence[MethodSpec], modes: Sequence[Mode],
-    config: BenchmarkConfig, description: str = "benchmark",
+    target, drafts: MethodDrafts, tokenizer, prompts: Sequence[Prompt], methods: Sequence[MethodSpec],
+    modes: Sequence[Mode], config: BenchmarkConfig, description: str = "benchmark",
 ) -> list[Measurement]:  # fmt: skip
     """Every method on every prompt and mode; the method order rotates per prompt so none always runs first."""
     runs = [(i, prompt, mode) for i, prompt in enumerate(prompts) for mode in modes]
@@ -80,27 +81,34 @@ def run_measurements(
             for j in range(len(methods)):
                 spec = methods[(i + j) % len(methods)]
                 bar.set_postfix_str(f"{prompt.prompt_id} {mode.value} {spec.label}")
-                measurements.append(_call(target, draft, tokenizer, prompt, spec, mode, config, config.seed + i))
+                measurements.append(_call(target, drafts, tokenizer, prompt, spec, mode, config, config.seed + i))
                 bar.update()
     return measurements
 
 
-def warm_up(target, draft, tokenizer, prompt: Prompt, methods: Sequence[MethodSpec], config: BenchmarkConfig) -> None:
+def warm_up(
+    target, drafts: MethodDrafts, tokenizer, prompt: Prompt, methods: Sequence[MethodSpec], config: BenchmarkConfig
+) -> None:
     """One short call per method, so one-time costs (allocations, lazy init) stay out of the figures."""
     short = BenchmarkConfig(max_new_tokens=4, progress=False)
     for spec in methods:
         for mode in config.modes:
-            _call(target, draft, tokenizer, prompt, spec, mode, short, config.seed)
+            _call(target, drafts, tokenizer, prompt, spec, mode, short, config.seed)
 
 
 def run_benchmark(
     target, draft, tokenizer, prompts: Sequence[Prompt], config: BenchmarkConfig | None = None
 ) -> BenchmarkResult:
-    """Measure c, warm up, then run every method on every prompt and summarise."""
+    """Measure c, prepare and warm up every method, then run every method on every prompt and summarise.
+
+    Args:
+        draft: the draft as loaded, or a `MethodDrafts` shared with the run's other sections.
+    """
     config = config or BenchmarkConfig()
+    drafts = MethodDrafts.wrap(target, draft, tokenizer)
     input_ids = prompts[0].encode(tokenizer)["input_ids"]
-    cost = cost_ratio(target, draft, input_ids)
-    warm_up(target, draft, tokenizer, prompts[0], config.methods, config)  # also prepares each method's draft
-    method_c = method_cost_ratios(target, draft, tokenizer, config.methods, input_ids, cost["target_forward_s"])
-    measurements = run_measurements(target, draft, tokenizer, prompts, config.methods, config.modes, config)
+    cost = cost_ratio(target, drafts.draft, input_ids)
+    warm_up(target, drafts, tokenizer, prompts[0], config.methods, config)
+    method_c = method_cost_ratios(drafts, config.methods, input_ids, cost["target_forward_s"])
+    measurements = run_measurements(target, drafts, tokenizer, prompts, config.methods, config.modes, config)
     return BenchmarkResult(measurements, summarise(measurements, method_c), cost, method_c)

@@ -13,9 +13,9 @@ import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 
-from .bench.methods import Mode, sampling_kwargs
-from .bench.pairs import BenchPair, load_bench_pair
-from .bench.prompts import PromptSet, load_prompts
+from .methods import Mode, sampling_kwargs
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
 
 
 def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, object]:

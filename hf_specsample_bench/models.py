@@ -10,7 +10,8 @@ some of them split into numbered chunks (one chunk per distribution). This modul
 4. loads it with transformers (``gguf_file=``), and keeps a converted safetensors copy beside it, because
    loading that copy takes about a second where de-quantising the GGUF takes about a minute.
 
-``python -m hf_specsample.models`` does all of this ahead of time for every known model.
+``python -m hf_specsample_bench.models`` (or ``hf-specsample-fetch``) does all of this ahead of time for every known
+model.
 
 Cache layout (``<cache>`` is :func:`default_cache_dir` unless given)::
 
@@ -21,7 +22,7 @@ Cache layout (``<cache>`` is :func:`default_cache_dir` unless given)::
 
 Example::
 
-    from hf_specsample.models import KnownPair, load_pair
+    from hf_specsample_bench.models import KnownPair, load_pair
     target, draft, tokenizer = load_pair(KnownPair.QWEN_CODER)
 """
 
@@ -43,7 +44,8 @@ from typing import BinaryIO, Callable
 
 import torch
 
-CACHE_ENV_VAR = "HF_SPECSAMPLE_CACHE"  # overrides the cache folder; see default_cache_dir()
+from hf_specsample.vocabulary import CACHE_ENV_VAR, default_cache_dir  # the library's cache folder, shared
+
 VERIFIED_MARKER = "VERIFIED"  # written next to the GGUF file once its size and sha256 matched
 COMPLETE_MARKER = "COMPLETE"  # written into a safetensors copy once save_pretrained() returned
 _COPY_BLOCK = 8 * 1024 * 1024  # bytes per read while streaming chunks and hashing: large, still cheap in RAM
@@ -199,16 +201,6 @@ _PAIRS: dict[KnownPair, tuple[KnownModel, KnownModel]] = {
 # --------------------------------------------------------------------------------------------------------------
 # Cache folders.
 # --------------------------------------------------------------------------------------------------------------
-def default_cache_dir() -> Path:
-    """``$HF_SPECSAMPLE_CACHE`` if set, else ``$XDG_CACHE_HOME/hf_specsample``, else ``~/.cache/hf_specsample``."""
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "hf_specsample"
-
-
 def _spec_of(model: KnownModel | ModelSpec) -> ModelSpec:
     """Accept a KnownModel or a custom ModelSpec (tests, new checkpoints); reject anything else."""
     if isinstance(model, KnownModel):
@@ -579,7 +571,7 @@ def load_pair(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hf_specsample.models [NAME ...]``: materialise (and convert) models ahead of time."""
+    """``python -m hf_specsample_bench.models [NAME ...]``: materialise (and convert) models ahead of time."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

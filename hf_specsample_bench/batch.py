@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .measure import Measurement, timed_generate
-from .methods import MethodSpec, Mode, sampling_kwargs
+from .methods import MethodDrafts, MethodSpec, Mode, sampling_kwargs
 from .prompts import Prompt
 from .report import Row, summarise
 from .runner import BenchmarkConfig
@@ -28,10 +28,14 @@ def run_batch_sweep(
     target, draft, tokenizer, prompts: Sequence[Prompt], batch_sizes: Sequence[int], methods: Sequence[MethodSpec],
     mode: Mode, config: BenchmarkConfig, c: float | Mapping[str, float] | None = None, repeats: int = 1,
 ) -> list[Row]:  # fmt: skip
-    """Tokens/s of each method at each batch size; the row's mode reads e.g. "sampling B=4", speedups per B."""
+    """Tokens/s of each method at each batch size; the row's mode reads e.g. "sampling B=4", speedups per B.
+
+    `draft`: the draft as loaded, or the run's `MethodDrafts`.
+    """
+    drafts = MethodDrafts.wrap(target, draft, tokenizer)
     short = BenchmarkConfig(max_new_tokens=4, progress=False)
     for spec in methods:  # warm-up: one-time costs (e.g. preparing an int8 draft) stay out of the timings
-        _batched_call(target, draft, tokenizer, batch_inputs(tokenizer, prompts, 1), spec, mode, short, 1)
+        _batched_call(target, drafts, tokenizer, batch_inputs(tokenizer, prompts, 1), spec, mode, short, 1)
     measurements = []
     runs = [(batch_size, repeat) for batch_size in batch_sizes for repeat in range(repeats)]
     with tqdm(total=len(runs) * len(methods), desc="batch sweep", disable=not config.progress) as bar:
@@ -39,22 +43,23 @@ def run_batch_sweep(
             inputs = batch_inputs(tokenizer, prompts, batch_size)
             for j in range(len(methods)):
                 spec = methods[(repeat + j) % len(methods)]
-                measurements.append(_batched_call(target, draft, tokenizer, inputs, spec, mode, config, batch_size))
+                measurements.append(_batched_call(target, drafts, tokenizer, inputs, spec, mode, config, batch_size))
                 bar.update()
     return summarise(measurements, c)
 
 
 def _batched_call(
-    target, draft, tokenizer, inputs, spec: MethodSpec, mode: Mode, config: BenchmarkConfig, batch_size: int
-) -> Measurement:
+    target, drafts: MethodDrafts, tokenizer, inputs, spec: MethodSpec, mode: Mode, config: BenchmarkConfig,
+    batch_size: int,
+) -> Measurement:  # fmt: skip
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, config.temperature, config.top_p),
-        **spec.generate_kwargs(draft, tokenizer),
+        **drafts.generate_kwargs(spec),
     )  # fmt: skip
     torch.manual_seed(config.seed)
     output, seconds, target_passes, draft_passes = timed_generate(
-        target, draft if spec.uses_draft else None, inputs, kwargs
+        target, drafts.draft if spec.uses_draft else None, inputs, kwargs
     )
     sequences = output.sequences if hasattr(output, "sequences") else output
     stats = getattr(output, "speculative_stats", None)

@@ -76,21 +76,18 @@ def forward_seconds(model, input_ids: torch.Tensor, new_tokens: int = 1, repeats
     return statistics.median(times[1:])
 
 
-def method_cost_ratios(
-    target, draft, tokenizer, methods, input_ids: torch.Tensor, target_seconds: float
-) -> dict[str, float]:
-    """c of each hf_specsample method, timing the draft it really runs (e.g. the int8 copy, the compact head)."""
-    from ..draft_prep import prepare_draft
-    from ..validation import vocab_size
+def method_cost_ratios(drafts, methods, input_ids: torch.Tensor, target_seconds: float) -> dict[str, float]:
+    """c of each hf_specsample method, timing the prepared draft it runs (e.g. the int8 copy, the compact head).
+
+    Args:
+        drafts: the run's `MethodDrafts` (the very objects the methods pass to generate()).
+    """
     from .methods import Method
 
     ratios = {}
     for spec in methods:
         if spec.method is Method.SPECULATIVE and spec.label not in ratios:
-            config = spec.speculative_config(tokenizer)
-            vocabulary = config.vocabulary_ids(vocab_size(target), list(tokenizer.all_special_ids))
-            prepared = prepare_draft(draft, target, config.draft_quantization, vocabulary)
-            ratios[spec.label] = forward_seconds(prepared.model, input_ids) / target_seconds
+            ratios[spec.label] = forward_seconds(drafts.prepared(spec).model, input_ids) / target_seconds
     return ratios
 
 

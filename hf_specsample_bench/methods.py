@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from hf_specsample import DraftQuantization, PreparedDraft, frequent_tokens, prepare_draft
+
 
 class Choice(str, Enum):
     """A string enum that prints as its value (command-line choices, JSON)."""
@@ -56,25 +58,47 @@ class MethodSpec:
     def uses_draft(self) -> bool:
         return self.method is not Method.TARGET
 
-    def speculative_config(self, tokenizer=None):
-        """The `SpeculativeConfig` of a SPECULATIVE method (frequent tokens need the tokenizer)."""
-        from ..config import SpeculativeConfig
-        from ..vocabulary import frequent_tokens
+    @property
+    def draft_options(self) -> tuple[str | None, int | None]:
+        """What the prepared draft of a SPECULATIVE method depends on (K does not change the draft)."""
+        return self.draft_quantization, self.draft_vocabulary
 
-        options: dict[str, Any] = {"num_lookahead": self.num_lookahead}
-        if self.draft_quantization is not None:
-            options["draft_quantization"] = self.draft_quantization
-        if self.draft_vocabulary is not None:
-            options["draft_vocabulary"] = frequent_tokens(tokenizer, self.draft_vocabulary)
-        return SpeculativeConfig(**options)
 
-    def generate_kwargs(self, draft, tokenizer=None) -> dict[str, Any]:
-        """The arguments this method adds to generate()."""
-        if self.method is Method.ASSISTED:
-            return {"assistant_model": draft}
-        if self.method is Method.SPECULATIVE:
-            config = self.speculative_config(tokenizer)
-            return {"draft_model": draft, "return_dict_in_generate": True, "speculative_config": config}
+class MethodDrafts:
+    """What each method passes to generate(), made once per benchmark run and held by the caller.
+
+    `assistant_model=` gets the draft as loaded. hf_specsample gets a `PreparedDraft` made by the public
+    `hf_specsample.prepare_draft`, the object a user holds and passes as `draft_model=`, one per (quantization,
+    vocabulary): so the benchmark times, and measures c on, exactly what users run, and no preparation happens
+    inside a timed call.
+    """
+
+    def __init__(self, target, draft, tokenizer):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self._prepared: dict[tuple[str | None, int | None], PreparedDraft] = {}
+
+    @classmethod
+    def wrap(cls, target, draft, tokenizer) -> MethodDrafts:
+        """`draft` itself if it already is a `MethodDrafts` (shared across a run's sections), else a new one."""
+        return draft if isinstance(draft, MethodDrafts) else cls(target, draft, tokenizer)
+
+    def prepared(self, spec: MethodSpec) -> PreparedDraft:
+        """The prepared draft of a SPECULATIVE method (frequent-token vocabularies are counted with the tokenizer)."""
+        if spec.draft_options not in self._prepared:
+            quantization = spec.draft_quantization or DraftQuantization.AUTO
+            vocabulary = frequent_tokens(self.tokenizer, spec.draft_vocabulary) if spec.draft_vocabulary else None
+            self._prepared[spec.draft_options] = prepare_draft(
+                self.draft, self.target, quantization=quantization, vocabulary=vocabulary
+            )
+        return self._prepared[spec.draft_options]
+
+    def generate_kwargs(self, spec: MethodSpec) -> dict[str, Any]:
+        """The arguments `spec`'s method adds to generate()."""
+        if spec.method is Method.ASSISTED:
+            return {"assistant_model": self.draft}
+        if spec.method is Method.SPECULATIVE:
+            prepared = self.prepared(spec)
+            return {"draft_model": prepared, "num_lookahead": spec.num_lookahead, "return_dict_in_generate": True}
         return {}
 
 

