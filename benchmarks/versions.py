@@ -7,8 +7,9 @@ name (the library imports itself only relatively), so both versions run on the s
 prompt and mode the calls alternate: the target alone, this checkout's default, the base's default (after one
 warm-up round of each). Every call generates exactly `--max-new-tokens` tokens (min_new_tokens = max_new_tokens).
 Both versions are called through transformers' own `generate(custom_generate=...)`, so neither's registration
-wrapper is in the way. Printed: tokens/s per method, each version's speed-up over the target alone, and
-this/base per prompt (median). Figures are printed, never asserted; this CPU drifts by about 10% between calls.
+wrapper is in the way. Printed: tokens/s per method, each one's speed-up over the target alone, and this/base
+(also per prompt, median). `--levers-off` adds this checkout with the levers that came after the base switched
+off (sort-free top-p, block verification), to tell the cost of a refactor from the gain of a lever. Figures are printed, never asserted; this CPU drifts by about 10% between calls.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many HumanEval prompts first")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--modes", default="sampling,greedy")
+    parser.add_argument("--levers-off", action="store_true", help="also run this checkout without sort-free top-p "
+                        "and with token verification (the levers added after the base)")
     args = parser.parse_args()
 
     import hf_specsample
@@ -78,6 +81,9 @@ def main() -> None:
             "this": dict(custom_generate=hf_specsample.speculative_generate, draft_model=draft),
             "base": dict(custom_generate=base.speculative_generate, draft_model=draft),
         }
+        if args.levers_off:  # this checkout with sort-free top-p and block verification off: the base's levers
+            levers_off = hf_specsample.SpeculativeConfig(fast_processors=False, verification="token")
+            methods["this-levers-off"] = dict(methods["this"], speculative_config=levers_off)
         n = args.max_new_tokens
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         for mode in args.modes.split(","):
@@ -92,13 +98,14 @@ def main() -> None:
                 for name, extra in methods.items():
                     seconds[name].append(timed(target, inputs, **common, **extra))
             rate = {name: len(prompts) * n / sum(times) for name, times in seconds.items()}
-            per_prompt = [b / t for t, b in zip(seconds["this"], seconds["base"])]
-            print(
-                f"{mode:>8}: target {rate['target']:.2f} tok/s | this {rate['this']:.2f} tok/s "
-                f"({rate['this'] / rate['target']:.2f}x) | base {rate['base']:.2f} tok/s "
-                f"({rate['base'] / rate['target']:.2f}x) | this/base {rate['this'] / rate['base']:.2f} "
-                f"(per-prompt median {statistics.median(per_prompt):.2f})"
-            )
+            cells = [f"{name} {rate[name]:.2f} tok/s ({rate[name] / rate['target']:.2f}x)" for name in methods]
+            ratios = [
+                f"{name}/base {rate[name] / rate['base']:.2f} (per-prompt median "
+                f"{statistics.median(b / t for t, b in zip(seconds[name], seconds['base'])):.2f})"
+                for name in methods
+                if name.startswith("this")
+            ]
+            print(f"{mode:>8}: " + " | ".join(cells) + "\n          " + " | ".join(ratios))
 
 
 if __name__ == "__main__":

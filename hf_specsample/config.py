@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .draft_prep import DraftQuantization
+from .rejection import Verification
 from .lookahead import (
     DEFAULT_MAX_LOOKAHEAD,
     STATIC_VERIFY_SLOPE,
@@ -51,6 +52,9 @@ class SpeculativeConfig:
             exactly transformers' (rows the top candidates cannot settle go to transformers' own warper), at about
             a thirtieth of the cost per position on a 152k vocabulary. True (default); False runs every processor
             as given.
+        verification: "block" (default: Sun et al. 2024's block verification, which never accepts fewer draft
+            tokens in expectation) or "token" (token by token, Leviathan et al. / Chen et al.). Both are exact;
+            greedy decoding verifies by argmax either way.
     """
 
     num_lookahead: int | None = None
@@ -59,6 +63,7 @@ class SpeculativeConfig:
     draft_quantization: DraftQuantization | str = DraftQuantization.AUTO
     draft_vocabulary: torch.Tensor | int | None = None
     fast_processors: bool = True
+    verification: Verification | str = Verification.BLOCK
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
@@ -68,6 +73,11 @@ class SpeculativeConfig:
         except ValueError:
             choices = ", ".join(repr(q.value) for q in DraftQuantization)
             raise ValueError(f"draft_quantization must be one of {choices}, got {self.draft_quantization!r}.") from None
+        try:
+            object.__setattr__(self, "verification", Verification(self.verification))
+        except ValueError:
+            choices = ", ".join(repr(v.value) for v in Verification)
+            raise ValueError(f"verification must be one of {choices}, got {self.verification!r}.") from None
         if not isinstance(self.fast_processors, bool):
             raise TypeError(f"fast_processors must be True or False, got {self.fast_processors!r}.")
         vocabulary = self.draft_vocabulary

@@ -17,10 +17,20 @@ from .config import SpeculativeConfig
 from .draft_prep import PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
-from .lookahead import RoundRecord, weight_bytes_ratio
+from .lookahead import FixedLookahead, RoundRecord, weight_bytes_ratio
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
-from .rejection import NonFinite, Verdict, flag_nonfinite, greedy_accept, speculative_accept
+from .rejection import (
+    NonFinite,
+    Verdict,
+    Verification,
+    block_accept,
+    flag_nonfinite,
+    greedy_accept,
+    speculative_accept,
+)
+from .named_drafts import NamedDraft
+from .prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .sequences import Sequences
 from .stats import SpeculativeStats
 from .stopping import first_stops
@@ -41,6 +51,8 @@ def speculative_generate(
     speculative_streamer: BaseStreamer | None = None,
     speculative_tokenizers: tuple[Any, Any] | None = None,
     speculative_caller_cache: bool = False,
+    speculative_prompt_lookup_num_tokens: int | None = None,
+    speculative_max_matching_ngram_size: int | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`.
@@ -69,6 +81,10 @@ def speculative_generate(
         speculative_caller_cache: set by the registered `generate()` when the caller passed `past_key_values`:
             that object is then left holding what plain `generate()` leaves in it, even without
             `return_dict_in_generate` (a non-empty cache is taken to be the caller's in any case).
+        speculative_prompt_lookup_num_tokens / speculative_max_matching_ngram_size: transformers'
+            `prompt_lookup_num_tokens=` / `max_matching_ngram_size=`, passed on by the registered `generate()`: the
+            n-gram drafter's tokens per lookup round and longest n-gram (see `prompt_lookup.py`). With a model
+            draft, n-gram continuations are drafted first where a row has one.
         **model_kwargs: `attention_mask` `(batch, prompt_length)`, `position_ids` `(batch, prompt_length)`, the
             prepared `past_key_values` (empty, or holding the first tokens of `input_ids` from an earlier turn), and
             the flags `generate()` sets (`use_cache`, `logits_to_keep`).
@@ -84,12 +100,18 @@ def speculative_generate(
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
     running = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
     validation.check_models(model, running, speculative_tokenizers)
+    lookup_tokens, max_ngram = speculative_prompt_lookup_num_tokens, speculative_max_matching_ngram_size
+    if lookup_tokens is None:  # called as custom_generate= directly: transformers' own fields
+        lookup_tokens = generation_config.prompt_lookup_num_tokens
+    if max_ngram is None:
+        max_ngram = generation_config.max_matching_ngram_size
     validation.check_generation_config(generation_config)
+    validation.check_prompt_lookup(lookup_tokens, max_ngram)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
     decoder = SpeculativeDecoder(
         model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
-        generator, speculative_streamer, speculative_caller_cache,
+        generator, speculative_streamer, speculative_caller_cache, lookup_tokens, max_ngram,
     )  # fmt: skip
     return decoder.run()
 
@@ -110,6 +132,8 @@ class SpeculativeDecoder:
         generator: torch.Generator | None,
         streamer: BaseStreamer | None,
         caller_cache: bool = False,
+        lookup_tokens: int | None = None,
+        max_ngram: int | None = None,
     ):
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
@@ -125,13 +149,19 @@ class SpeculativeDecoder:
         self.generator = generator
 
         vocab_size = validation.vocab_size(model)
-        draft = draft_for_call(
-            draft_model, model, config.draft_quantization, config.draft_vocabulary, special_token_ids(generation_config)
-        )
-        draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
-        cost_ratio = weight_bytes_ratio(draft.model, model)
+        self.verification = config.verification
         batch = input_ids.shape[0]
-        self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
+        lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
+        draft = None
+        if draft_model == NamedDraft.PROMPT_LOOKUP:  # no model: every round proposes N tokens by lookup
+            self.policy = FixedLookahead(lookup_tokens or DEFAULT_LOOKUP_TOKENS)
+        else:
+            draft = draft_for_call(
+                draft_model, model, config.draft_quantization, config.draft_vocabulary,
+                special_token_ids(generation_config),
+            )  # fmt: skip
+            cost_ratio = weight_bytes_ratio(draft.model, model)
+            self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
 
         # A row never holds more than max_length tokens: next_lookahead caps K so that the drafts and the
         # recovered/bonus token fit (one spare column).
@@ -145,9 +175,15 @@ class SpeculativeDecoder:
         prompt_length = input_ids.shape[1]
         self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
         self.sequences.attach(self.target)
-        self.drafter = DraftModelProposer(
-            draft.model, self.sequences, self.processor, self.do_sample, generator, draft_ids, vocab_size
-        )
+        if draft is None:
+            self.drafter = lookup
+        else:
+            draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
+            self.drafter = DraftModelProposer(
+                draft.model, self.sequences, self.processor, self.do_sample, generator, draft_ids, vocab_size
+            )
+            if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
+                self.drafter = LookupThenModelProposer(self.drafter, lookup, lookup_tokens, self.max_length)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
         # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
         wanted = bool(generation_config.return_dict_in_generate) or caller_cache or cached > 0
@@ -155,7 +191,7 @@ class SpeculativeDecoder:
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
-        devices = [input_ids.device, input_device(model), input_device(draft.model)]
+        devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
         self.timer = PhaseTimer(self.policy.needs_timing, devices)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
@@ -195,8 +231,11 @@ class SpeculativeDecoder:
         num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
         durations = self.timer.durations() or [0.0, 0.0]
-        tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
-        self.policy.observe(RoundRecord(lookahead, sum(num_accepted), tested, *durations, prefill=prefill))
+        width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
+        if width > 0 and proposal.model_steps == 0 and isinstance(self.drafter, LookupThenModelProposer):
+            return  # a lookup-only round says nothing about the draft model's acceptance or cost
+        tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
+        self.policy.observe(RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill))
 
     def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
@@ -219,7 +258,8 @@ class SpeculativeDecoder:
             draft_probs = proposal.probs
             if draft_probs is None:  # no draft tokens this round
                 draft_probs = target_probs[:, :0]
-            verdict = speculative_accept(proposal.tokens, draft_probs, target_probs, self.generator)
+            rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
+            verdict = rule(proposal.tokens, draft_probs, target_probs, self.generator)
             verdict = flag_nonfinite(verdict, draft_probs, target_probs)
         return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
 

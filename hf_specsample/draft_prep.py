@@ -31,14 +31,16 @@ from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils.quantization_config import QuantizationMethod
 
+from .named_drafts import NamedDraft
 from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
 from .validation import check_models, vocab_size
 from .vocabulary import special_token_ids, vocabulary_ids
 
 logger = logging.getLogger(__name__)
 
-AUTO_DRAFT = "auto"  # draft_model="auto": build a draft from the target
+AUTO_DRAFT = NamedDraft.AUTO  # draft_model="auto": build a draft from the target
 
 
 class DraftQuantization(str, Enum):
@@ -194,8 +196,16 @@ def _build(
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
-    """Float weights, all on the CPU, no bitsandbytes / accelerate dispatch: safe to copy and quantize."""
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "hf_device_map", None) is not None:
+    """Float weights, all on the CPU, no bitsandbytes / accelerate dispatch: safe to copy and quantize.
+
+    A model loaded from a GGUF file carries a quantizer although its weights were dequantized to plain float
+    tensors on load (transformers then refuses `.float()`, not `.to(torch.float32)`): it qualifies.
+    """
+    if getattr(model, "hf_device_map", None) is not None:
+        return False
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is not None and method != QuantizationMethod.GGUF:
         return False
     return all(p.device.type == "cpu" and p.is_floating_point() for p in model.parameters())
 
@@ -255,7 +265,7 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
         raise RuntimeError("this torch build has no quantized CPU engine for dynamic int8 (fbgemm/x86/qnnpack).")
     embedding = model.get_input_embeddings()
     memo = {id(embedding): SharedFloat32Embedding(embedding)} if type(embedding) is torch.nn.Embedding else {}
-    quantized = copy.deepcopy(model, memo).float().eval()
+    quantized = copy.deepcopy(model, memo).to(torch.float32).eval()  # not .float(): refused for GGUF-loaded models
     with _quantized_engine(engine), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(deprecated|quantize_per_tensor).*")
         torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -29,10 +29,12 @@ class Proposal(NamedTuple):
     Attributes:
         tokens: `(batch, k)` long, also written into the buffer after each row's committed tokens.
         probs: `(batch, k, vocab)` float32, the distributions `tokens` were sampled from; None for greedy drafts.
+        model_steps: draft-model forwards run for it (0: no model ran, e.g. an n-gram proposal).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    model_steps: int = 0
 
 
 class DraftModelProposer:
@@ -74,11 +76,18 @@ class DraftModelProposer:
     def forward_passes(self) -> int:
         return self.runner.forward_passes
 
-    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
+    def get_candidates(
+        self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None
+    ) -> Proposal:
         """Draft `num_tokens` tokens after every active row's committed tokens.
 
         The first forward catches the draft's cache up with the committed tokens it has not seen (the prompt, or
         the last one or two committed tokens); each later forward feeds the previous draft token.
+
+        Args:
+            forced: per active row, `(m,)` tokens that replace the model's first ``m`` proposals (an n-gram
+                continuation); each is a point mass, so its distribution is known exactly. The model still runs for
+                every row (its later proposals condition on the forced tokens).
         """
         tokens, lengths = sequences.tokens, sequences.lengths
         drafted, drafted_probs = [], []
@@ -91,16 +100,39 @@ class DraftModelProposer:
             if self.do_sample:
                 probs = probabilities(scores)  # (batch, vocab or subset)
                 index = sample_from_weights(probs, self.generator)  # (batch,)
-                drafted_probs.append(probs)
             else:
-                index = scores.argmax(dim=-1)
+                probs, index = None, scores.argmax(dim=-1)
             token = self.vocabulary[index] if self.compact else index
+            if forced is not None:
+                token, probs = self._force(forced, step, token, probs)
             sequences.write([step] * sequences.num_active, token)
             drafted.append(token)
+            if probs is not None:
+                drafted_probs.append(probs)
+        probs = torch.stack(drafted_probs, dim=1) if drafted_probs else None
         return Proposal(
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=self._full(torch.stack(drafted_probs, dim=1)) if drafted_probs else None,
+            probs=probs if probs is None or forced is not None else self._full(probs),
+            model_steps=num_tokens,
         )
+
+    def _force(
+        self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor, probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replace the rows' proposals at `step` by their forced tokens, with point-mass (full-width) probabilities.
+
+        Args:
+            token: `(batch,)` the model's proposals; probs: `(batch, vocab or subset)` or None (greedy).
+        """
+        rows = [row for row, tokens in enumerate(forced) if tokens.numel() > step]
+        full = None if probs is None else self._full(probs[:, None])[:, 0]  # (batch, vocab)
+        if rows:
+            index = torch.tensor(rows, device=token.device)
+            chosen = torch.stack([forced[row][step] for row in rows]).to(token.device)
+            token = token.index_put((index,), chosen)
+            if full is not None:
+                full = full.index_put((index,), torch.nn.functional.one_hot(chosen, full.shape[-1]).to(full.dtype))
+        return token, full
 
     def _forward(self, sequences: Sequences, upto: list[int]) -> torch.Tensor:
         """`(batch, 1, width)` draft logits after ``upto[b]`` tokens of each row."""

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .drafting import Proposal
+from .drafting import DraftModelProposer, Proposal
 from .sequences import Sequences
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
+DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
 
 
 def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: int, num_tokens: int) -> torch.Tensor:
@@ -95,3 +96,39 @@ class PromptLookupProposer:
 
     def keep_confirmed(self, lengths) -> None:
         """Nothing to roll back: the drafter keeps no state between rounds."""
+
+
+class LookupThenModelProposer:
+    """`draft_model=small, prompt_lookup_num_tokens=N`: n-gram continuations where rows have one, the model elsewhere.
+
+    With one active row, a round in which it has a continuation drafts `num_tokens` (N) tokens by lookup alone and
+    the draft model does not run (its cache catches up in a later round). Otherwise the model drafts the policy's
+    K tokens, and rows with a continuation take its tokens first (`DraftModelProposer.get_candidates(forced=...)`).
+    In a batch the model runs every round: skipping it would leave rows behind in its cache by different amounts,
+    and a forward feeds every row the same number of positions.
+    """
+
+    def __init__(self, model: DraftModelProposer, lookup: PromptLookupProposer, num_tokens: int, max_length: int):
+        """
+        Args:
+            model: the draft-model proposer.
+            lookup: the n-gram proposer.
+            num_tokens: N, the width of a lookup-only round.
+            max_length: `generate()`'s max_length (a round never drafts past it).
+        """
+        self.model, self.lookup, self.num_tokens, self.max_length = model, lookup, num_tokens, max_length
+
+    @property
+    def forward_passes(self) -> int:
+        return self.model.forward_passes
+
+    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
+        room = self.max_length - max(sequences.lengths) - 1
+        width = min(max(num_tokens, self.num_tokens), room)
+        found = self.lookup.continuations(sequences, width)
+        if width > 0 and sequences.num_active == 1 and found[0].numel():
+            return self.lookup.get_candidates(sequences, width)
+        return self.model.get_candidates(sequences, num_tokens, forced=found)
+
+    def keep_confirmed(self, lengths) -> None:
+        self.model.keep_confirmed(lengths)

@@ -13,6 +13,7 @@ passes `tokenizer` with `draft_tokenizer=` (or transformers' name `assistant_tok
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -51,6 +52,17 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
     if kwargs.get("past_key_values") is not None:  # the caller holds this object: leave it as plain would
         kwargs["speculative_caller_cache"] = True
+    # transformers' prompt-lookup arguments would switch generate() to its own assisted mode (which refuses
+    # num_return_sequences > 1 and batches): with draft_model= they configure our n-gram drafter instead.
+    config = kwargs.get("generation_config")
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
+        value = kwargs.pop(name, None)
+        if value is None and config is not None and getattr(config, name, None) is not None:
+            value = getattr(config, name)
+            config = kwargs["generation_config"] = copy.deepcopy(config)
+            setattr(config, name, None)
+        if value is not None:
+            kwargs[f"speculative_{name}"] = value
     streamer = kwargs.pop("streamer", None)
     if streamer is not None:
         kwargs["speculative_streamer"] = streamer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTime
 from transformers.generation.configuration_utils import GenerationMode
 
 from . import cache_rows
+from .named_drafts import NamedDraft
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"})
@@ -36,12 +39,13 @@ def check_models(target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any
     Args:
         tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
     """
-    if isinstance(draft, str) and draft == "auto":
-        draft = target
+    if isinstance(draft, str) and draft in (NamedDraft.AUTO, NamedDraft.PROMPT_LOOKUP):
+        draft = target  # drafts made from the target or from the text: only the target needs checking
     if not isinstance(draft, PreTrainedModel):
         raise TypeError(
-            f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)) or "
-            f"'auto' (a draft made from the target), got {draft!r}."
+            f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
+            f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' (n-gram "
+            f"continuations from the prompt and text so far), got {draft!r}."
         )
     for role, model in (("target", target), ("draft", draft)):
         if model.config.is_encoder_decoder:
@@ -72,8 +76,14 @@ def _vocabulary(tokenizer: Any) -> dict:
 
 
 def check_generation_config(config: GenerationConfig) -> None:
-    """Only greedy decoding and multinomial sampling can be sped up exactly."""
-    mode = config.get_generation_mode()
+    """Only greedy decoding and multinomial sampling can be sped up exactly.
+
+    `prompt_lookup_num_tokens` (transformers' prompt-lookup decoding) is ours to run here: with `draft_model=` it
+    sets the n-gram drafter's width, so it does not count towards the mode.
+    """
+    without_lookup = copy.copy(config)
+    without_lookup.prompt_lookup_num_tokens = None
+    mode = without_lookup.get_generation_mode()
     if config.num_beams is not None and config.num_beams > 1:
         raise ValueError(
             f"Beam search (num_beams={config.num_beams}) cannot be combined with `draft_model=`: speculative sampling "
@@ -82,13 +92,20 @@ def check_generation_config(config: GenerationConfig) -> None:
     if mode not in SUPPORTED_MODES:
         raise ValueError(
             f"`draft_model=` speeds up greedy decoding and sampling, not {mode.value}. Use num_beams=1 and "
-            "no penalty_alpha / prompt_lookup_num_tokens / assistant settings, or drop `draft_model=`."
+            "no penalty_alpha / assistant settings, or drop `draft_model=`."
         )
     if config.output_attentions or config.output_hidden_states:
         raise ValueError(
             "output_attentions / output_hidden_states are not returned by speculative decoding (the target scores "
             "several positions per pass). Drop those flags, or generate without `draft_model=`."
         )
+
+
+def check_prompt_lookup(num_tokens: Any, max_ngram: Any) -> None:
+    """`prompt_lookup_num_tokens` / `max_matching_ngram_size` (None: unset) must be positive ints."""
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
 
 
 def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer: Any = None) -> None:

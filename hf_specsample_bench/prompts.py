@@ -4,6 +4,8 @@
   prompts are completed as raw text (function signature + docstring), as in the paper.
 - Python docs: CPython's own `pydoc_data.topics`, English prose about the language; each prompt asks the model,
   through its chat template, to summarise one topic. A natural-language workload that needs nothing downloaded.
+- Code editing: functions of CPython's own standard library (15-40 lines, no annotations yet), each to be rewritten
+  with type hints through the chat template. The answer copies most of its input: the workload of prompt lookup.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ SUMMARY_CHARS = 1500  # characters of each documentation topic put into a prompt
 class PromptSet(Choice):
     HUMANEVAL = "humaneval"
     PYDOC = "pydoc"
+    CODE_EDIT = "code-edit"  # rewrite a stdlib function with type hints: outputs copy their inputs
 
 
 class PromptStyle(Choice):
@@ -77,10 +80,40 @@ def _load_json(path: Path):
     return load_dataset("json", data_files=str(path), split="train")
 
 
+EDIT_INSTRUCTION = "Add type hints to this Python function. Change nothing else, and reply with the code only."
+EDIT_LINES = (15, 40)  # function sizes taken for code editing (lines)
+
+
+def code_edit_prompts() -> list[Prompt]:
+    """Every stdlib function of `EDIT_LINES` lines without annotations, in a fixed order (sorted module names)."""
+    import ast
+    import sysconfig
+
+    prompts = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        source = path.read_text(errors="ignore")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not EDIT_LINES[0] <= node.end_lineno - node.lineno + 1 <= EDIT_LINES[1]:
+                continue
+            arguments = node.args.args + node.args.kwonlyargs
+            if node.returns is not None or any(argument.annotation is not None for argument in arguments):
+                continue
+            code = ast.get_source_segment(source, node)
+            text = f"{EDIT_INSTRUCTION}\n\n```python\n{code}\n```"
+            prompts.append(Prompt(f"{path.stem}.{node.name}", text, PromptStyle.CHAT))
+    return prompts
+
+
 def load_prompts(prompt_set: PromptSet, limit: int | None = None, offset: int = 0) -> list[Prompt]:
     """The first `limit` prompts of a set, after skipping `offset`."""
     prompt_set = PromptSet(prompt_set)
     stop = None if limit is None else offset + limit
+    if prompt_set is PromptSet.CODE_EDIT:
+        return code_edit_prompts()[offset:stop]
     if prompt_set is PromptSet.HUMANEVAL:
         rows = _load_json(humaneval_file())
         return [

@@ -12,7 +12,7 @@ from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
 import hf_specsample.decoding as decoding
 from hf_specsample import SpeculativeConfig
-from hf_specsample.rejection import Verdict, sample_from_weights, speculative_accept
+from hf_specsample.rejection import Verdict, Verification, block_accept, sample_from_weights, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
 NUM_TOKENS = 3
@@ -119,10 +119,58 @@ def recover_from_target(draft_tokens, draft_probs, target_probs, generator=None,
     return Verdict(verdict.num_accepted, sample_from_weights(target_probs[rows, verdict.num_accepted], generator))
 
 
-@pytest.mark.parametrize("wrong_sampler", [always_accept, recover_from_target])
+def block_first_failure(draft_tokens, draft_probs, target_probs, generator=None, uniform=None):
+    """A wrong block rule: block's residuals, but the accepted run stops where token verification's would."""
+    verdict = block_accept(draft_tokens, draft_probs, target_probs, generator, uniform)
+    return Verdict(verdict.num_accepted.clamp(max=1), verdict.next_tokens)
+
+
+WRONG_SAMPLERS = {  # (the rule each replaces, the wrong sampler)
+    "token-always-accept": (Verification.TOKEN, always_accept),
+    "token-recover-from-target": (Verification.TOKEN, recover_from_target),
+    "block-always-accept": (Verification.BLOCK, always_accept),
+    "block-first-failure": (Verification.BLOCK, block_first_failure),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_SAMPLERS))
 @pytest.mark.parametrize("draft_kind", ["close", "far"])
-def test_the_test_rejects_wrong_samplers(target, drafts, monkeypatch, wrong_sampler, draft_kind):
+def test_the_test_rejects_wrong_samplers(target, drafts, monkeypatch, wrong, draft_kind):
+    verification, wrong_sampler = WRONG_SAMPLERS[wrong]
+    name = "block_accept" if verification is Verification.BLOCK else "speculative_accept"
+    monkeypatch.setattr(decoding, name, wrong_sampler)
     settings = PROCESSOR_SETTINGS["temperature"]
-    monkeypatch.setattr(decoding, "speculative_accept", wrong_sampler)
-    samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
+    samples = draw(
+        target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD,
+        speculative_config=SpeculativeConfig(verification=verification), **settings,
+    )  # fmt: skip
     assert chisquare_pvalue(exact_for(target, **settings), samples) < 1e-6
+
+
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+@pytest.mark.parametrize("setting", ["temperature", "top_p", "repetition_penalty"])
+def test_token_verification_follows_target(target, drafts, setting, draft_kind):
+    """Block verification is the default (every test above); token-by-token verification is exact too."""
+    settings = PROCESSOR_SETTINGS[setting]
+    token = SpeculativeConfig(verification="token")
+    samples = draw(
+        target, SAMPLES, seed=16, draft_model=drafts[draft_kind], num_lookahead=3, speculative_config=token,
+        **settings,
+    )  # fmt: skip
+    assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
+
+
+def test_block_accepts_at_least_as_many_tokens_as_token_verification(target, drafts):
+    """Same rows, K = 3, 10k rows each: mean accepted draft tokens per round, block >= token (up to noise)."""
+    accepted = {}
+    for verification in Verification:
+        out = target.generate(
+            PROMPT, do_sample=True, max_new_tokens=4, pad_token_id=PAD, num_return_sequences=SAMPLES,
+            draft_model=drafts["far"], num_lookahead=3, return_dict_in_generate=True,
+            speculative_config=SpeculativeConfig(verification=verification),
+            generator=torch.Generator().manual_seed(17), **PROCESSOR_SETTINGS["temperature"],
+        )  # fmt: skip
+        stats = out.speculative_stats
+        accepted[verification] = stats.accepted_tokens / sum(stats.row_target_passes)
+    assert accepted[Verification.BLOCK] >= accepted[Verification.TOKEN] - 0.02, accepted
+    print(f"\naccepted draft tokens per row and round: {accepted}")

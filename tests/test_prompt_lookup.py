@@ -31,3 +31,80 @@ def test_no_occurrence_and_padding():
     # (7, 8) occurs at 0, but inside prompt padding: no n-gram may touch padding.
     assert continuation([7, 8, 9, 1, 7, 8], max_ngram=2, usable=[0, 0, 1, 1, 1, 1]) == []
     assert continuation([7, 8, 9, 1, 7, 8], max_ngram=2) == [9, 1, 7, 8]
+
+
+# --- through generate() ---------------------------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+from exact import sampled_pvalue  # noqa: E402
+from tiny import PAD, perturbed_copy, tiny_lm  # noqa: E402
+
+from hf_specsample import SpeculativeConfig  # noqa: E402
+
+PROMPT = torch.tensor([[1, 5, 2, 5, 3, 5, 2]])  # repeats itself: continuations exist from the first round
+DRAFTS = {  # generate() arguments of the two prompt-lookup modes
+    "lookup-only": dict(draft_model="prompt_lookup"),
+    "lookup-only-4": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4, max_matching_ngram_size=2),
+    "lookup-then-model": dict(prompt_lookup_num_tokens=3),  # with a model draft
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_lm(seed=0, vocab_size=8)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def arguments(mode, draft):
+    kwargs = dict(DRAFTS[mode])
+    kwargs.setdefault("draft_model", draft)
+    return kwargs
+
+
+@pytest.mark.parametrize("mode", list(DRAFTS))
+def test_greedy_equals_plain(pair, mode):
+    target, draft = pair
+    rows = [[1, 5, 2, 5, 3, 5, 2], [1, 3, 3, 4]]
+    ids = torch.tensor([[PAD] * (7 - len(row)) + row for row in rows])
+    mask = (torch.arange(7)[None, :] >= torch.tensor([7 - len(row) for row in rows])[:, None]).long()
+    for prompt, prompt_mask in ((PROMPT, None), (ids, mask)):
+        kwargs = dict(attention_mask=prompt_mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
+        expected = target.generate(prompt, **kwargs)
+        got = target.generate(prompt, **kwargs, **arguments(mode, draft), return_dict_in_generate=True)
+        assert torch.equal(got.sequences, expected)
+        assert got.speculative_stats.accepted_tokens > 0  # the lookups proposed something the target kept
+
+
+@pytest.mark.parametrize("verification", ["block", "token"])
+@pytest.mark.parametrize("mode", list(DRAFTS))
+def test_sampling_is_exact(pair, mode, verification):
+    """A lookup proposal is a point-mass draft distribution: the samples follow the target exactly."""
+    target, draft = pair
+    p = sampled_pvalue(
+        target, PROMPT, num_tokens=3, rows=8000, seed=4, settings=dict(temperature=0.8),
+        speculative_config=SpeculativeConfig(verification=verification), **arguments(mode, draft),
+    )  # fmt: skip
+    assert p > 1e-3
+
+
+def test_lookup_only_runs_no_model_and_lookup_rounds_skip_the_draft(pair):
+    target, draft = pair
+    out = target.generate(
+        PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model="prompt_lookup",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.speculative_stats.draft_forward_passes == 0 and out.speculative_stats.rounds < 24
+    out = target.generate(
+        PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model=draft, num_lookahead=2,
+        prompt_lookup_num_tokens=4, return_dict_in_generate=True,
+    )  # fmt: skip
+    stats = out.speculative_stats
+    assert stats.draft_forward_passes < 2 * stats.rounds  # some rounds were lookups, with no draft forward
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_lookup_width_is_refused(pair, bad):
+    target, _ = pair
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be a positive int"):
+        target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model="prompt_lookup",
+                        prompt_lookup_num_tokens=bad)  # fmt: skip

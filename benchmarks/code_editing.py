@@ -1,0 +1,78 @@
+"""Code editing, where outputs copy their inputs: prompt lookup against transformers' own, same run, interleaved.
+
+    python benchmarks/code_editing.py --pair qwen-coder --num-prompts 3 --prompt-offset 20 --max-new-tokens 256
+
+Prompts: stdlib functions to be rewritten with type hints (`PromptSet.CODE_EDIT`, through the chat template).
+Greedy decoding, so every method produces the same text (the target's), stopping at EOS or --max-new-tokens; the
+figure is new tokens per second over all prompts. Methods, each call interleaved with the others per prompt after
+one warm-up round:
+
+- target: plain `generate()`;
+- transformers lookup: `generate(prompt_lookup_num_tokens=N)`, transformers' prompt-lookup decoding;
+- lookup: `generate(draft_model="prompt_lookup", prompt_lookup_num_tokens=N)`;
+- draft: `generate(draft_model=draft)` (the library default for a model draft);
+- draft + lookup: `generate(draft_model=draft, prompt_lookup_num_tokens=N)`.
+
+Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+import hf_specsample
+from hf_specsample_bench.pairs import load_bench_pair
+from hf_specsample_bench.prompts import PromptSet, load_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="qwen-coder")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--prompt-offset", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="N of prompt_lookup_num_tokens")
+    args = parser.parse_args()
+
+    target, draft, tokenizer = load_bench_pair(args.pair)
+    prepared = hf_specsample.prepare_draft(draft, target)  # what draft_model=draft runs, made outside the timing
+    n = args.lookup_tokens
+    methods = {
+        "target": {},
+        "transformers lookup": dict(prompt_lookup_num_tokens=n),
+        "lookup": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n),
+        "draft": dict(draft_model=prepared),
+        "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),
+    }
+    prompts = load_prompts(PromptSet.CODE_EDIT, args.num_prompts, offset=args.prompt_offset)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line), "")
+    print(f"{args.pair}, {len(prompts)} code-editing prompts from #{args.prompt_offset}, greedy,{cpu.split(':')[-1]}")
+
+    warm = prompts[0].encode(tokenizer)
+    for extra in methods.values():
+        target.generate(**warm, **{**common, "max_new_tokens": 8}, **extra)
+    seconds = {name: 0.0 for name in methods}
+    tokens = {name: 0 for name in methods}
+    texts = {}
+    for prompt in prompts:
+        inputs = prompt.encode(tokenizer)
+        for name, extra in methods.items():
+            start = time.perf_counter()
+            out = target.generate(**inputs, **common, **extra)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
+            texts.setdefault(prompt.prompt_id, set()).add(tuple(out[0].tolist()))
+    print(f"same text from every method: {all(len(outputs) == 1 for outputs in texts.values())}")
+    base, reference = tokens["target"] / seconds["target"], tokens["transformers lookup"] / seconds["transformers lookup"]
+    for name in methods:
+        rate = tokens[name] / seconds[name]
+        print(f"{name:>20}: {rate:6.2f} tok/s  {rate / base:5.2f}x target  {rate / reference:5.2f}x transformers lookup")
+
+
+if __name__ == "__main__":
+    main()
