@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .draft_prep import DraftQuantization
-from .rejection import Verification
 from .lookahead import (
     DEFAULT_MAX_LOOKAHEAD,
     STATIC_VERIFY_SLOPE,
@@ -17,6 +16,7 @@ from .lookahead import (
     LookaheadPolicy,
     StaticCosts,
 )
+from .rejection import Verification
 
 
 def _check_lookahead(name: str, value: int | None) -> None:

@@ -14,12 +14,14 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .config import SpeculativeConfig
-from .draft_prep import PreparedDraft, draft_for_call
+from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
 from .lookahead import FixedLookahead, RoundRecord, weight_bytes_ratio
+from .named_drafts import NamedDraft
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
+from .prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .rejection import (
     NonFinite,
     Verdict,
@@ -29,8 +31,6 @@ from .rejection import (
     greedy_accept,
     speculative_accept,
 )
-from .named_drafts import NamedDraft
-from .prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .sequences import Sequences
 from .stats import SpeculativeStats
 from .stopping import first_stops
@@ -154,7 +154,12 @@ class SpeculativeDecoder:
         lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
         draft = None
         if draft_model == NamedDraft.PROMPT_LOOKUP:  # no model: every round proposes N tokens by lookup
-            self.policy = FixedLookahead(lookup_tokens or DEFAULT_LOOKUP_TOKENS)
+            if config.draft_quantization is not DraftQuantization.AUTO or config.draft_vocabulary is not None:
+                raise ValueError(
+                    "draft_model='prompt_lookup' runs no draft model: draft_quantization / draft_vocabulary have "
+                    "nothing to act on. Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
+                )
+            self.policy = FixedLookahead(lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS)
         else:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,

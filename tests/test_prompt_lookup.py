@@ -108,3 +108,15 @@ def test_bad_lookup_width_is_refused(pair, bad):
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be a positive int"):
         target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model="prompt_lookup",
                         prompt_lookup_num_tokens=bad)  # fmt: skip
+
+
+def test_model_options_with_prompt_lookup_are_refused_and_num_lookahead_sets_the_width(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="runs no draft model"):
+        target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model="prompt_lookup",
+                        speculative_config=SpeculativeConfig(draft_vocabulary=4))  # fmt: skip
+    out = target.generate(
+        PROMPT, do_sample=False, max_new_tokens=12, pad_token_id=PAD, draft_model="prompt_lookup", num_lookahead=2,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert set(out.speculative_stats.lookahead_per_round) <= {0, 1, 2}
