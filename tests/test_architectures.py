@@ -118,3 +118,18 @@ def test_sampling_stays_in_target_top_k(pair):
     top = logits.topk(3, dim=-1).indices
     sampled = out[:, prompt.shape[1] :, None]
     assert bool((top == sampled).any(dim=-1).all()), "a sampled token lies outside the target's top-k"
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_greedy_prompt_lookup_ragged_batch_with_eos(pair, side):
+    """Both prompt-lookup drafters (n-grams alone; n-grams first, then the model) on every architecture."""
+    _, target, draft = pair
+    ids, mask = batch(PROMPTS, side)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 4])  # row 0 stops mid-way, the others at other steps or never
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
+    plain = target.generate(ids, **kwargs)
+    for drafter in (dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4), dict(draft_model=draft)):
+        got = target.generate(ids, **{"prompt_lookup_num_tokens": 3, **kwargs, **drafter})
+        assert got.tolist() == plain.tolist()
