@@ -151,7 +151,6 @@ class SpeculativeDecoder:
         vocab_size = validation.vocab_size(model)
         self.verification = config.verification
         batch = input_ids.shape[0]
-        lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
         draft = None
         if draft_model == NamedDraft.PROMPT_LOOKUP:  # no model: every round proposes N tokens by lookup
             if config.draft_quantization is not DraftQuantization.AUTO or config.draft_vocabulary is not None:
@@ -180,6 +179,8 @@ class SpeculativeDecoder:
         prompt_length = input_ids.shape[1]
         self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
         self.sequences.attach(self.target)
+        if draft is None or lookup_tokens is not None:
+            lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
         if draft is None:
             self.drafter = lookup
         else:
@@ -237,8 +238,8 @@ class SpeculativeDecoder:
         self.timer.mark()
         durations = self.timer.durations() or [0.0, 0.0]
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        if width > 0 and proposal.model_steps == 0 and isinstance(self.drafter, LookupThenModelProposer):
-            return  # a lookup-only round says nothing about the draft model's acceptance or cost
+        if width > 0 and proposal.model_steps == 0:
+            return  # a lookup-only round says nothing about a draft model's acceptance or cost
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
         self.policy.observe(RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill))
 

@@ -137,7 +137,7 @@ class PositionwiseProcessor:
         check_supported(processors)
         self.runs = _runs(processors)
         self.batch_size = batch_size
-        self._fast = {id(p): fast_equivalent(p) for p in processors} if fast else {}
+        self.fast = fast
         # Exact type, as for prefix-freedom: a subclass may read token ids.
         self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
 
@@ -167,8 +167,8 @@ class PositionwiseProcessor:
                 flat = scores.reshape(batch * positions, vocab)
                 no_prefix = tokens.new_empty((batch * positions, 0))
                 for processor in processors:
-                    fast = self._fast.get(id(processor))
-                    flat = fast(flat) if fast is not None else processor(no_prefix, flat)
+                    faster = fast_equivalent(processor) if self.fast else None
+                    flat = faster(flat) if faster is not None else processor(no_prefix, flat)
                 scores = flat.reshape(batch, positions, vocab)
             elif kind is RunKind.LENGTH_ONLY:
                 lengths = torch.tensor(list(prefix_lengths))[:, None] + torch.arange(positions)  # (batch, positions)

@@ -59,8 +59,7 @@ class PromptLookupProposer:
     forward_passes = 0
 
     def __init__(self, vocab_size: int, do_sample: bool, max_ngram: int = DEFAULT_MAX_NGRAM):
-        if not isinstance(max_ngram, int) or isinstance(max_ngram, bool) or max_ngram < 1:
-            raise ValueError(f"max_matching_ngram_size must be a positive int, got {max_ngram!r}.")
+        """`max_ngram` is checked with the call's other options (`validation.check_prompt_lookup`)."""
         self.vocab_size = vocab_size
         self.do_sample = do_sample
         self.max_ngram = max_ngram
