@@ -1,9 +1,9 @@
 """Exact, sort-free replacements for transformers' logits warpers that sort the whole vocabulary.
 
-`TopPLogitsWarper` sorts every row (151,936 entries for Qwen2.5): about 15 ms per position on a 2-core CPU, where
-`torch.topk(scores, 64)` takes 0.4 ms. The nucleus is almost always inside the top few dozen tokens, so
-`fast_top_p` decides from the largest candidates and hands a row to transformers' own warper whenever the
-candidates cannot settle it exactly.
+`TopPLogitsWarper` and `TypicalLogitsWarper` sort every row (151,936 entries for Qwen2.5): about 15 ms per position
+on a 2-core CPU, where `torch.topk(scores, 64)` takes 0.4 ms. The tokens they keep are almost always among the
+first few dozen of their order, so `fast_top_p` and `fast_typical` decide from the first candidates of that order
+and hand a row to transformers' own warper whenever the candidates cannot settle it exactly.
 
 What "exact" means here: the tokens kept are the ones transformers keeps, and kept scores are untouched, so the
 output tensor is identical. transformers removes the token at ascending-sort position ``i`` when the float32
@@ -98,14 +98,96 @@ def fast_top_p(warper: lp.TopPLogitsWarper, scores: torch.Tensor) -> torch.Tenso
     return out
 
 
+def typical_thresholds(
+    candidate_shifts: torch.Tensor,
+    candidate_scores: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    mass: float,
+    min_tokens_to_keep: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shifted-score threshold of transformers' typical sampling per row, where the candidates settle it.
+
+    transformers sorts a row by its shifted score ``|-log p - H|`` (ascending), takes ``last``, the number of sorted
+    positions whose float32 cumulative probability is ``< mass``, and removes every token whose shifted score is
+    greater than the one at sorted position ``last``. Equal shifted scores may be sorted in any order, but the
+    threshold is the same in every order: the crossing of ``mass`` always falls in the same group of equal scores.
+
+    Args:
+        candidate_shifts: `(rows, k)` the row's k smallest shifted scores, ascending.
+        candidate_scores: `(rows, k)` the scores of the same tokens.
+        log_normalizer: `(rows,)` logsumexp of each whole row.
+        mass: the warper's `mass`.
+        min_tokens_to_keep: as in `TypicalLogitsWarper`.
+
+    Returns:
+        `(rows,)` thresholds (the shifted score at position ``last``), and `(rows,)` bool: settled, i.e. ``last``
+        lies among the candidates, the cumulative mass on both sides of it is more than `BOUNDARY_MARGIN` from
+        `mass`, and `min_tokens_to_keep` adds no token.
+    """
+    k = candidate_shifts.shape[1]
+    probs = torch.exp(candidate_scores.double() - log_normalizer.double()[:, None])  # (rows, k)
+    cumulative = torch.cumsum(probs, dim=-1)  # (rows, k)
+    last = (cumulative < mass).sum(dim=-1)  # (rows,) first position whose cumulative mass reaches `mass`
+    at = last.clamp(max=k - 1)
+    before = (at - 1).clamp(min=0)
+    settled = last < k
+    settled &= (cumulative.gather(1, at[:, None]).squeeze(1) - mass).abs() > BOUNDARY_MARGIN
+    settled &= (last == 0) | ((cumulative.gather(1, before[:, None]).squeeze(1) - mass).abs() > BOUNDARY_MARGIN)
+    settled &= last + 1 >= min_tokens_to_keep  # positions 0 .. last are kept anyway
+    settled &= torch.isfinite(log_normalizer) & ~torch.isnan(candidate_scores).any(dim=-1)
+    return candidate_shifts.gather(1, at[:, None]).squeeze(1), settled
+
+
+def fast_typical(warper: lp.TypicalLogitsWarper, scores: torch.Tensor) -> torch.Tensor:
+    """`warper(input_ids, scores)` without sorting the vocabulary where the first candidates settle it.
+
+    The shifted scores are computed with exactly transformers' operations, so the threshold comparison is the same.
+
+    Args:
+        warper: a `TypicalLogitsWarper` (its `mass`, `min_tokens_to_keep`, `filter_value`).
+        scores: `(rows, vocab)` float scores.
+
+    Returns:
+        `(rows, vocab)`: identical to ``warper(input_ids, scores)``.
+    """
+    rows, vocab = scores.shape
+    normalized = torch.nn.functional.log_softmax(scores, dim=-1)
+    entropy = -(normalized * torch.exp(normalized)).nansum(-1, keepdim=True)  # (rows, 1)
+    shifted = torch.abs((-normalized) - entropy)  # (rows, vocab), as transformers computes it
+    log_normalizer = torch.logsumexp(scores, dim=-1)  # (rows,)
+    clean = ~torch.isnan(shifted).any(dim=-1)  # (rows,)
+    threshold = scores.new_zeros(rows, dtype=shifted.dtype)
+    settled = torch.zeros(rows, dtype=torch.bool, device=scores.device)
+    for size in CANDIDATES:
+        if size >= vocab:
+            break
+        pending = (~settled & clean).nonzero().squeeze(1)  # (part,)
+        if pending.numel() == 0:
+            break
+        negative, indices = torch.topk(-shifted[pending], size, dim=-1)  # (part, size): smallest shifts first
+        found, done = typical_thresholds(
+            -negative, scores[pending].gather(1, indices), log_normalizer[pending], warper.mass,
+            warper.min_tokens_to_keep,
+        )  # fmt: skip
+        threshold[pending] = torch.where(done, found, threshold[pending])
+        settled[pending] = done
+    out = scores.masked_fill(settled[:, None] & (shifted > threshold[:, None]), warper.filter_value)
+    rest = (~settled).nonzero().squeeze(1)
+    if rest.numel():
+        no_prefix = torch.empty((rest.numel(), 0), dtype=torch.long, device=scores.device)
+        out[rest] = warper(no_prefix, scores[rest])
+    return out
+
+
 def fast_equivalent(processor: lp.LogitsProcessor):
     """A callable ``(scores) -> scores`` doing exactly what `processor` does, faster; None if there is none.
 
     Exact type only: a subclass may do something else. Only for scores on the CPU: deciding which rows the
     candidates settle needs the values on the host, and a GPU sorts a vocabulary in microseconds anyway.
     """
-    if type(processor) is lp.TopPLogitsWarper:
-        return lambda scores: fast_top_p(processor, scores) if scores.device.type == "cpu" else processor(
-            torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device), scores
-        )
-    return None
+    fast = {lp.TopPLogitsWarper: fast_top_p, lp.TypicalLogitsWarper: fast_typical}.get(type(processor))
+    if fast is None:
+        return None
+    return lambda scores: fast(processor, scores) if scores.device.type == "cpu" else processor(
+        torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device), scores
+    )

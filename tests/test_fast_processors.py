@@ -5,7 +5,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from hf_specsample import fast_processors
-from hf_specsample.fast_processors import fast_top_p
+from hf_specsample.fast_processors import fast_top_p, fast_typical
 
 NO_IDS = torch.empty((0, 0), dtype=torch.long)
 
@@ -31,7 +31,7 @@ def boundary_logits(vocab: int) -> torch.Tensor:
 
 def assert_same(warper, scores):
     expected = warper(torch.empty((scores.shape[0], 0), dtype=torch.long), scores)
-    got = fast_top_p(warper, scores)
+    got = (fast_typical if isinstance(warper, lp.TypicalLogitsWarper) else fast_top_p)(warper, scores)
     assert bool(((got == expected) | (got.isnan() & expected.isnan())).all())  # bit for bit, NaN where NaN
 
 
@@ -79,6 +79,53 @@ def test_the_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
         assert_same(warper, scores)
 
 
+# --- typical sampling (sorts by |-log p - H|) ---
+
+
+@pytest.mark.parametrize("mass", [0.01, 0.2, 0.5, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("min_keep", [1, 3])
+def test_typical_random_and_tied(mass, min_keep):
+    warper = lp.TypicalLogitsWarper(mass, min_tokens_to_keep=min_keep)
+    for seed, scale in enumerate([0.5, 2.0, 4.0, 8.0]):
+        assert_same(warper, random_logits(16, 2048, scale, seed))
+    assert_same(warper, tied_logits(16, 512, seed=7))
+    assert_same(warper, boundary_logits(256))
+
+
+def test_typical_after_top_k_and_temperature_and_nonfinite_rows():
+    scores = random_logits(32, 4096, 3.0, seed=1)
+    scores = lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
+    for mass in (0.5, 0.9):
+        assert_same(lp.TypicalLogitsWarper(mass), scores)
+    scores = random_logits(4, 151_936, 3.0, seed=2)
+    scores[1] = 0.0  # flat: every shifted score is 0, the typical set is the whole row
+    scores[2, 5] = float("nan")
+    scores[3] = -float("inf")
+    scores[3, 9] = 1.0
+    assert_same(lp.TypicalLogitsWarper(0.9), scores)
+
+
+def test_typical_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
+    """Peaked rows are settled by the candidates, and a threshold one position off is caught by the comparison."""
+    warper = lp.TypicalLogitsWarper(0.9)
+    scores = random_logits(8, 4096, 8.0, seed=3)
+    calls = []
+    original = lp.TypicalLogitsWarper.__call__
+    monkeypatch.setattr(lp.TypicalLogitsWarper, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    fast_typical(warper, scores)
+    assert calls == []  # every row settled without the full sort
+    monkeypatch.setattr(lp.TypicalLogitsWarper, "__call__", original)
+    thresholds = fast_processors.typical_thresholds
+
+    def one_further(shifts, *rest):
+        found, settled = thresholds(shifts, *rest)
+        return shifts[:, 1:].gather(1, (shifts[:, :-1] >= found[:, None]).long().argmax(1, keepdim=True))[:, 0], settled
+
+    monkeypatch.setattr(fast_processors, "typical_thresholds", one_further)
+    with pytest.raises(AssertionError):
+        assert_same(warper, scores)
+
+
 # --- through generate(): a vocabulary wider than the first candidate count, so the sort-free path really runs ---
 
 WIDE_VOCAB = 160  # > CANDIDATES[0]
@@ -93,35 +140,52 @@ def wide_pair():
     return target, perturbed_copy(target, seed=1, scale=0.3)
 
 
-def test_sampling_with_sort_free_top_p_is_exact(wide_pair, monkeypatch):
+SORT_FREE = {  # settings -> (the pure function that settles rows, the warper transformers builds last)
+    "top_p": (TOP_P_SETTINGS, "top_p_keep_counts", lp.TopPLogitsWarper),
+    "typical_p": (dict(temperature=0.8, typical_p=0.9), "typical_thresholds", lp.TypicalLogitsWarper),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SORT_FREE))
+def test_sampling_with_sort_free_warpers_is_exact(wide_pair, monkeypatch, kind):
     from exact import sampled_pvalue
 
     target, draft = wide_pair
+    settings, name, _ = SORT_FREE[kind]
     settled = []
-    counts = fast_processors.top_p_keep_counts
-    monkeypatch.setattr(fast_processors, "top_p_keep_counts", lambda *a: settled.append(r := counts(*a)) or r)
+    original = getattr(fast_processors, name)
+
+    def recording(*args):
+        result = original(*args)
+        settled.append(result if isinstance(result, torch.Tensor) and result.dtype == torch.long else result[1])
+        return result
+
+    monkeypatch.setattr(fast_processors, name, recording)
     p = sampled_pvalue(
-        target, torch.tensor([[1, 17, 42, 5]]), num_tokens=2, rows=4000, seed=3, settings=TOP_P_SETTINGS,
+        target, torch.tensor([[1, 17, 42, 5]]), num_tokens=2, rows=4000, seed=3, settings=settings,
         draft_model=draft, num_lookahead=2,
     )  # fmt: skip
     assert p > 1e-3
     settled = torch.cat(settled)
-    assert (settled >= 0).float().mean() > 0.5, "the sort-free path was hardly used: the test would not test it"
+    settled = settled >= 0 if settled.dtype == torch.long else settled
+    assert settled.float().mean() > 0.5, "the sort-free path was hardly used: the test would not test it"
 
 
-def test_scores_equal_plain_generate_bit_for_bit(wide_pair):
+@pytest.mark.parametrize("kind", sorted(SORT_FREE))
+def test_scores_equal_plain_generate_bit_for_bit(wide_pair, kind):
     """The processed scores returned with the output are transformers' own, position by position."""
     from tiny import PAD, prepared_processors
 
     target, draft = wide_pair
+    settings, _, last_warper = SORT_FREE[kind]
     prompt = torch.tensor([[1, 17, 42, 5], [1, 3, 9, 11]])
     kwargs = dict(
         do_sample=True, max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
-        output_logits=True, **TOP_P_SETTINGS,
+        output_logits=True, **settings,
     )  # fmt: skip
     out = target.generate(prompt, draft_model=draft, num_lookahead=3, generator=torch.Generator().manual_seed(0), **kwargs)
-    warpers, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=12, **TOP_P_SETTINGS)
-    assert [type(w) for w in warpers][-1] is lp.TopPLogitsWarper  # (after transformers' default top_k=50)
+    warpers, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=12, **settings)
+    assert [type(w) for w in warpers][-1] is last_warper  # (after transformers' default top_k=50)
     no_ids = torch.empty((prompt.shape[0], 0), dtype=torch.long)
     for logits, scores in zip(out.logits, out.scores):
         expected = warpers(no_ids, logits.clone())
