@@ -197,6 +197,7 @@ class SpeculativeDecoder:
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
+        self.stats.draft_form = draft.form if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
         self.timer = PhaseTimer(self.policy.needs_timing, devices)
 

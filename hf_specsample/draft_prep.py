@@ -2,10 +2,11 @@
 
 Three levers, each an argument of `prepare_draft` (and an option of `SpeculativeConfig`):
 
-- `quantization`: a dynamic-int8 copy of a float CPU draft (torch's fbgemm kernels). On the CPU this was measured
-  to run a single-token step of Qwen2.5-Coder-0.5B in 41 ms where bf16 takes 132 ms and float32 113 ms.
-  Quantization changes the draft's distribution a little (acceptance moves by a few points either way) and the
-  output distribution not at all. Default AUTO: on for float drafts on the CPU, off elsewhere.
+- `quantization`: a dynamic-int8 copy of a float CPU draft (torch's fbgemm kernels). Measured single-token steps
+  of Qwen2.5-Coder-0.5B: 41 ms int8 against 132 ms bf16 on one CPU, 27 ms against 50 ms on another. Quantization
+  changes the draft's distribution a little (acceptance moves by a few points either way) and the output
+  distribution not at all. Default AUTO: for a float draft on the CPU, both forms are timed at first use
+  (`draft_timing.py`) and the faster one drafts; elsewhere the draft runs as given.
 - `vocabulary` (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
   logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset); the cost is that a token outside the subset can never be drafted.
@@ -23,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -34,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
 from .named_drafts import NamedDraft
+from .draft_timing import decode_step_seconds
 from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
 from .validation import check_models, vocab_size
 from .vocabulary import special_token_ids, vocabulary_ids
@@ -44,7 +47,7 @@ AUTO_DRAFT = NamedDraft.AUTO  # draft_model="auto": build a draft from the targe
 
 
 class DraftQuantization(str, Enum):
-    AUTO = "auto"  # int8 for float drafts on the CPU, unchanged otherwise
+    AUTO = "auto"  # a float draft on the CPU: int8 or as given, whichever steps faster here; otherwise as given
     NONE = "none"
     INT8 = "int8"  # dynamic int8 (CPU only)
 
@@ -66,6 +69,8 @@ class PreparedDraft:
         width: the logit width of the draft as given (before a compact head).
         quantization: what was applied: INT8 (an int8 copy) or NONE.
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
+        step_seconds: where AUTO timed the forms: seconds per single-token step of each (INT8 and NONE), the
+            faster of which is `model`; empty where nothing was timed.
     """
 
     model: PreTrainedModel
@@ -73,6 +78,16 @@ class PreparedDraft:
     width: int
     quantization: DraftQuantization = DraftQuantization.NONE
     self_draft_of: weakref.ref | None = None
+    step_seconds: dict[DraftQuantization, float] = field(default_factory=dict)
+
+    @property
+    def form(self) -> str:
+        """What drafts, for the statistics: e.g. "int8 (timed per step: int8 46.1 ms, none 93.0 ms)"."""
+        timed = ", ".join(
+            f"{form} {seconds * 1e3:.1f} ms" if math.isfinite(seconds) else f"{form} failed"
+            for form, seconds in self.step_seconds.items()
+        )
+        return f"{self.quantization}" + (f" (timed per step: {timed})" if timed else "")
 
     def ids_for(self, target: PreTrainedModel) -> torch.Tensor | None:
         """The token ids this draft proposes over when drafting for `target`, or None for ``0 .. width - 1``.
@@ -121,8 +136,9 @@ def prepare_draft(
             the target (an int8 copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
             `quantization="none"`).
         target: the model whose `generate()` will use the draft.
-        quantization: AUTO (default: a dynamic-int8 copy of a float draft on the CPU, the draft as given
-            otherwise), INT8 (forced; CPU float drafts only) or NONE.
+        quantization: AUTO (default: for a float draft on the CPU, its dynamic-int8 copy or the draft as given,
+            whichever steps faster on this machine, timed here; the draft as given otherwise), INT8 (forced; CPU
+            float drafts only) or NONE.
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
             `generation_config`); None (default): every id.
@@ -183,16 +199,25 @@ def _build(
         model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
     if ids is not None:
         model = restrict_vocabulary(model, ids)
-    if wants_int8:
-        if not can_int8:
-            raise ValueError(
-                "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
-                "dispatch; use draft_quantization='none' (or 'auto') for this draft."
-            )
-        logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
-        model = int8_dynamic_copy(model)
-    applied = DraftQuantization.INT8 if wants_int8 else DraftQuantization.NONE
-    return PreparedDraft(model, ids, width, applied, weakref.ref(target) if is_auto else None)
+    if not wants_int8:
+        return PreparedDraft(model, ids, width, DraftQuantization.NONE, weakref.ref(target) if is_auto else None)
+    if not can_int8:
+        raise ValueError(
+            "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
+            "dispatch; use draft_quantization='none' (or 'auto') for this draft."
+        )
+    logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
+    quantized = PreparedDraft(int8_dynamic_copy(model), ids, width, DraftQuantization.INT8)
+    if is_auto:  # a self-draft: the int8 copy of the whole target (the alternative is another model, not a form)
+        return replace(quantized, self_draft_of=weakref.ref(target))
+    if quantization is DraftQuantization.AUTO:  # keep whichever form steps faster on this machine
+        int8_seconds, as_given_seconds = decode_step_seconds([quantized.model, model])
+        seconds = {DraftQuantization.INT8: int8_seconds, DraftQuantization.NONE: as_given_seconds}
+        logger.info("hf_specsample: draft step %.1f ms as int8, %.1f ms as given", *(s * 1e3 for s in seconds.values()))
+        if as_given_seconds < int8_seconds:
+            return PreparedDraft(model, ids, width, DraftQuantization.NONE, step_seconds=seconds)
+        return replace(quantized, step_seconds=seconds)
+    return quantized
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
@@ -317,7 +342,7 @@ def _named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
 
 
 class _Entry(NamedTuple):
-    prepared: PreparedDraft
+    prepared: PreparedDraft  # `model` None where the owner runs as given (an entry never references its key)
     weights: tuple[_TensorState, ...]  # the owner's parameters and buffers when `prepared` was made
 
     def is_current(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
@@ -331,8 +356,8 @@ class _ImplicitDrafts:
     """The drafts `generate(draft_model=model)` prepared itself, so that the int8 copy is made once, not per call.
 
     - Weakly keyed by the model they were made from (the target for "auto"): an entry is freed with that model.
-      No entry references its key (an int8 copy or a view holds submodules and tensors, never the model object),
-      and the draft as given is never stored (nothing to prepare: it runs as it is).
+      No entry references its key (an int8 copy or a view holds submodules and tensors, never the model object):
+      where AUTO's timing chose the draft as given, the entry keeps that decision and its timings without the model.
     - Per model, keyed by exactly the options: the quantization asked for and the full vocabulary ids.
     - Valid while the model's weights are unchanged: every parameter and buffer is the same object, with the same
       storage and the same in-place version counter as when the entry was made; otherwise every entry of that
@@ -359,11 +384,13 @@ class _ImplicitDrafts:
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
             prepared = _build(draft, target, quantization, ids)
-            if prepared.model is owner:  # nothing was made: the draft runs as given
+            if prepared.model is owner and not prepared.step_seconds:  # nothing made or decided: runs as given
                 return prepared
-            entries[key] = _Entry(prepared, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
+            stored = replace(prepared, model=None) if prepared.model is owner else prepared
+            entries[key] = _Entry(stored, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
         self._entries[owner] = entries
-        return entries[key].prepared
+        prepared = entries[key].prepared
+        return prepared if prepared.model is not None else replace(prepared, model=owner)
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._entries.values())

@@ -21,6 +21,7 @@ class SpeculativeStats:
     row_rejections: list[int] = field(default_factory=list)  # rounds that ended with a rejected draft token
     row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
     row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
+    draft_form: str = ""  # what drafted: "int8", "none" (as given), with AUTO's step timings; or "prompt_lookup"
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -97,4 +98,5 @@ class SpeculativeStats:
             f"{self.new_tokens} tokens in {self.target_forward_passes} target passes "
             f"({self.tokens_per_target_pass:.2f} per pass), acceptance {self.acceptance_rate:.1%} "
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
+            + (f", draft {self.draft_form}" if self.draft_form else "")
         )

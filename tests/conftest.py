@@ -17,6 +17,31 @@ def _seed_and_threads():
     yield
 
 
+def _timed_forms(monkeypatch, int8_seconds: float, as_given_seconds: float) -> list:
+    """Make `DraftQuantization.AUTO`'s timing report these figures (tiny models step faster as given); returns the
+    list of timing calls, so a test can check when timing happened."""
+    calls = []
+
+    def fake(models, *args, **kwargs):
+        calls.append(len(models))
+        return [int8_seconds, as_given_seconds]
+
+    monkeypatch.setattr("hf_specsample.draft_prep.decode_step_seconds", fake)
+    return calls
+
+
+@pytest.fixture
+def int8_steps_faster(monkeypatch):
+    """AUTO's timing finds the int8 copy faster (as on the CPUs measured with real drafts)."""
+    return _timed_forms(monkeypatch, 0.001, 0.002)
+
+
+@pytest.fixture
+def as_given_steps_faster(monkeypatch):
+    """AUTO's timing finds the draft as given faster (as on a CPU with fast bf16, or with a tiny draft)."""
+    return _timed_forms(monkeypatch, 0.002, 0.001)
+
+
 @pytest.fixture(scope="module")
 def target():
     """A tiny 64-token target (2 layers): big enough for varied greedy runs, small enough to be instant."""

@@ -66,7 +66,7 @@ def draw(target, samples, seed, eos_token_ids=(), rows_per_call=None, **generate
 
 @pytest.mark.parametrize("draft_kind", ["close", "far"])
 @pytest.mark.parametrize("setting", sorted(PROCESSOR_SETTINGS))
-def test_speculative_samples_follow_target(target, drafts, setting, draft_kind):
+def test_speculative_samples_follow_target(target, drafts, setting, draft_kind, int8_steps_faster):
     """The default lever set: the draft runs as a dynamic-int8 copy (draft_quantization="auto")."""
     settings = PROCESSOR_SETTINGS[setting]
     samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)

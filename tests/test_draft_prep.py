@@ -58,7 +58,7 @@ def test_int8_weight_bytes_without_unpacking(pair, monkeypatch):
     assert weight_bytes(quantized) == expected
 
 
-def test_auto_quantizes_float_cpu_drafts_once(pair):
+def test_auto_quantizes_float_cpu_drafts_once(pair, int8_steps_faster):
     target, draft = pair
     first = implicit_draft(draft, target, DraftQuantization.AUTO)
     assert isinstance(first.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
@@ -165,7 +165,7 @@ def test_vocabulary_ids_out_of_range(pair):
         greedy(target, draft_model=draft, speculative_config=config)
 
 
-def test_a_gguf_loaded_draft_gets_the_int8_copy(pair):
+def test_a_gguf_loaded_draft_gets_the_int8_copy(pair, int8_steps_faster):
     """A GGUF-loaded model keeps transformers' GGUF quantizer although its weights are plain floats, and refuses
     `.float()`: it was silently run as given (1.40x instead of 2.1x on the Qwen pair). It now gets the int8 copy."""
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer

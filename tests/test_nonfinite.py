@@ -100,7 +100,7 @@ def test_flag_counts_only_the_distributions_a_row_used():
     assert flagged.num_accepted.tolist() == [NonFinite.TARGET, 0, NonFinite.DRAFT]
 
 
-def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft):
+def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft, int8_steps_faster):
     """The default int8 copy cannot quantize NaN activations: a clear error, and the way out works."""
     from hf_specsample import SpeculativeConfig
 
@@ -112,3 +112,14 @@ def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft):
     as_given = SpeculativeConfig(draft_quantization="none")
     plain = generate(target, do_sample=False)
     assert generate(target, broken, do_sample=False, speculative_config=as_given).tolist() == plain.tolist()
+
+
+def test_an_int8_copy_that_cannot_run_is_not_chosen(target, draft):
+    """AUTO times the int8 copy and the draft as given: a copy whose forward fails (NaN activations) loses, and the
+    draft as given runs (exact as always: greedy equals plain)."""
+    broken = perturbed_copy(draft, seed=2, scale=0.0)
+    with torch.no_grad():
+        broken.model.norm.weight[0] = math.nan
+    out = generate(target, broken, do_sample=False, return_dict_in_generate=True)
+    assert out.speculative_stats.draft_form.startswith("none (timed per step: int8 failed, none ")
+    assert out.sequences.tolist() == generate(target, do_sample=False).tolist()

@@ -37,7 +37,7 @@ def greedy(target, **kwargs):
     return target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, **kwargs)
 
 
-def test_a_prepared_draft_runs_as_it_is(pair):
+def test_a_prepared_draft_runs_as_it_is(pair, int8_steps_faster):
     target, draft = pair
     prepared = hf_specsample.prepare_draft(draft, target)
     assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
@@ -118,7 +118,7 @@ def mutations():
 
 
 @pytest.mark.parametrize("mutate", mutations(), ids=lambda mutate: mutate.__name__)
-def test_a_changed_draft_gets_a_new_copy(mutate):
+def test_a_changed_draft_gets_a_new_copy(mutate, int8_steps_faster):
     target = make_target()
     draft, other = perturbed_copy(target, seed=1, scale=0.1), make_target(seed=7)
     first = implicit_draft(draft, target)
@@ -131,7 +131,7 @@ def test_a_changed_draft_gets_a_new_copy(mutate):
     torch.testing.assert_close(second.model(PROMPT).logits, reference(PROMPT).logits)
 
 
-def test_a_draft_made_under_inference_mode_is_prepared_once(pair):
+def test_a_draft_made_under_inference_mode_is_prepared_once(pair, int8_steps_faster):
     """Inference tensors have no version counter; such a draft still works and its copy is still kept."""
     target, _ = pair
     with torch.inference_mode():
@@ -168,7 +168,7 @@ def collected(make_and_use) -> list[str]:
     [dict(), dict(vocabulary=40), dict(quantization="none", vocabulary=40)],
     ids=["int8", "int8+vocabulary", "vocabulary-view"],
 )
-def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options):
+def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options, int8_steps_faster):
     target, _ = pair
     entries = len(_IMPLICIT)
 
@@ -240,3 +240,64 @@ def test_a_prepared_draft_serves_targets_of_another_width():
     narrow = make_target(vocab_size=48)
     with pytest.raises(ValueError, match="scores only 48 ids"):
         greedy(narrow, draft_model=subset)
+
+
+# --- AUTO times the draft's forms at first use and keeps the faster one ---
+
+
+def test_auto_keeps_the_form_that_steps_faster(pair, as_given_steps_faster):
+    """Where the draft as given steps faster than its int8 copy (a CPU with fast bf16, or a tiny draft), it drafts
+    as given; the decision is timed once per draft, and the statistics say what drafted and what was measured."""
+    target, _ = pair
+    draft = perturbed_copy(target, seed=5, scale=0.1)
+    prepared = prepare_draft(draft, target)
+    assert prepared.model is draft and prepared.quantization is DraftQuantization.NONE
+    assert prepared.step_seconds == {DraftQuantization.INT8: 0.002, DraftQuantization.NONE: 0.001}
+    assert as_given_steps_faster == [2]
+    out = greedy(target, draft_model=draft, return_dict_in_generate=True)
+    out = greedy(target, draft_model=draft, return_dict_in_generate=True)  # the decision is remembered
+    assert as_given_steps_faster == [2, 2]  # prepare_draft above, then the first generate() only
+    assert out.speculative_stats.draft_form == "none (timed per step: int8 2.0 ms, none 1.0 ms)"
+    assert torch.equal(out.sequences, greedy(target))
+
+
+def test_auto_keeps_the_int8_copy_where_it_steps_faster(pair, int8_steps_faster):
+    target, _ = pair
+    draft = perturbed_copy(target, seed=6, scale=0.1)
+    out = greedy(target, draft_model=draft, return_dict_in_generate=True)
+    assert out.speculative_stats.draft_form == "int8 (timed per step: int8 1.0 ms, none 2.0 ms)"
+    assert isinstance(implicit_draft(draft, target).model.model.layers[0].mlp.up_proj, INT8_LINEAR)
+    assert int8_steps_faster == [2]
+    forced = greedy(target, draft_model=draft, return_dict_in_generate=True,
+                    speculative_config=SpeculativeConfig(draft_quantization="int8"))  # fmt: skip
+    assert forced.speculative_stats.draft_form == "int8" and int8_steps_faster == [2]  # asked for: not timed
+
+
+def test_an_as_given_decision_does_not_keep_the_draft_alive(pair, as_given_steps_faster):
+    target, _ = pair
+    entries = len(_IMPLICIT)
+
+    def make_and_use():
+        draft = perturbed_copy(target, seed=7, scale=0.1)
+        greedy(target, draft_model=draft)
+        assert len(_IMPLICIT) == entries + 1 and implicit_draft(draft, target).model is draft
+        return {"draft": weakref.ref(draft)}
+
+    assert collected(make_and_use) == []
+    assert len(_IMPLICIT) == entries
+
+
+def test_decode_step_seconds_times_each_model_and_skips_a_broken_one(pair):
+    from hf_specsample.draft_timing import decode_step_seconds
+
+    target, draft = pair
+    broken = perturbed_copy(draft, seed=2, scale=0.0)
+    broken.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("cannot run"))
+    quick, slow, failed = decode_step_seconds([draft, make_target(vocab_size=64).to(torch.float64), broken])
+    assert 0 < quick < float("inf") and 0 < slow < float("inf") and failed == float("inf")
+
+
+def test_prompt_lookup_statistics_name_the_drafter(pair):
+    target, _ = pair
+    out = greedy(target, draft_model="prompt_lookup", return_dict_in_generate=True)
+    assert out.speculative_stats.draft_form == "prompt_lookup"
