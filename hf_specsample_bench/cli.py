@@ -11,7 +11,8 @@ import torch
 
 from .batch import run_batch_sweep
 from .measure import cost_ratio, method_cost_ratios
-from .methods import Method, MethodDrafts, MethodSpec, Mode, parse_methods
+from .methods import LEVER_METHODS, LOOKUP_LEVER_METHODS, Method, MethodDrafts, MethodSpec, Mode, parse_methods
+from .models import LoadPath
 from .pairs import BenchPair, Quantization, load_bench_pair, randomize
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
@@ -45,7 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=parse_methods,
         default="target,assisted,hf_specsample,hf_specsample:4",
-        help="comma list of target, assisted, hf_specsample, hf_specsample:K (default: %(default)s)",
+        help="comma list of target, assisted, lookup[:N] (transformers' prompt lookup), hf_specsample, "
+        "hf_specsample:K[:quantization[:vocabulary]][:verify=token|block][:processors=plain|fast][:lookup=N]"
+        "[:draft=prompt_lookup] (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--levers",
+        action="store_true",
+        help="the lever table: the methods become the default, each lever of hf_specsample switched off or forced "
+        "on its own (K=4, draft as given, int8 draft, token verification, transformers' processors), and the peers; "
+        "with --prompts code-edit also the prompt-lookup drafters and transformers' prompt lookup",
+    )
+    parser.add_argument(
+        "--load-from",
+        type=LoadPath,
+        choices=list(LoadPath),
+        default=LoadPath.CHECKPOINT,
+        help="load the real pair from its checkpoint folders or from its GGUF files as users do (default: %(default)s)",
     )
     parser.add_argument("--modes", type=Mode, choices=list(Mode), nargs="+", default=[Mode.GREEDY, Mode.SAMPLING])
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling mode (default: %(default)s)")
@@ -115,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None) -> dict:
     """Parse arguments, load the pair, run the requested comparisons; return (and optionally save) the report."""
     args = build_parser().parse_args(argv)
+    if args.levers:
+        with_lookup = PromptSet.CODE_EDIT in args.prompts
+        args.methods = parse_methods(LEVER_METHODS + ("," + LOOKUP_LEVER_METHODS if with_lookup else ""))
     if args.threads:
         torch.set_num_threads(args.threads)
     config = BenchmarkConfig(
@@ -122,8 +142,9 @@ def run(argv: list[str] | None = None) -> dict:
         top_p=args.top_p, seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
     target, draft, tokenizer = load_bench_pair(
-        args.pair, DTYPES[args.dtype], config.progress, args.target_quantization, args.draft_quantization
-    )
+        args.pair, DTYPES[args.dtype], config.progress, args.target_quantization, args.draft_quantization,
+        args.load_from,
+    )  # fmt: skip
     if args.random_draft:
         draft = randomize(draft if args.pair is not BenchPair.SMOLLM2 else _copy_for_randomizing(draft))
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
@@ -150,6 +171,7 @@ def _meta(args: argparse.Namespace, prompts: list) -> dict:
     return {
         "pair": args.pair.value,
         "dtype": args.dtype,
+        "load_from": args.load_from.value,
         "target_quantization": args.target_quantization.value,
         "draft_quantization": args.draft_quantization.value,
         "random_draft": args.random_draft,
@@ -176,12 +198,14 @@ def _compare(args, config: BenchmarkConfig, target, drafts: MethodDrafts, tokeni
         report = to_json(result.rows, result.measurements, meta)
     cost = meta["cost"]
     quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
-    print(f"\n{args.pair.value}, {args.dtype}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+    print(f"\n{args.pair.value} (from {args.load_from}), {args.dtype}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
           f"target forward {cost['target_forward_s'] * 1000:.0f} ms, draft {cost['draft_forward_s'] * 1000:.0f} ms, "
           f"c = {cost['c']:.2f}")  # fmt: skip
     if not args.skip_main:
         prepared = ", ".join(f"{label}: {c:.2f}" for label, c in meta["method_c"].items())
-        print(f"c of each method's prepared draft: {prepared}\n{format_table(result.rows)}")
+        forms = sorted({m.stats["draft_form"] for m in result.measurements if m.stats and m.stats.get("draft_form")})
+        print(f"c of each method's prepared draft: {prepared}\ndrafts run: {'; '.join(forms)}")
+        print(format_table(result.rows))
     return report
 
 

@@ -86,7 +86,7 @@ def method_cost_ratios(drafts, methods, input_ids: torch.Tensor, target_seconds:
 
     ratios = {}
     for spec in methods:
-        if spec.method is Method.SPECULATIVE and spec.label not in ratios:
+        if spec.method is Method.SPECULATIVE and spec.uses_draft and spec.label not in ratios:
             ratios[spec.label] = forward_seconds(drafts.prepared(spec).model, input_ids) / target_seconds
     return ratios
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hf_specsample import DraftQuantization, PreparedDraft, frequent_tokens, prepare_draft
+from hf_specsample import DraftQuantization, PreparedDraft, SpeculativeConfig, frequent_tokens, prepare_draft
 
 
 class Choice(str, Enum):
@@ -19,7 +19,26 @@ class Choice(str, Enum):
 class Method(Choice):
     TARGET = "target"  # plain model.generate()
     ASSISTED = "assisted"  # transformers' model.generate(assistant_model=draft)
+    LOOKUP = "lookup"  # transformers' own prompt-lookup decoding: model.generate(prompt_lookup_num_tokens=N)
     SPECULATIVE = "hf_specsample"  # model.generate(draft_model=draft)
+
+
+class Drafter(Choice):
+    """What drafts for an hf_specsample method."""
+
+    MODEL = "model"  # the pair's draft model (as prepared by prepare_draft)
+    PROMPT_LOOKUP = "prompt_lookup"  # draft_model="prompt_lookup": n-gram continuations, no model
+
+
+DEFAULT_LOOKUP_TOKENS = 10  # N of `lookup` and `lookup=` when none is given (transformers' examples use 10)
+
+# `--levers`: each lever of hf_specsample switched off (or forced) on its own, next to the default and the peers.
+LEVER_METHODS = (
+    "target,assisted,hf_specsample,hf_specsample:4,hf_specsample:auto:none,hf_specsample:auto:int8,"
+    "hf_specsample:verify=token,hf_specsample:processors=plain"
+)
+# `--levers` on code-editing prompts adds the prompt-lookup drafters and transformers' own prompt lookup.
+LOOKUP_LEVER_METHODS = "lookup,hf_specsample:draft=prompt_lookup,hf_specsample:lookup=10"
 
 
 class Mode(Choice):
@@ -36,27 +55,58 @@ class MethodSpec:
         num_lookahead: for SPECULATIVE, K (None: the library default, adaptive); ignored otherwise.
         draft_quantization: for SPECULATIVE, "auto" / "int8" / "none" (None: the library default).
         draft_vocabulary: for SPECULATIVE, the N most frequent tokens the draft may propose (None: all).
+        verification: for SPECULATIVE, "token" or "block" (None: the library default).
+        fast_processors: for SPECULATIVE, False runs transformers' processors as given (None: the default).
+        lookup_tokens: LOOKUP's N, or for SPECULATIVE `prompt_lookup_num_tokens=N` (None: not passed).
+        drafter: for SPECULATIVE, the draft model (default) or `draft_model="prompt_lookup"`.
     """
 
     method: Method
     num_lookahead: int | None = None
     draft_quantization: str | None = None
     draft_vocabulary: int | None = None
+    verification: str | None = None
+    fast_processors: bool | None = None
+    lookup_tokens: int | None = None
+    drafter: Drafter = Drafter.MODEL
 
     @property
     def label(self) -> str:
+        if self.method is Method.LOOKUP:
+            return f"transformers lookup {self.lookup_tokens or DEFAULT_LOOKUP_TOKENS}"
         if self.method is not Method.SPECULATIVE:
             return self.method.value
         parts = [self.method.value, f"K={self.num_lookahead}" if self.num_lookahead else "K=auto"]
+        if self.drafter is Drafter.PROMPT_LOOKUP:
+            parts.append("prompt_lookup")
         if self.draft_quantization is not None:
             parts.append(f"draft {self.draft_quantization}")
         if self.draft_vocabulary is not None:
             parts.append(f"vocab {self.draft_vocabulary // 1000}k")
+        if self.verification is not None:
+            parts.append(f"verify {self.verification}")
+        if self.fast_processors is False:
+            parts.append("processors plain")
+        if self.lookup_tokens is not None:
+            parts.append(f"lookup {self.lookup_tokens}")
         return " ".join(parts) if len(parts) > 2 or self.num_lookahead else f"{self.method.value} default"
 
     @property
     def uses_draft(self) -> bool:
-        return self.method is not Method.TARGET
+        """Whether the pair's draft model runs (or, for `assisted`, is passed)."""
+        if self.method is Method.SPECULATIVE:
+            return self.drafter is Drafter.MODEL
+        return self.method is Method.ASSISTED
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The `speculative_config=` of a SPECULATIVE method whose verification or processors are not the default."""
+        options = {}
+        if self.verification is not None:
+            options["verification"] = self.verification
+        if self.fast_processors is not None:
+            options["fast_processors"] = self.fast_processors
+        return SpeculativeConfig(**options) if options else None
 
     @property
     def draft_options(self) -> tuple[str | None, int | None]:
@@ -96,9 +146,16 @@ class MethodDrafts:
         """The arguments `spec`'s method adds to generate()."""
         if spec.method is Method.ASSISTED:
             return {"assistant_model": self.draft}
+        if spec.method is Method.LOOKUP:
+            return {"prompt_lookup_num_tokens": spec.lookup_tokens or DEFAULT_LOOKUP_TOKENS}
         if spec.method is Method.SPECULATIVE:
-            prepared = self.prepared(spec)
-            return {"draft_model": prepared, "num_lookahead": spec.num_lookahead, "return_dict_in_generate": True}
+            drafter = self.prepared(spec) if spec.drafter is Drafter.MODEL else str(Drafter.PROMPT_LOOKUP)
+            kwargs = {"draft_model": drafter, "num_lookahead": spec.num_lookahead, "return_dict_in_generate": True}
+            if spec.speculative_config is not None:
+                kwargs["speculative_config"] = spec.speculative_config
+            if spec.lookup_tokens is not None:
+                kwargs["prompt_lookup_num_tokens"] = spec.lookup_tokens
+            return kwargs
         return {}
 
 
@@ -109,23 +166,44 @@ def sampling_kwargs(mode: Mode, temperature: float, top_p: float) -> dict[str, A
     return {"do_sample": True, "temperature": temperature, "top_p": top_p}
 
 
+_NAMED_FIELDS = {  # name=value fields of an hf_specsample method -> (MethodSpec field, parser)
+    "verify": ("verification", str),
+    "processors": ("fast_processors", {"fast": True, "plain": False}.__getitem__),
+    "lookup": ("lookup_tokens", int),
+    "draft": ("drafter", Drafter),
+}
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
-    """`"target,assisted,hf_specsample,hf_specsample:4,hf_specsample:auto:none:32000"` -> specs.
+    """`"target,assisted,lookup:10,hf_specsample,hf_specsample:4,hf_specsample:auto:none:32000"` -> specs.
 
     After `hf_specsample`, colon-separated: K (a number, or `auto`), the draft quantization (`auto`, `int8`,
-    `none`) and the draft vocabulary size (N most frequent tokens).
+    `none`) and the draft vocabulary size (N most frequent tokens), then any of the named fields `verify=token`
+    (or `block`), `processors=plain` (or `fast`), `lookup=N` (`prompt_lookup_num_tokens=N` with the model draft)
+    and `draft=prompt_lookup`. After `lookup` (transformers' prompt lookup): N.
     """
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, *fields = item.split(":")
+        named = dict(field.split("=", 1) for field in fields if "=" in field)
+        unknown = set(named) - set(_NAMED_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown method fields {sorted(unknown)} in {item!r}; known: {sorted(_NAMED_FIELDS)}")
+        options = {_NAMED_FIELDS[key][0]: _NAMED_FIELDS[key][1](value) for key, value in named.items()}
+        fields = [field for field in fields if "=" not in field]
+        method = Method(name)
+        if method is Method.LOOKUP:
+            specs.append(MethodSpec(method, lookup_tokens=int(fields[0]) if fields and fields[0] else None))
+            continue
         fields += [""] * (3 - len(fields))
         lookahead, quantization, vocabulary = fields[:3]
         specs.append(
             MethodSpec(
-                Method(name),
+                method,
                 int(lookahead) if lookahead and lookahead != "auto" else None,
                 quantization or None,
                 int(vocabulary) if vocabulary else None,
+                **options,
             )
         )
     return specs

@@ -492,6 +492,16 @@ def _save_converted(model, tokenizer, folder: Path, spec: ModelSpec) -> None:
         )
 
 
+class LoadPath(Enum):
+    """How a benchmark loads a known model: the two ways users load checkpoints."""
+
+    CHECKPOINT = "checkpoint"  # a plain safetensors folder (the converted copy): `from_pretrained(folder)`
+    GGUF = "gguf"  # the GGUF file itself, as users load one: `from_pretrained(folder, gguf_file=...)`, nothing removed
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def load_model(
     model: KnownModel | ModelSpec,
     dtype: torch.dtype = torch.bfloat16,
@@ -501,6 +511,7 @@ def load_model(
     convert: bool = True,
     progress: bool = True,
     quantization_config=None,
+    path: LoadPath = LoadPath.CHECKPOINT,
 ):
     """Load a known model and its tokenizer, offline, materialising the GGUF file first if needed.
 
@@ -517,6 +528,8 @@ def load_model(
         progress: show the download progress bar if the GGUF file has to be materialised.
         quantization_config: e.g. ``BitsAndBytesConfig(load_in_4bit=True)``: the converted copy is quantized as
             it loads (made first if missing; needs ``convert=True``).
+        path: GGUF loads the GGUF file exactly as a user's ``from_pretrained(folder, gguf_file=...)`` does: the
+            model keeps transformers' GGUF quantizer object (dense weights all the same), nothing is converted.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode and its tokenizer (with the chat template).
@@ -524,6 +537,10 @@ def load_model(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     spec = _spec_of(model)
+    if LoadPath(path) is LoadPath.GGUF:
+        if quantization_config is not None:
+            raise ValueError("quantization_config applies to the checkpoint path (bitsandbytes quantizes the copy)")
+        return _from_pretrained(materialize(spec, cache_dir, progress), dtype, device_map, gguf_file=spec.gguf_name)
     converted = safetensors_dir(spec, dtype, cache_dir)
     if quantization_config is not None:
         if not convert:

@@ -7,7 +7,7 @@ import torch
 from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
 
 from .methods import Choice
-from .models import KnownModel, KnownPair, check_same_vocabulary, load_model
+from .models import KnownModel, KnownPair, LoadPath, check_same_vocabulary, load_model
 from .tiny import tiny_pair
 
 
@@ -56,8 +56,14 @@ def load_bench_pair(
     progress: bool = True,
     target_quantization: Quantization = Quantization.NONE,
     draft_quantization: Quantization = Quantization.NONE,
+    path: LoadPath = LoadPath.CHECKPOINT,
 ):
-    """(target, draft, tokenizer), materialising the checkpoints on first use."""
+    """(target, draft, tokenizer), materialising the checkpoints on first use.
+
+    Args:
+        path: load the real models from their converted checkpoint folders (seconds) or from the GGUF files as
+            users do (`gguf_file=`, about a minute for the 1.5B; the models keep transformers' GGUF quantizer).
+    """
     pair = BenchPair(pair)
     if pair is BenchPair.TINY:
         target, draft, tokenizer = tiny_pair()
@@ -65,12 +71,17 @@ def load_bench_pair(
     target_config = Quantization(target_quantization).config(dtype)
     if pair is BenchPair.QWEN_CODER:
         known = KnownPair.QWEN_CODER
-        target, tokenizer = load_model(known.target, dtype, progress=progress, quantization_config=target_config)
-        draft, draft_tokenizer = load_model(
-            known.draft, dtype, progress=progress, quantization_config=Quantization(draft_quantization).config(dtype)
+        target, tokenizer = load_model(
+            known.target, dtype, progress=progress, quantization_config=target_config, path=path
         )
+        draft, draft_tokenizer = load_model(
+            known.draft, dtype, progress=progress, quantization_config=Quantization(draft_quantization).config(dtype),
+            path=path,
+        )  # fmt: skip
         check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
         return target, draft, tokenizer
-    target, tokenizer = load_model(KnownModel.SMOLLM2_135M, dtype, progress=progress, quantization_config=target_config)
+    target, tokenizer = load_model(
+        KnownModel.SMOLLM2_135M, dtype, progress=progress, quantization_config=target_config, path=path
+    )
     keep = default_layers_to_keep(target.config.num_hidden_layers)
     return target, layer_skip_draft(target, keep), tokenizer

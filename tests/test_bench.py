@@ -38,6 +38,38 @@ def test_parse_methods():
         parse_methods("beam")
 
 
+def test_parse_methods_named_lever_fields():
+    from hf_specsample import SpeculativeConfig
+    from hf_specsample_bench.methods import Drafter, MethodDrafts
+
+    token, plain, lookup, named, peer = parse_methods(
+        "hf_specsample:2:none:verify=token,hf_specsample:processors=plain,hf_specsample:lookup=7,"
+        "hf_specsample:draft=prompt_lookup,lookup:5"
+    )
+    assert token == MethodSpec(Method.SPECULATIVE, 2, "none", verification="token")
+    assert token.label == "hf_specsample K=2 draft none verify token"
+    assert plain.speculative_config == SpeculativeConfig(fast_processors=False) and plain.uses_draft
+    drafts = MethodDrafts(None, None, None)
+    drafts.prepared = lambda spec: "prepared"  # what the model drafter passes (no model in this test)
+    assert drafts.generate_kwargs(lookup)["prompt_lookup_num_tokens"] == 7 and lookup.label.endswith("lookup 7")
+    assert named.drafter is Drafter.PROMPT_LOOKUP and not named.uses_draft
+    assert drafts.generate_kwargs(named)["draft_model"] == "prompt_lookup"
+    assert peer.label == "transformers lookup 5" and drafts.generate_kwargs(peer) == {"prompt_lookup_num_tokens": 5}
+    with pytest.raises(ValueError, match="unknown method fields"):
+        parse_methods("hf_specsample:speed=fast")
+
+
+def test_cli_lever_table_on_the_tiny_pair():
+    from hf_specsample_bench.cli import run
+    from hf_specsample_bench.methods import LEVER_METHODS
+
+    args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "4", "--no-progress"]
+    report = run(args + ["--levers", "--modes", "sampling"])
+    labels = {row["label"] for row in report["summary"]}
+    assert labels == {spec.label for spec in parse_methods(LEVER_METHODS)} and len(labels) == 8
+    assert report["meta"]["load_from"] == "checkpoint"
+
+
 def fake(label, seconds, tokens=100, passes=100, stats=None, mode="sampling"):
     return Measurement(label, mode, "p", seconds, tokens, passes, 0, stats)
 

@@ -301,3 +301,6 @@ def test_smollm2_materialises_loads_and_chats():
     reply = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert output.shape[1] > inputs["input_ids"].shape[1] and reply.strip()
     assert "Paris" in reply
+    from_gguf, _ = models.load_model(KnownModel.SMOLLM2_135M, progress=False, path=models.LoadPath.GGUF)
+    assert from_gguf.hf_quantizer is not None  # as a user's from_pretrained(folder, gguf_file=...) leaves it
+    assert torch.equal(from_gguf.generate(**inputs, max_new_tokens=8, do_sample=False), output)
