@@ -35,7 +35,7 @@ DEFAULT_LOOKUP_TOKENS = 10  # N of `lookup` and `lookup=` when none is given (tr
 # `--levers`: each lever of hf_specsample switched off (or forced) on its own, next to the default and the peers.
 LEVER_METHODS = (
     "target,assisted,hf_specsample,hf_specsample:4,hf_specsample:auto:none,hf_specsample:auto:int8,"
-    "hf_specsample:verify=token,hf_specsample:processors=plain"
+    "hf_specsample:::32000,hf_specsample:verify=token,hf_specsample:processors=plain"
 )
 # `--levers` on code-editing prompts adds the prompt-lookup drafters and transformers' own prompt lookup.
 LOOKUP_LEVER_METHODS = "lookup,hf_specsample:draft=prompt_lookup,hf_specsample:lookup=10"

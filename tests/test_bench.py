@@ -66,7 +66,7 @@ def test_cli_lever_table_on_the_tiny_pair():
     args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "4", "--no-progress"]
     report = run(args + ["--levers", "--modes", "sampling"])
     labels = {row["label"] for row in report["summary"]}
-    assert labels == {spec.label for spec in parse_methods(LEVER_METHODS)} and len(labels) == 8
+    assert labels == {spec.label for spec in parse_methods(LEVER_METHODS)} and len(labels) == 9
     assert report["meta"]["load_from"] == "checkpoint"
 
 
