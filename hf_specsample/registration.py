@@ -2,7 +2,9 @@
 
 `register()` wraps `GenerationMixin.generate` once. A call without `draft_model=` goes straight to the original
 `generate()`, untouched. A call with it is routed through transformers' own `custom_generate` callable hook to
-`speculative_generate`, so `generate()` still prepares inputs, processors and stopping criteria itself.
+`speculative_generate`, so `generate()` still prepares inputs, processors and stopping criteria itself. A call that
+names another `custom_generate` method (a callable or a repository) is that method's: it goes to the original
+`generate()` untouched.
 
 Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
 parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
@@ -79,7 +81,12 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
 @functools.wraps(_ORIGINAL_GENERATE)
 def generate(self, *args, **kwargs):
     """`GenerationMixin.generate` with hf_specsample's `draft_model=` / `num_lookahead=` arguments."""
-    is_ours = kwargs.get("custom_generate") is speculative_generate
+    custom_generate = kwargs.get("custom_generate")
+    if custom_generate is not None and custom_generate is not speculative_generate:
+        # Another decoding method (a callable, or a Hub / local `custom_generate` folder such as this repository's):
+        # the call is its own, `draft_model=` included.
+        return _ORIGINAL_GENERATE(self, *args, **kwargs)
+    is_ours = custom_generate is speculative_generate
     if kwargs.get("draft_model") is None and not is_ours:
         given = [name for name in SPECULATIVE_ARGUMENTS if kwargs.get(name) is not None]
         if given:

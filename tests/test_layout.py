@@ -108,3 +108,34 @@ def test_benchmark_module_runs_and_exits_zero():
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "tiny, float32" in completed.stdout
+
+
+def test_the_distribution_installs_the_two_packages_only():
+    """`custom_generate/` (the Hub layout) and `examples/` sit at the root beside the packages and stay out of the
+    wheel: setuptools' discovery, as pyproject.toml configures it, finds exactly the library and the tooling."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    from setuptools import find_packages
+
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert sorted(find_packages(str(REPO), include=found["include"])) == ["hf_specsample", TOOLING]
+
+
+def test_every_example_is_listed_in_the_readme_and_run_by_the_tests():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Examples") :]
+    section = section[: section.index("\n## ", 1)]
+    tested = (REPO / "tests" / "test_examples.py").read_text()
+    for script in sorted((REPO / "examples").glob("*.py")):
+        assert f"examples/{script.name}" in section, f"{script.name} is not in README's Examples section"
+        if script.name != "quickstart.py":  # wraps hf_specsample_bench.demo (its --help is checked above)
+            assert f'"{script.name}"' in tested, f"{script.name} is not run by tests/test_examples.py"
+
+
+def test_custom_generate_folder_has_the_hub_layout():
+    folder = REPO / "custom_generate"
+    tree = ast.parse((folder / "generate.py").read_text())
+    functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
+    assert functions == ["generate"]  # transformers loads `generate`; the loop itself stays in the library
+    requirements = [line.strip() for line in (folder / "requirements.txt").read_text().splitlines() if line.strip()]
+    assert any(line.split(">")[0].split("=")[0] == DISTRIBUTION for line in requirements)
+    assert "custom_generate" in (folder / "README.md").read_text().split("---")[1]  # the model card's tags
