@@ -21,6 +21,8 @@ class SpeculativeStats:
     row_rejections: list[int] = field(default_factory=list)  # rounds that ended with a rejected draft token
     row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
     row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
+    # A draft with another tokenizer: the number of tokens both vocabularies share (all it can propose); else None.
+    shared_vocabulary: int | None = None
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -97,4 +99,5 @@ class SpeculativeStats:
             f"{self.new_tokens} tokens in {self.target_forward_passes} target passes "
             f"({self.tokens_per_target_pass:.2f} per pass), acceptance {self.acceptance_rate:.1%} "
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
+            + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
         )
