@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .config import SpeculativeConfig
+from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
@@ -67,7 +68,8 @@ def speculative_generate(
             draft and target alike, at every position with that position's own prefix.
         stopping_criteria: criteria `generate()` built; checked after every committed token.
         generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
-        draft_model: the draft causal LM; must share the target's tokenizer. "auto": a draft made from the target
+        draft_model: the draft causal LM: the target's tokenizer, or another one given as `draft_tokenizer=`
+            (with the target's as `tokenizer=`). "auto": a draft made from the target
             (an int8 copy on the CPU, a layer-skipping view elsewhere), for targets with no small sibling. Or a
             `PreparedDraft` from `hf_specsample.prepare_draft`, run as it is.
         num_lookahead: draft tokens per round (K >= 1); overrides `speculative_config.num_lookahead`. Default:
@@ -77,7 +79,8 @@ def speculative_generate(
         speculative_streamer: where committed tokens are streamed (the registered `generate()` passes the caller's
             `streamer=` here, because transformers does not forward `streamer` to custom decoding callables).
         speculative_tokenizers: (target tokenizer, draft tokenizer), set by the registered `generate()` from
-            `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`; a draft with another tokenizer is refused.
+            `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`. When their vocabularies differ, the draft
+            reads its own ids and drafts over the tokens both share (`cross_vocab.py`).
         speculative_caller_cache: set by the registered `generate()` when the caller passed `past_key_values`:
             that object is then left holding what plain `generate()` leaves in it, even without
             `return_dict_in_generate` (a non-empty cache is taken to be the caller's in any case).
@@ -98,8 +101,16 @@ def speculative_generate(
             "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
         )
     config = SpeculativeConfig.resolve(speculative_config, num_lookahead)
-    running = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
-    validation.check_models(model, running, speculative_tokenizers)
+    prepared = isinstance(draft_model, PreparedDraft)
+    running = draft_model.model if prepared else draft_model
+    validation.check_models(model, running)
+    tokenizers = speculative_tokenizers
+    held = draft_model.tokenizers if prepared else None  # prepared with another tokenizer: held with the draft
+    if held is not None and (tokenizers is None or _same_objects(tokenizers, held)):
+        tokenizers, other_tokenizer = held, True  # prepare_draft compared their vocabularies
+    else:
+        draft_width = draft_model.width if prepared else None
+        other_tokenizer = validation.check_tokenizers(model, running, tokenizers, draft_width)
     lookup_tokens, max_ngram = speculative_prompt_lookup_num_tokens, speculative_max_matching_ngram_size
     if lookup_tokens is None:  # called as custom_generate= directly: transformers' own fields
         lookup_tokens = generation_config.prompt_lookup_num_tokens
@@ -112,6 +123,7 @@ def speculative_generate(
     decoder = SpeculativeDecoder(
         model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
         generator, speculative_streamer, speculative_caller_cache, lookup_tokens, max_ngram,
+        tokenizers if other_tokenizer else None,
     )  # fmt: skip
     return decoder.run()
 
@@ -134,7 +146,9 @@ class SpeculativeDecoder:
         caller_cache: bool = False,
         lookup_tokens: int | None = None,
         max_ngram: int | None = None,
+        other_tokenizers: tuple[Any, Any] | None = None,
     ):
+        """`other_tokenizers`: (target tokenizer, draft tokenizer) when the draft has another vocabulary, else None."""
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
         self.pad_token_id = _as_int(generation_config._pad_token_tensor)
@@ -162,7 +176,7 @@ class SpeculativeDecoder:
         else:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
-                special_token_ids(generation_config),
+                special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
             )  # fmt: skip
             cost_ratio = weight_bytes_ratio(draft.model, model)
             self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
@@ -181,13 +195,11 @@ class SpeculativeDecoder:
         self.sequences.attach(self.target)
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
+        self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         if draft is None:
             self.drafter = lookup
         else:
-            draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
-            self.drafter = DraftModelProposer(
-                draft.model, self.sequences, self.processor, self.do_sample, generator, draft_ids, vocab_size
-            )
+            self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
                 self.drafter = LookupThenModelProposer(self.drafter, lookup, lookup_tokens, self.max_length)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -196,10 +208,36 @@ class SpeculativeDecoder:
         self.keep_cache = wanted and model_kwargs.get("use_cache") is not False
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
-        self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         self.stats.draft_form = draft.form if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
         self.timer = PhaseTimer(self.policy.needs_timing, devices)
+
+    def draft_proposer(
+        self, draft: PreparedDraft, model: PreTrainedModel, vocab_size: int, other_tokenizers: tuple[Any, Any] | None
+    ) -> DraftModelProposer:
+        """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
+        if other_tokenizers is None:
+            draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
+            return DraftModelProposer(
+                draft.model, self.sequences, self.processor, self.do_sample, self.generator, draft_ids, vocab_size
+            )
+        target_tokenizer, draft_tokenizer = other_tokenizers
+        if draft.shared_vocabulary is not None and _same_objects(other_tokenizers, draft.tokenizers):
+            shared = draft.shared_vocabulary  # built by prepare_draft
+        else:
+            shared = shared_vocabulary(target_tokenizer, draft_tokenizer, vocab_size, draft.width)
+        if shared.size == 0:
+            raise ValueError(
+                "The draft's tokenizer shares no token with the target's, so it can propose nothing. Use a draft whose "
+                "vocabulary overlaps the target's."
+            )
+        self.stats.shared_vocabulary = shared.size
+        shared = shared.to(self.sequences.tokens.device)
+        inputs = DraftIdBuffer(self.sequences, shared, TextBridge(target_tokenizer, draft_tokenizer))
+        return DraftModelProposer(
+            draft.model, self.sequences, self.processor, self.do_sample, self.generator, shared.target_ids,
+            vocab_size, columns=shared.draft_columns, inputs=inputs,
+        )  # fmt: skip
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
@@ -359,6 +397,11 @@ def _raise_if_nonfinite(num_accepted: list[int]) -> None:
         "verify against. Usual causes: float16 overflow (load the draft in bfloat16 or float32) or a broken "
         "checkpoint; use another draft, or pass `remove_invalid_values=True`."
     )
+
+
+def _same_objects(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
+    """Whether two (target tokenizer, draft tokenizer) pairs are the very same objects."""
+    return other is not None and pair[0] is other[0] and pair[1] is other[1]
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

@@ -29,16 +29,17 @@ import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
+from .cross_vocab import SharedVocabulary, shared_vocabulary
 from .named_drafts import NamedDraft
 from .draft_timing import decode_step_seconds
 from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
-from .validation import check_models, vocab_size
+from .validation import check_models, check_tokenizers, vocab_size
 from .vocabulary import special_token_ids, vocabulary_ids
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class PreparedDraft:
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
         step_seconds: where AUTO timed the forms: seconds per single-token step of each (INT8 and NONE), the
             faster of which is `model`; empty where nothing was timed.
+        tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
+            `generate()` uses them when it is given no tokenizers, or these very objects.
+        shared_vocabulary: the tokens those tokenizers share (`cross_vocab.shared_vocabulary`, built once here
+            instead of in every call).
     """
 
     model: PreTrainedModel
@@ -79,6 +84,8 @@ class PreparedDraft:
     quantization: DraftQuantization = DraftQuantization.NONE
     self_draft_of: weakref.ref | None = None
     step_seconds: dict[DraftQuantization, float] = field(default_factory=dict)
+    tokenizers: tuple[Any, Any] | None = None
+    shared_vocabulary: SharedVocabulary | None = None
 
     @property
     def form(self) -> str:
@@ -123,6 +130,8 @@ def prepare_draft(
     *,
     quantization: DraftQuantization | str = DraftQuantization.AUTO,
     vocabulary: torch.Tensor | int | None = None,
+    tokenizer=None,
+    draft_tokenizer=None,
 ) -> PreparedDraft:
     """Prepare a draft once, to pass as `target.generate(..., draft_model=prepared)` in every later call.
 
@@ -132,7 +141,8 @@ def prepare_draft(
     there too is refused).
 
     Args:
-        draft: a causal LM sharing the target's tokenizer (its logit width may differ), or "auto": a draft made from
+        draft: a causal LM sharing the target's tokenizer (its logit width may differ), or with another tokenizer
+            (pass both as `tokenizer=` / `draft_tokenizer=`, here and to `generate()`), or "auto": a draft made from
             the target (an int8 copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
             `quantization="none"`).
         target: the model whose `generate()` will use the draft.
@@ -141,7 +151,11 @@ def prepare_draft(
             float drafts only) or NONE.
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
-            `generation_config`); None (default): every id.
+            `generation_config`); None (default): every id. Not with a draft of another tokenizer.
+        tokenizer, draft_tokenizer: the target's and the draft's tokenizers, for a draft with another tokenizer (a
+            draft whose logit width is far from the target's is refused without them). The prepared draft keeps
+            them and the vocabulary they share (0.2 s to build for Qwen2.5 and SmolLM2), so `generate()` needs
+            neither again; it is a snapshot: prepare again after adding tokens to either tokenizer.
 
     Returns:
         A `PreparedDraft`. An int8 copy is a snapshot of the draft's weights: prepare again after changing them.
@@ -151,9 +165,26 @@ def prepare_draft(
             a draft that is not a float model on the CPU.
     """
     check_models(target, draft)
+    if (tokenizer is None) != (draft_tokenizer is None):
+        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
+    tokenizers = (tokenizer, draft_tokenizer) if tokenizer is not None else None
+    other_tokenizer = check_tokenizers(target, draft, tokenizers)
+    if other_tokenizer and vocabulary is not None:
+        raise ValueError(_OTHER_TOKENIZER_VOCABULARY)
     quantization = DraftQuantization(quantization)
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_token_ids(target.generation_config))
-    return _build(draft, target, quantization, ids)
+    prepared = _build(draft, target, quantization, ids)
+    if not other_tokenizer:
+        return prepared
+    shared = shared_vocabulary(tokenizer, draft_tokenizer, vocab_size(target), prepared.width)
+    return replace(prepared, tokenizers=tokenizers, shared_vocabulary=shared)
+
+
+_OTHER_TOKENIZER_VOCABULARY = (
+    "A draft with another tokenizer drafts over the tokens both vocabularies share, so an FR-Spec draft_vocabulary "
+    "(target ids) cannot restrict its LM head, whose rows are the draft's own ids. Drop draft_vocabulary / "
+    "prepare_draft(vocabulary=...) for this draft."
+)
 
 
 def draft_for_call(
@@ -162,13 +193,25 @@ def draft_for_call(
     quantization: DraftQuantization,
     vocabulary: torch.Tensor | int | None,
     special_ids: list[int],
+    other_tokenizer: bool = False,
 ) -> PreparedDraft:
     """The prepared draft one `generate()` call runs: the caller's `PreparedDraft` as it is, or the implicit one.
 
     Args:
         quantization, vocabulary: the call's `speculative_config` options.
         special_ids: the call's EOS / padding / BOS ids (an int `vocabulary` keeps them).
+        other_tokenizer: the draft reads another tokenizer's ids (`validation.check_tokenizers`): it may be
+            quantized, but neither restricted to an FR-Spec vocabulary nor made from the target.
     """
+    if other_tokenizer:
+        prepared_vocabulary = isinstance(draft, PreparedDraft) and draft.vocabulary is not None
+        if vocabulary is not None or prepared_vocabulary:
+            raise ValueError(_OTHER_TOKENIZER_VOCABULARY)
+        if isinstance(draft, PreparedDraft) and draft.self_draft_of is not None:
+            raise ValueError(
+                "This PreparedDraft was made by prepare_draft('auto', ...) from the target, so it drafts in the "
+                "target's own ids: drop `draft_tokenizer=` / `assistant_tokenizer=` for it."
+            )
     if isinstance(draft, PreparedDraft):
         if quantization is not DraftQuantization.AUTO or vocabulary is not None:
             raise ValueError(

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
+from .cross_vocab import DraftIdBuffer
 from .kv import CachedModel
 from .processing import PositionwiseProcessor, probabilities
 from .rejection import sample_from_weights
 from .sequences import Sequences
-
 
 _DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 
@@ -40,12 +40,17 @@ class Proposal(NamedTuple):
 class DraftModelProposer:
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
-    With a `vocabulary` (sorted token ids: an FR-Spec subset, see `draft_prep.restrict_vocabulary`, or the ids both
-    models have when their logit widths differ) the draft's logits stand for those ids only: the first
-    `len(vocabulary)` columns are used, a draft wider than the target never proposes an id the target lacks, and
-    ids outside the vocabulary get draft probability 0. When every logits processor is vocabulary-free (temperature, top-k/p, min-p, ...) the draft's
-    processing and sampling run on that compact vocabulary; otherwise its logits are spread over the full
-    vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
+    With a `vocabulary` (target token ids: an FR-Spec subset, see `draft_prep.restrict_vocabulary`, the ids both
+    models have when their logit widths differ, or the tokens a draft with another tokenizer shares with the
+    target) the draft's logits stand for those ids only: the logit `columns` (default: the first
+    `len(vocabulary)`) are used, a draft wider than the target never proposes an id the target lacks, and ids
+    outside the vocabulary get draft probability 0. When every logits processor is vocabulary-free (temperature,
+    top-k/p, min-p, ...) the draft's processing and sampling run on that compact vocabulary; otherwise its logits
+    are spread over the full vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
+
+    What the draft reads: the target's own token buffer, or with another tokenizer (`inputs`, a
+    `cross_vocab.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the target-id prefix
+    and every proposal is a target id drawn from the returned distribution over target ids.
     """
 
     def __init__(
@@ -57,18 +62,39 @@ class DraftModelProposer:
         generator: torch.Generator | None = None,
         vocabulary: torch.Tensor | None = None,
         vocab_size: int | None = None,
+        columns: torch.Tensor | None = None,
+        inputs: DraftIdBuffer | None = None,
     ):
+        """
+        Args:
+            draft_model: the model to run (possibly a prepared copy).
+            sequences: the target's rows.
+            processor: the call's processors (applied with the target-id prefix).
+            do_sample: sample proposals (else argmax).
+            generator: for the draft's samples.
+            vocabulary: `(n,)` the target ids the draft's logits stand for; None: its logit column ``i`` is id ``i``.
+            vocab_size: the target's logit width.
+            columns: `(n,)` the draft's logit columns standing for `vocabulary`; None: the first n.
+            inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
+        """
+        self.inputs = inputs
+        reads = sequences if inputs is None else inputs.sequences
         embeddings = draft_model.get_input_embeddings()
         embeddable = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
-        self.runner = CachedModel(
-            draft_model, sequences.num_active, embeddable=embeddable if vocab_size and embeddable < vocab_size else None
-        )
-        sequences.attach(self.runner)
+        if inputs is None:
+            embeddable = embeddable if vocab_size and embeddable < vocab_size else None
+        # With another tokenizer the draft's rows may have to drop positions confirmed in earlier rounds to even up
+        # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
+        # every slot instead (the attention mask still applies the window, so the draft computes the same).
+        cache = DynamicCache() if inputs is not None else None
+        self.runner = CachedModel(draft_model, reads.num_active, cache=cache, embeddable=embeddable)
+        reads.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
         self.processor = processor
         self.do_sample = do_sample
         self.generator = generator
         self.vocabulary = None if vocabulary is None else vocabulary.to(sequences.tokens.device)  # (subset,)
+        self.columns = None if columns is None else columns.to(sequences.tokens.device)  # (subset,)
         self.vocab_size = vocab_size
         self.compact = vocabulary is not None and processor.vocabulary_free
 
@@ -90,12 +116,12 @@ class DraftModelProposer:
                 every row (its later proposals condition on the forced tokens).
         """
         tokens, lengths = sequences.tokens, sequences.lengths
+        reads = sequences if self.inputs is None else self.inputs.sequences
+        read_lengths = reads.lengths
         drafted, drafted_probs = [], []
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
-            logits = self._forward(sequences, prefix_lengths)
-            if self.vocabulary is not None:
-                logits = logits[..., : self.vocabulary.numel()]
+            logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.row_ids)[:, 0]
             if self.do_sample:
                 probs = probabilities(scores)  # (batch, vocab or subset)
@@ -106,6 +132,8 @@ class DraftModelProposer:
             if forced is not None:
                 token, probs = self._force(forced, step, token, probs)
             sequences.write([step] * sequences.num_active, token)
+            if self.inputs is not None:
+                self.inputs.write(step, token)  # the draft's next input: the token's draft id
             drafted.append(token)
             if probs is not None:
                 drafted_probs.append(probs)
@@ -149,6 +177,14 @@ class DraftModelProposer:
                 ) from error
             raise
 
+    def _columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(batch, 1, width)` draft logits -> `(batch, 1, subset)`: the columns standing for `vocabulary`."""
+        if self.vocabulary is None:
+            return logits
+        if self.columns is None:
+            return logits[..., : self.vocabulary.numel()]
+        return logits.index_select(-1, self.columns)
+
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:
         """`(batch, 1, subset)` logits -> `(batch, 1, vocab)` with -inf outside the subset, unless compact."""
         if self.vocabulary is None or self.compact:
@@ -164,5 +200,21 @@ class DraftModelProposer:
         return full.scatter_(-1, self.vocabulary.expand(*probs.shape[:-1], -1), probs)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
-        """Roll the draft's cache back to the committed tokens (`CachedModel.keep_confirmed`)."""
-        self.runner.keep_confirmed(lengths)
+        """Roll the draft's cache back to the committed tokens (`CachedModel.keep_confirmed`).
+
+        With another tokenizer, the committed tokens are first appended to the rows' draft ids, and the cache keeps
+        only the positions whose draft ids did not change (`DraftIdBuffer.sync`). Where the rows cannot be evened up
+        by rolling back, the draft's cache is emptied and its rows packed into one left-padded block again.
+        """
+        if self.inputs is None:
+            self.runner.keep_confirmed(lengths)
+            return
+        unchanged = self.inputs.sync()
+        keep = self.runner.confirmed(self.inputs.sequences.lengths, unchanged)
+        if min(keep) >= 0:
+            self.runner.rollback(keep)
+            return
+        # A row gained more draft ids than another row holds in all (e.g. a first round that drafted nothing, or a
+        # one-token prompt): rolling back cannot even the rows up. Start the draft over from one left-padded block.
+        self.runner.rollback([0] * len(keep))
+        self.inputs.sequences.left_pack()

@@ -147,9 +147,26 @@ class CachedModel:
         Args:
             lengths: per row, the committed length.
         """
+        self.rollback(self.confirmed(lengths))
+
+    def confirmed(self, lengths: Sequence[int], unchanged: Sequence[int] | None = None) -> list[int]:
+        """Per row, the buffer length `keep_confirmed` keeps: every row the same distance behind its length.
+
+        Args:
+            lengths: per row, the committed length.
+            unchanged: per row, how many leading buffer positions still hold the tokens they held when fed (None:
+                every committed one). A draft with another tokenizer rewrites the positions after its accepted
+                tokens with the committed tokens' draft ids, which may differ from the rejected ones it fed there.
+
+        Returns:
+            Per row, the positions to keep; negative where a row is shorter than another row is behind (only rows
+            of different lengths can be: a draft with another tokenizer, whose rows gain different numbers of ids).
+        """
         keep = [min(fed, length - 1) for fed, length in zip(self.fed, lengths)]
+        if unchanged is not None:
+            keep = [min(kept, valid) for kept, valid in zip(keep, unchanged)]
         behind = max(length - kept for length, kept in zip(lengths, keep))
-        self.rollback([length - behind for length in lengths])
+        return [length - behind for length in lengths]
 
     def rollback(self, keep: Sequence[int]) -> None:
         """Forget buffer positions ``>= keep[b]`` of each row; rows end up right-aligned, holes in front.

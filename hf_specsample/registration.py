@@ -10,7 +10,7 @@ Two arguments never reach a `custom_generate` callable in transformers (it keeps
 parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
 `stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria, and
 passes `tokenizer` with `draft_tokenizer=` (or transformers' name `assistant_tokenizer=`) as
-`speculative_tokenizers`, so that a draft with another tokenizer is refused.
+`speculative_tokenizers`: a draft whose tokenizer has another vocabulary then drafts over the tokens both share.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     if kwargs.get("assistant_model") is not None:
         raise ValueError("Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both.")
     kwargs["custom_generate"] = speculative_generate
-    draft_tokenizer = kwargs.pop("draft_tokenizer", None) or kwargs.pop("assistant_tokenizer", None)
+    draft_tokenizer, assistant_tokenizer = kwargs.pop("draft_tokenizer", None), kwargs.pop("assistant_tokenizer", None)
+    if draft_tokenizer is not None and assistant_tokenizer is not None and draft_tokenizer is not assistant_tokenizer:
+        raise ValueError("Pass the draft's tokenizer once: `draft_tokenizer=` or `assistant_tokenizer=` (the same).")
+    draft_tokenizer = draft_tokenizer if draft_tokenizer is not None else assistant_tokenizer
     if draft_tokenizer is not None:
         if kwargs.get("tokenizer") is None:
             raise ValueError(

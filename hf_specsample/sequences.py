@@ -133,20 +133,78 @@ class Sequences:
         """Commit `counts[b]` more tokens of each active row."""
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
 
+    def extend(self, offsets: Sequence[int], row_tokens: Sequence[torch.Tensor]) -> None:
+        """Commit in each active row `offsets[b]` tokens already in the buffer, then `row_tokens[b]` written after them.
+
+        Args:
+            offsets: per active row, tokens after its length that stay as they are.
+            row_tokens: per active row, `(m_b,)` long tokens written at ``lengths[b] + offsets[b]``.
+        """
+        ends = [length + offset + tokens.numel() for length, offset, tokens in zip(self.lengths, offsets, row_tokens)]
+        self.reserve(max(ends))
+        for row, (offset, tokens) in enumerate(zip(offsets, row_tokens)):
+            start = self.lengths[row] + offset
+            self.tokens[row, start : start + tokens.numel()] = tokens.to(self.tokens.device)
+        self.advance([offset + tokens.numel() for offset, tokens in zip(offsets, row_tokens)])
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for at least `capacity` columns (the buffer at least doubles); new columns hold real tokens.
+
+        The target's buffer never grows (its capacity covers `max_length` plus a round); a draft with another
+        tokenizer may need more of its own ids than the target has tokens (`cross_vocab.DraftIdBuffer`).
+        """
+        if capacity <= self.capacity:
+            return
+        extra = max(capacity, 2 * self.capacity) - self.capacity
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.num_active, extra))], dim=1)
+        self._is_real = torch.cat([self._is_real, torch.ones((self.batch_size, extra), dtype=torch.bool)], dim=1)
+        steps = torch.arange(1, extra + 1)
+        self._positions = torch.cat([self._positions, self._positions[:, -1:] + steps], dim=1)
+
+    def left_pack(self) -> None:
+        """Rewrite the active rows as one left-padded block: each row's real tokens, right-aligned at its length.
+
+        Every row's length becomes the longest row's real length; positions stay those of the real tokens (counted
+        from 0, padding 0). Only for a buffer that no attached cache has been fed from (it would no longer match):
+        `cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
+        """
+        real = self.is_real(self.row_ids, self.capacity).to(self.tokens.device)  # (rows, capacity)
+        rows = [self.tokens[row, :length][real[row, :length]] for row, length in enumerate(self.lengths)]
+        width = max(tokens.numel() for tokens in rows)
+        mask = torch.zeros((self.num_active, width), dtype=torch.bool)
+        packed = self.tokens.new_zeros((self.num_active, self.capacity))
+        for row, tokens in enumerate(rows):
+            packed[row, width - tokens.numel() : width] = tokens
+            mask[row, width - tokens.numel() :] = True
+        self.tokens = packed
+        index = torch.tensor(self.row_ids, dtype=torch.long)
+        self._is_real[index] = True
+        self._is_real[index, :width] = mask
+        steps = torch.arange(1, self.capacity - width + 1)
+        positions = generate_position_ids(mask)
+        self._positions[index] = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+        self.lengths = [width] * self.num_active
+
     def retire(self, done: Sequence[bool]) -> list[int]:
         """Drop the rows flagged in `done` from the buffer and every attached member; return the rows kept."""
         keep = [row for row, is_done in enumerate(done) if not is_done]
         for row, is_done in enumerate(done):
             if is_done:
                 self.finished[self.row_ids[row]] = self.tokens[row, : self.lengths[row]].clone()
-        if len(keep) < self.num_active:
-            self.tokens = self.tokens[torch.tensor(keep, dtype=torch.long, device=self.tokens.device)]
-            self.lengths = [self.lengths[row] for row in keep]
-            self.row_ids = [self.row_ids[row] for row in keep]
-            if keep:
-                for member in self._members:
-                    member.select_rows(keep)
+        if len(keep) < self.num_active and keep:
+            self.select_rows(keep)
+        elif not keep:  # every row is done: nothing left to select, members are not asked
+            self.tokens = self.tokens[:0]
+            self.lengths, self.row_ids = [], []
         return keep
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only the active `rows` (indices into the active rows), here and in every attached member."""
+        self.tokens = self.tokens[torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)]
+        self.lengths = [self.lengths[row] for row in rows]
+        self.row_ids = [self.row_ids[row] for row in rows]
+        for member in self._members:
+            member.select_rows(rows)
 
     def output(self, pad_token_id: int | None) -> torch.Tensor:
         """`(batch, longest)` sequences in the caller's row order, shorter rows right-padded with `pad_token_id`."""

@@ -22,6 +22,8 @@ class SpeculativeStats:
     row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
     row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
     draft_form: str = ""  # what drafted: "int8", "none" (as given), with AUTO's step timings; or "prompt_lookup"
+    # A draft with another tokenizer: the number of tokens both vocabularies share (all it can propose); else None.
+    shared_vocabulary: int | None = None
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -99,4 +101,5 @@ class SpeculativeStats:
             f"({self.tokens_per_target_pass:.2f} per pass), acceptance {self.acceptance_rate:.1%} "
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
             + (f", draft {self.draft_form}" if self.draft_form else "")
+            + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
         )

@@ -28,16 +28,10 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(out_features) if out_features is not None else int(model.config.get_text_config().vocab_size)
 
 
-def check_models(target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any] | None = None) -> None:
-    """The draft must be a decoder-only LM over the target's token ids (or "auto"), both with a rollable KV cache.
+def check_models(target: PreTrainedModel, draft: Any) -> None:
+    """The draft must be a decoder-only LM (or "auto" / "prompt_lookup"), target and draft with a rollable KV cache.
 
-    Logit widths may differ (padded vocabularies: Qwen2.5-7B and up have 152064 rows, their small siblings 151936):
-    speculative sampling stays exact whatever the draft proposes, and a draft never proposes an id beyond the
-    target's width. What must not differ is the tokenizer: when both are known (`tokenizer=` and `draft_tokenizer=`
-    / `assistant_tokenizer=`) and their vocabularies differ, the draft's ids mean other strings.
-
-    Args:
-        tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
+    Which token ids the draft reads is `check_tokenizers`' question.
     """
     if isinstance(draft, str) and draft in (NamedDraft.AUTO, NamedDraft.PROMPT_LOOKUP):
         draft = target  # drafts made from the target or from the text: only the target needs checking
@@ -62,13 +56,53 @@ def check_models(target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any
                 + (" (a small transformer sharing the target's tokenizer)" if role == "draft" else "")
                 + ", or generate without `draft_model=`."
             )
-    if tokenizers is not None and _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1]):
+
+
+# Padding a vocabulary to a multiple of 64..256 rows (Qwen2.5-7B: 152064 logit rows, its 0.5B sibling 151936; Phi-3:
+# 32064 over Llama's 32000) changes the logit width by less than this many ids; other tokenizers differ by far more
+# (SmolLM2 49152 against Qwen2.5 151936, Llama 3 128256). Widths further apart than this, and than 1%, are taken for
+# different tokenizers unless the caller passes both.
+PADDING_SLACK = 256
+
+
+def check_tokenizers(
+    target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any] | None, draft_width: int | None = None
+) -> bool:
+    """Whether the draft reads another tokenizer's ids (then it drafts over the tokens both share).
+
+    With both tokenizers known (`tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`), their vocabularies
+    decide. Without them, a draft of the target's tokenizer is assumed; logit widths may differ by padding (see
+    `PADDING_SLACK`), but a draft whose width is far from the target's is refused: its ids would mean other strings.
+
+    Args:
+        draft: the draft model, or "auto" / "prompt_lookup" (drafts in the target's own ids).
+        tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
+        draft_width: the draft's logit width as given (a prepared draft's head may be compact); default: its own.
+
+    Raises:
+        ValueError: a named draft with another tokenizer, or widths of different tokenizers without tokenizers.
+    """
+    differ = tokenizers is not None and _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
+    if isinstance(draft, str):
+        if differ:
+            raise ValueError(
+                f"draft_model='{draft}' drafts in the target's own token ids, so a `draft_tokenizer=` / "
+                "`assistant_tokenizer=` other than the target's `tokenizer=` contradicts it. Drop `draft_tokenizer=`, "
+                "or pass the draft model that tokenizer belongs to as `draft_model=`."
+            )
+        return False
+    if tokenizers is not None:
+        return differ
+    target_width = vocab_size(target)
+    draft_width = draft_width if draft_width is not None else vocab_size(draft)
+    if abs(target_width - draft_width) > max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(
-            "The draft's tokenizer differs from the target's: the same token id means another string to each "
-            "model, so the draft's proposals would nearly always be rejected. Use a draft that shares the target's "
-            "tokenizer (a smaller model of the same family), or transformers' `assistant_model=` with "
-            "`assistant_tokenizer=`."
+            f"The draft scores {draft_width} token ids and the target {target_width}: they look like models with "
+            "different tokenizers, whose ids mean other strings. Pass the target's tokenizer as `tokenizer=` and the "
+            "draft's as `draft_tokenizer=` (or `assistant_tokenizer=`): the draft then drafts over the tokens both "
+            "vocabularies share, exactly. If they share one tokenizer, pass it as both."
         )
+    return False
 
 
 def _vocabulary(tokenizer: Any) -> dict:

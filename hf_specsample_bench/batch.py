@@ -55,12 +55,11 @@ def _batched_call(
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, config.temperature, config.top_p),
-        **drafts.generate_kwargs(spec),
+        **drafts.generate_kwargs(spec, mode),
     )  # fmt: skip
     torch.manual_seed(config.seed)
-    output, seconds, target_passes, draft_passes = timed_generate(
-        target, drafts.draft if spec.uses_draft else None, inputs, kwargs
-    )
+    counted = drafts.counted_model(spec, mode)
+    output, seconds, target_passes, draft_passes = timed_generate(target, counted, inputs, kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     stats = getattr(output, "speculative_stats", None)
     new_tokens = batch_size * (sequences.shape[1] - inputs["input_ids"].shape[1])

@@ -13,7 +13,7 @@ from .batch import run_batch_sweep
 from .measure import cost_ratio, method_cost_ratios
 from .methods import LEVER_METHODS, LOOKUP_LEVER_METHODS, Method, MethodDrafts, MethodSpec, Mode, parse_methods
 from .models import LoadPath
-from .pairs import BenchPair, Quantization, load_bench_pair, randomize
+from .pairs import PAIR_HELP, BenchPair, Quantization, load_bench_models, randomize
 from .passk import pass_at_1
 from .prompts import PromptSet, load_problems, load_prompts
 from .report import format_table, to_json
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=BenchPair,
         choices=list(BenchPair),
         default=BenchPair.QWEN_CODER,
-        help="target/draft pair (default: %(default)s)",
+        help="target/draft pair (default: %(default)s): "
+        + "; ".join(f"{pair.value}: {text}" for pair, text in PAIR_HELP.items()),
     )
     parser.add_argument(
         "--prompts",
@@ -141,7 +142,7 @@ def run(argv: list[str] | None = None) -> dict:
         methods=args.methods, modes=args.modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
-    target, draft, tokenizer = load_bench_pair(
+    target, draft, tokenizer, draft_tokenizer = load_bench_models(
         args.pair, DTYPES[args.dtype], config.progress, args.target_quantization, args.draft_quantization,
         args.load_from,
     )  # fmt: skip
@@ -149,7 +150,7 @@ def run(argv: list[str] | None = None) -> dict:
         draft = randomize(draft if args.pair is not BenchPair.SMOLLM2 else _copy_for_randomizing(draft))
     prompts = [prompt for prompt_set in args.prompts for prompt in load_prompts(prompt_set, args.num_prompts)]
     # Every section runs the same prepared drafts, each made once by hf_specsample.prepare_draft.
-    run = (target, MethodDrafts(target, draft, tokenizer), tokenizer, prompts)
+    run = (target, MethodDrafts(target, draft, tokenizer, draft_tokenizer), tokenizer, prompts)
 
     report = _compare(args, config, *run)
     target_seconds = report["meta"]["cost"]["target_forward_s"]
@@ -189,14 +190,19 @@ def _meta(args: argparse.Namespace, prompts: list) -> dict:
 def _compare(args, config: BenchmarkConfig, target, drafts: MethodDrafts, tokenizer, prompts) -> dict:
     """The per-prompt comparison of every method (or only the cost ratio with --skip-main)."""
     meta = _meta(args, prompts)
+    if drafts.draft_tokenizer is not None:
+        meta["shared_vocabulary"] = drafts.prepared(MethodSpec(Method.SPECULATIVE)).shared_vocabulary.size
     if args.skip_main:
-        meta["cost"] = cost_ratio(target, drafts.draft, prompts[0].encode(tokenizer)["input_ids"])
+        input_ids = prompts[0].encode(tokenizer)["input_ids"]
+        meta["cost"] = cost_ratio(target, drafts.draft, input_ids, draft_input_ids=drafts.draft_input_ids(input_ids))
         report = to_json([], [], meta)
     else:
         result = run_benchmark(target, drafts, tokenizer, prompts, config)
         meta.update(cost=result.cost, method_c=result.method_c)
         report = to_json(result.rows, result.measurements, meta)
     cost = meta["cost"]
+    if "shared_vocabulary" in meta:
+        print(f"\nthe draft has its own tokenizer: it drafts over the {meta['shared_vocabulary']} tokens both share")
     quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
     loaded = f", loaded from {args.load_from}" if args.pair is not BenchPair.TINY else ""
     print(f"\n{args.pair.value}, {args.dtype}{loaded}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "

@@ -14,7 +14,7 @@ import torch
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 
 from .methods import Mode, sampling_kwargs
-from .pairs import BenchPair, load_bench_pair
+from .pairs import BenchPair, load_bench_models
 from .prompts import PromptSet, load_prompts
 
 
@@ -28,16 +28,19 @@ def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, object]:
 
 
 def compare(
-    target, draft, tokenizer, inputs: dict, mode: Mode, max_new_tokens: int, num_lookahead: int | None
+    target, draft: dict, tokenizer, inputs: dict, mode: Mode, max_new_tokens: int, num_lookahead: int | None
 ) -> float:
-    """Print both completions of one mode with their timings; return the speedup in tokens per second."""
+    """Print both completions of one mode with their timings; return the speedup in tokens per second.
+
+    `draft`: the arguments naming the draft (`draft_model=`, and the tokenizers for a draft with its own).
+    """
     kwargs = dict(
         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(mode, 0.7, 0.95)
     )
     torch.manual_seed(0)
     plain_tokens, plain_seconds, _ = timed(target, inputs, **kwargs)
     torch.manual_seed(0)
-    spec_tokens, spec_seconds, stats = timed(target, inputs, draft_model=draft, num_lookahead=num_lookahead, **kwargs)
+    spec_tokens, spec_seconds, stats = timed(target, inputs, **draft, num_lookahead=num_lookahead, **kwargs)
     plain_rate, spec_rate = len(plain_tokens) / plain_seconds, len(spec_tokens) / spec_seconds
     settings = "greedy" if mode is Mode.GREEDY else "sampling, temperature 0.7, top_p 0.95"
     print(f"\n=== {settings} ===")
@@ -65,12 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    target, draft, tokenizer = load_bench_pair(args.pair)
+    target, draft_model, tokenizer, draft_tokenizer = load_bench_models(args.pair)
+    draft = {"draft_model": draft_model}
+    if draft_tokenizer is not None:  # a draft with its own tokenizer
+        draft.update(tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     print(f"models ready in {time.perf_counter() - start:.0f} s")
     prompt = load_prompts(PromptSet.HUMANEVAL, 1, offset=args.problem)[0]
     inputs = prompt.encode(tokenizer)
     print(f"\n{prompt.prompt_id}:\n{prompt.text}")
-    target.generate(**inputs, max_new_tokens=2, draft_model=draft)  # warm-up: one-time costs stay out of timings
+    target.generate(**inputs, max_new_tokens=2, **draft)  # warm-up: one-time costs stay out of timings
     target.generate(**inputs, max_new_tokens=2)
     speedups = [
         compare(target, draft, tokenizer, inputs, mode, args.max_new_tokens, args.num_lookahead) for mode in Mode

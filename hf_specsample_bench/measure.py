@@ -81,18 +81,26 @@ def method_cost_ratios(drafts, methods, input_ids: torch.Tensor, target_seconds:
 
     Args:
         drafts: the run's `MethodDrafts` (the very objects the methods pass to generate()).
+        input_ids: `(1, length)` the target's ids of a prompt (re-encoded for a draft with its own tokenizer).
     """
     from .methods import Method
 
     ratios = {}
+    draft_ids = drafts.draft_input_ids(input_ids)
     for spec in methods:
         if spec.method is Method.SPECULATIVE and spec.uses_draft and spec.label not in ratios:
-            ratios[spec.label] = forward_seconds(drafts.prepared(spec).model, input_ids) / target_seconds
+            ratios[spec.label] = forward_seconds(drafts.prepared(spec).model, draft_ids) / target_seconds
     return ratios
 
 
-def cost_ratio(target, draft, input_ids: torch.Tensor, repeats: int = 5) -> dict[str, float]:
-    """Leviathan et al.'s c: time of one draft forward over time of one target forward (1 token, with a cache)."""
+def cost_ratio(
+    target, draft, input_ids: torch.Tensor, repeats: int = 5, draft_input_ids: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Leviathan et al.'s c: time of one draft forward over time of one target forward (1 token, with a cache).
+
+    `draft_input_ids`: the prompt in the draft's ids, when its tokenizer differs (default: `input_ids`).
+    """
     target_seconds = forward_seconds(target, input_ids, 1, repeats)
-    draft_seconds = forward_seconds(draft, input_ids, 1, repeats)
+    draft_ids = input_ids if draft_input_ids is None else draft_input_ids
+    draft_seconds = forward_seconds(draft, draft_ids, 1, repeats)
     return {"target_forward_s": target_seconds, "draft_forward_s": draft_seconds, "c": draft_seconds / target_seconds}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -123,28 +124,66 @@ class MethodDrafts:
     inside a timed call.
     """
 
-    def __init__(self, target, draft, tokenizer):
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+    def __init__(self, target, draft, tokenizer, draft_tokenizer=None):
+        """`draft_tokenizer`: the draft's own tokenizer when it differs from the target's (else None)."""
+        self.target, self.draft, self.tokenizer, self.draft_tokenizer = target, draft, tokenizer, draft_tokenizer
         self._prepared: dict[tuple[str | None, int | None], PreparedDraft] = {}
+        # transformers' assisted generation with another tokenizer (5.23) prunes the assistant's LM head and input
+        # embedding in place the first time it samples, after which greedy assisted calls on that model fail
+        # ("mat1 and mat2 shapes cannot be multiplied"): it gets one copy per mode, and the draft the other methods
+        # run stays intact.
+        self._assistants = {mode: copy.deepcopy(draft) for mode in Mode} if draft_tokenizer is not None else {}
+
+    def assistant(self, mode: Mode):
+        """The model `assistant_model=` gets in `mode`."""
+        return self._assistants.get(mode, self.draft)
+
+    def counted_model(self, spec: MethodSpec, mode: Mode):
+        """The draft model whose forward calls `spec`'s method makes in `mode` (None: the target alone)."""
+        if not spec.uses_draft:
+            return None
+        return self.assistant(mode) if spec.method is Method.ASSISTED else self.draft
 
     @classmethod
     def wrap(cls, target, draft, tokenizer) -> MethodDrafts:
         """`draft` itself if it already is a `MethodDrafts` (shared across a run's sections), else a new one."""
         return draft if isinstance(draft, MethodDrafts) else cls(target, draft, tokenizer)
 
+    @property
+    def tokenizers(self) -> dict[str, Any]:
+        """`tokenizer=` / `draft_tokenizer=` for prepare_draft when the draft has its own tokenizer, else nothing."""
+        if self.draft_tokenizer is None:
+            return {}
+        return {"tokenizer": self.tokenizer, "draft_tokenizer": self.draft_tokenizer}
+
     def prepared(self, spec: MethodSpec) -> PreparedDraft:
-        """The prepared draft of a SPECULATIVE method (frequent-token vocabularies are counted with the tokenizer)."""
+        """The prepared draft of a SPECULATIVE method (frequent-token vocabularies are counted with the tokenizer).
+
+        A draft with its own tokenizer is prepared with both tokenizers: the prepared draft holds them and the
+        vocabulary they share, so no call builds it again (and none is timed doing so).
+        """
         if spec.draft_options not in self._prepared:
             quantization = spec.draft_quantization or DraftQuantization.AUTO
             vocabulary = frequent_tokens(self.tokenizer, spec.draft_vocabulary) if spec.draft_vocabulary else None
             self._prepared[spec.draft_options] = prepare_draft(
-                self.draft, self.target, quantization=quantization, vocabulary=vocabulary
+                self.draft, self.target, quantization=quantization, vocabulary=vocabulary, **self.tokenizers
             )
         return self._prepared[spec.draft_options]
 
-    def generate_kwargs(self, spec: MethodSpec) -> dict[str, Any]:
-        """The arguments `spec`'s method adds to generate()."""
+    def draft_input_ids(self, input_ids):
+        """`(1, length)` target ids -> the same text in the draft's ids (for timing the draft on its own ids)."""
+        if self.draft_tokenizer is None:
+            return input_ids
+        text = self.tokenizer.decode(input_ids[0], skip_special_tokens=False)
+        return self.draft_tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def generate_kwargs(self, spec: MethodSpec, mode: Mode | None = None) -> dict[str, Any]:
+        """The arguments `spec`'s method adds to generate() in `mode` (default: sampling)."""
+        mode = Mode.SAMPLING if mode is None else mode
         if spec.method is Method.ASSISTED:
+            if self.draft_tokenizer is not None:  # transformers' universal assisted decoding
+                return {"assistant_model": self.assistant(mode), "assistant_tokenizer": self.draft_tokenizer,
+                        "tokenizer": self.tokenizer}  # fmt: skip
             return {"assistant_model": self.draft}
         if spec.method is Method.LOOKUP:
             return {"prompt_lookup_num_tokens": spec.lookup_tokens or DEFAULT_LOOKUP_TOKENS}

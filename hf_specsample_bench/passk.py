@@ -30,7 +30,7 @@ def complete(
     output = target.generate(
         **inputs, max_new_tokens=COMPLETION_TOKENS, stop_strings=list(STOP_SEQUENCES), tokenizer=tokenizer,
         pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(Mode.SAMPLING, config.temperature, config.top_p),
-        **drafts.generate_kwargs(spec),
+        **drafts.generate_kwargs(spec, Mode.SAMPLING),
     )  # fmt: skip
     sequences = output.sequences if hasattr(output, "sequences") else output
     return truncate(tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))

@@ -50,12 +50,11 @@ def _call(
     kwargs = dict(
         max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        **sampling_kwargs(mode, config.temperature, config.top_p), **drafts.generate_kwargs(spec),
+        **sampling_kwargs(mode, config.temperature, config.top_p), **drafts.generate_kwargs(spec, mode),
     )  # fmt: skip
     torch.manual_seed(seed)
-    output, seconds, target_passes, draft_passes = timed_generate(
-        target, drafts.draft if spec.uses_draft else None, inputs, kwargs
-    )
+    counted = drafts.counted_model(spec, mode)
+    output, seconds, target_passes, draft_passes = timed_generate(target, counted, inputs, kwargs)
     sequences = output.sequences if hasattr(output, "sequences") else output
     prompt_length = inputs["input_ids"].shape[1]
     stats = getattr(output, "speculative_stats", None)
@@ -107,7 +106,7 @@ def run_benchmark(
     config = config or BenchmarkConfig()
     drafts = MethodDrafts.wrap(target, draft, tokenizer)
     input_ids = prompts[0].encode(tokenizer)["input_ids"]
-    cost = cost_ratio(target, drafts.draft, input_ids)
+    cost = cost_ratio(target, drafts.draft, input_ids, draft_input_ids=drafts.draft_input_ids(input_ids))
     warm_up(target, drafts, tokenizer, prompts[0], config.methods, config)
     method_c = method_cost_ratios(drafts, config.methods, input_ids, cost["target_forward_s"])
     measurements = run_measurements(target, drafts, tokenizer, prompts, config.methods, config.modes, config)

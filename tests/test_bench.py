@@ -206,3 +206,29 @@ def test_cli_every_section_on_the_tiny_pair(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["pair"] == "tiny"
     skipped = run(args + ["--skip-main", "--random-draft"])
     assert skipped["summary"] == [] and skipped["meta"]["random_draft"] and skipped["meta"]["cost"]["c"] > 0
+
+
+def test_run_benchmark_with_a_draft_of_another_tokenizer(tiny_setup):
+    """The benchmark with a draft of its own tokenizer: hf_specsample gets a draft prepared with both tokenizers (no
+    per-call map), c is timed on the draft's own ids, and transformers' assisted generation gets `assistant_tokenizer=`
+    and a copy of the draft per mode (sampling prunes its assistant in place, after which greedy calls on it fail)."""
+    from test_cross_tokenizer import bpe_tokenizer
+
+    from hf_specsample_bench.methods import MethodDrafts
+
+    target, _, tokenizer, prompts = tiny_setup
+    draft_tokenizer = bpe_tokenizer(["<pad>", "<s>", "</s>", *"lohewrdabc ", "lo", "he"], [("l", "o"), ("h", "e")])
+    draft = tiny_lm(seed=3, vocab_size=len(draft_tokenizer), layers=1, hidden=32, init_range=0.3)
+    drafts = MethodDrafts(target, draft, tokenizer, draft_tokenizer)
+    hello = tokenizer("hello", return_tensors="pt")["input_ids"]
+    assert drafts.draft_input_ids(hello).tolist() == [[15, 3, 14]]  # he l lo
+    assisted = {mode: drafts.generate_kwargs(MethodSpec(Method.ASSISTED), mode) for mode in Mode}
+    assert len({id(kwargs["assistant_model"]) for kwargs in assisted.values()} | {id(draft)}) == 3
+    assert all(kwargs["assistant_tokenizer"] is draft_tokenizer for kwargs in assisted.values())
+    config = BenchmarkConfig(methods=parse_methods("target,assisted,hf_specsample:2"), max_new_tokens=8, progress=False)
+    result = run_benchmark(target, drafts, tokenizer, prompts, config)
+    greedy_texts = {m.label: m.text for m in result.measurements if m.mode == "greedy" and m.prompt_id == "p1"}
+    assert len(set(greedy_texts.values())) == 1
+    speculative = [m for m in result.measurements if m.stats]
+    assert speculative and all(m.stats["shared_vocabulary"] == 13 for m in speculative)
+    assert drafts.prepared(MethodSpec(Method.SPECULATIVE, 2)).shared_vocabulary.size == 13  # the target has no space
