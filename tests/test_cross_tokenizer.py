@@ -316,7 +316,7 @@ def test_chat_second_turn_on_the_returned_cache(target, drafts, tokenizers):
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
 
 
-def test_prepared_draft_keeps_its_tokenizers_and_int8_copy(target, drafts, tokenizers):
+def test_prepared_draft_keeps_its_tokenizers_and_int8_copy(target, drafts, tokenizers, int8_steps_faster):
     """`prepare_draft(..., tokenizer=, draft_tokenizer=)`: the int8 copy still applies, and the prepared draft holds
     the tokenizers and their shared vocabulary, so a call needs neither again."""
     prepared = prepare_draft(drafts["far"], target, tokenizer=tokenizers[0], draft_tokenizer=tokenizers[1])
