@@ -154,8 +154,8 @@ def prepare_draft(
             `generation_config`); None (default): every id. Not with a draft of another tokenizer.
         tokenizer, draft_tokenizer: the target's and the draft's tokenizers, for a draft with another tokenizer (a
             draft whose logit width is far from the target's is refused without them). The prepared draft keeps
-            them and the vocabulary they share (0.2 s to build for Qwen2.5 and SmolLM2), so `generate()` needs
-            neither again; it is a snapshot: prepare again after adding tokens to either tokenizer.
+            them and the vocabulary they share (0.25 s of CPU to build for Qwen2.5 and SmolLM2), so `generate()`
+            needs neither again; it is a snapshot: prepare again after adding tokens to either tokenizer.
 
     Returns:
         A `PreparedDraft`. An int8 copy is a snapshot of the draft's weights: prepare again after changing them.

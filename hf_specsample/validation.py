@@ -82,7 +82,9 @@ def check_tokenizers(
     Raises:
         ValueError: a named draft with another tokenizer, or widths of different tokenizers without tokenizers.
     """
-    differ = tokenizers is not None and _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
+    differ = tokenizers is not None and (
+        len(tokenizers[0]) != len(tokenizers[1]) or _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
+    )  # sizes first: comparing two 150k-token vocabularies costs 0.1 s
     if isinstance(draft, str):
         if differ:
             raise ValueError(

@@ -390,6 +390,17 @@ def test_samples_with_eos_and_k3(target, drafts, tokenizers):
     assert chisquare_pvalue(exact_for(target, eos_token_ids=(EOS,), **settings), samples) > ALPHA
 
 
+def test_samples_with_prompt_lookup_first(target, drafts, tokenizers):
+    """`prompt_lookup_num_tokens=` with a draft of another tokenizer: rows with an n-gram continuation take its target
+    tokens first (point masses; a token the draft lacks is fed to it as id 0), the draft's proposals after them."""
+    settings = dict(temperature=1.1)
+    prompt = torch.tensor([[1, 5, 3, 5, 3]])  # "c a c a": n-grams recur from the first step
+    out = sample(target, tokenizers, drafts["far"], seed=14, inputs=prompt, num_lookahead=2,
+                 prompt_lookup_num_tokens=2, **settings)  # fmt: skip
+    exact = exact_for(target, prompt, **settings)
+    assert chisquare_pvalue(exact, continuations(out, prompt.shape[1])) > ALPHA
+
+
 def test_batched_rows_of_different_prompts(target, drafts, tokenizers):
     """Two prompts of different lengths, left-padded, each repeated: every row follows its own prompt's target."""
     inputs = {"input_ids": torch.tensor([[1, 5, 3, 6], [PAD, PAD, 1, 4]]),
