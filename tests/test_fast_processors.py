@@ -53,14 +53,18 @@ def test_top_p_after_top_k_and_temperature():
         assert_same(lp.TopPLogitsWarper(top_p), scores)
 
 
-def test_top_p_large_vocabulary_and_nonfinite_rows():
-    """A Qwen-sized row (151,936), a flat row (nucleus beyond every candidate size), NaN and all -inf rows."""
+def qwen_sized_and_nonfinite_rows() -> torch.Tensor:
+    """A Qwen-sized row (151,936), a flat row (the kept set beyond every candidate size), NaN and all -inf rows."""
     scores = random_logits(4, 151_936, 3.0, seed=2)
-    scores[1] = 0.0  # flat: the nucleus holds 95% of 151,936 tokens
+    scores[1] = 0.0
     scores[2, 5] = float("nan")
     scores[3] = -float("inf")
     scores[3, 9] = 1.0
-    assert_same(lp.TopPLogitsWarper(0.95), scores)
+    return scores
+
+
+def test_top_p_large_vocabulary_and_nonfinite_rows():
+    assert_same(lp.TopPLogitsWarper(0.95), qwen_sized_and_nonfinite_rows())
 
 
 def test_the_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
@@ -97,12 +101,7 @@ def test_typical_after_top_k_and_temperature_and_nonfinite_rows():
     scores = lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
     for mass in (0.5, 0.9):
         assert_same(lp.TypicalLogitsWarper(mass), scores)
-    scores = random_logits(4, 151_936, 3.0, seed=2)
-    scores[1] = 0.0  # flat: every shifted score is 0, the typical set is the whole row
-    scores[2, 5] = float("nan")
-    scores[3] = -float("inf")
-    scores[3, 9] = 1.0
-    assert_same(lp.TypicalLogitsWarper(0.9), scores)
+    assert_same(lp.TypicalLogitsWarper(0.9), qwen_sized_and_nonfinite_rows())
 
 
 def test_typical_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
