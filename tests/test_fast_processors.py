@@ -35,20 +35,28 @@ def assert_same(warper, scores):
     assert bool(((got == expected) | (got.isnan() & expected.isnan())).all())  # bit for bit, NaN where NaN
 
 
-@pytest.mark.parametrize("top_p", [0.0, 0.1, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0])
-@pytest.mark.parametrize("min_keep", [1, 3])
-def test_top_p_random_and_tied(top_p, min_keep):
-    warper = lp.TopPLogitsWarper(top_p, min_tokens_to_keep=min_keep)
+def assert_same_on_random_tied_and_boundary_rows(warper):
     for seed, scale in enumerate([0.5, 2.0, 4.0, 8.0]):
         assert_same(warper, random_logits(16, 2048, scale, seed))
     assert_same(warper, tied_logits(16, 512, seed=7))
     assert_same(warper, boundary_logits(256))
 
 
+def after_temperature_and_top_k() -> torch.Tensor:
+    """The usual chain before a sorting warper: temperature 0.7, then top-k 20 (-inf outside)."""
+    scores = random_logits(32, 4096, 3.0, seed=1)
+    return lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
+
+
+@pytest.mark.parametrize("top_p", [0.0, 0.1, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("min_keep", [1, 3])
+def test_top_p_random_and_tied(top_p, min_keep):
+    assert_same_on_random_tied_and_boundary_rows(lp.TopPLogitsWarper(top_p, min_tokens_to_keep=min_keep))
+
+
 def test_top_p_after_top_k_and_temperature():
     """The usual chain: temperature, then top-k (-inf outside), then top-p."""
-    scores = random_logits(32, 4096, 3.0, seed=1)
-    scores = lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
+    scores = after_temperature_and_top_k()
     for top_p in (0.8, 0.95):
         assert_same(lp.TopPLogitsWarper(top_p), scores)
 
@@ -89,16 +97,11 @@ def test_the_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
 @pytest.mark.parametrize("mass", [0.01, 0.2, 0.5, 0.9, 0.95, 0.99])
 @pytest.mark.parametrize("min_keep", [1, 3])
 def test_typical_random_and_tied(mass, min_keep):
-    warper = lp.TypicalLogitsWarper(mass, min_tokens_to_keep=min_keep)
-    for seed, scale in enumerate([0.5, 2.0, 4.0, 8.0]):
-        assert_same(warper, random_logits(16, 2048, scale, seed))
-    assert_same(warper, tied_logits(16, 512, seed=7))
-    assert_same(warper, boundary_logits(256))
+    assert_same_on_random_tied_and_boundary_rows(lp.TypicalLogitsWarper(mass, min_tokens_to_keep=min_keep))
 
 
 def test_typical_after_top_k_and_temperature_and_nonfinite_rows():
-    scores = random_logits(32, 4096, 3.0, seed=1)
-    scores = lp.TopKLogitsWarper(20)(NO_IDS, lp.TemperatureLogitsWarper(0.7)(NO_IDS, scores))
+    scores = after_temperature_and_top_k()
     for mass in (0.5, 0.9):
         assert_same(lp.TypicalLogitsWarper(mass), scores)
     assert_same(lp.TypicalLogitsWarper(0.9), qwen_sized_and_nonfinite_rows())
