@@ -2,10 +2,17 @@
 
 `Cache.crop` removes the same number of slots from every row. Rows of a speculative batch accept different numbers
 of draft tokens, so rolling them back means moving each row by its own amount: `realign` does that with one gather
-per layer. Only the two layer types of `DynamicCache` whose slots are plain key/value vectors are handled
-(`DynamicLayer`, `DynamicSlidingWindowLayer`); `unsupported_layers` names the others so that callers can refuse them
-before any work. Everything else goes through the Cache API (`crop`, `batch_select_indices`,
-`activate_past_recording`).
+per layer. The layer types whose slots are plain key/value vectors are handled: `DynamicCache`'s (`DynamicLayer`,
+`DynamicSlidingWindowLayer`) and `StaticCache`'s full `StaticLayer`; `unsupported_layers` names the others so that
+callers can refuse them before any work. Everything else goes through the Cache API (`crop`,
+`batch_select_indices`, `activate_past_recording`).
+
+A `StaticLayer` holds `max_cache_len` slots in fixed tensors (what `torch.compile` and CUDA graphs need) and writes
+each forward's keys at its `cumulative_length`: slots ``0 .. cumulative_length - 1`` are the cache, and a rollback
+moves that pointer back (gpt-fast's "overwrite rejected slots"); slots past it are never attended to (causal mask).
+Static caches that transformers builds for sliding-window models hold ring-like `StaticSlidingWindowLayer`s, which
+cannot be moved row by row: `full_static_cache` turns any cache into one of full `StaticLayer`s holding the same
+visible keys (the model's mask still applies the window, by slot distance, as for our draft caches).
 
 Slots are numbered over the whole cache: a cache of `total` slots holds slots ``0 .. total - 1`` of every row. A
 full layer stores all of them; a sliding-window layer stores only the last `stored` (``min(total, window - 1)``
@@ -19,9 +26,15 @@ from collections.abc import Sequence
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
 
-SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
+
+
+def is_static(cache: Cache | None) -> bool:
+    """Whether `cache` is made of fixed-size `StaticLayer`s (or will be, once `full_static_cache` converted it)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer, StaticLayer) for layer in layers)
 
 
 def unsupported_layers(cache: Cache) -> list[str]:
@@ -62,7 +75,48 @@ def model_cache_problem(model: PreTrainedModel) -> str | None:
 
 def total_slots(cache: Cache) -> int:
     """Slots in the cache (the same in every layer): `get_seq_length()` of any initialised layer."""
-    return max((layer.get_seq_length() for layer in cache.layers if layer.is_initialized), default=0)
+    return max((_slots(layer) for layer in cache.layers if layer.is_initialized), default=0)
+
+
+def _slots(layer) -> int:
+    if type(layer) is StaticLayer:
+        return int(layer.cumulative_length)
+    return int(layer.get_seq_length())
+
+
+def capacity(cache: Cache) -> int | None:
+    """Most slots a static cache can hold (None: a dynamic cache grows)."""
+    return min(layer.max_cache_len for layer in cache.layers) if is_static(cache) else None
+
+
+def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
+    """A cache of full `StaticLayer`s of at least `capacity` slots holding what `cache` holds, in place if given.
+
+    `cache` may be None (a new `StaticCache` is made), transformers' `StaticCache` (its sliding-window layers keep
+    only the last `window` slots, in order: those are copied to their slots of a full layer, zeros before them, which
+    the window's mask never lets a query see), or a cache of full layers already (kept where large enough). The
+    caller's object keeps its identity: only its layers are replaced.
+
+    Args:
+        config: the model's config (for a new cache).
+        capacity: slots needed (e.g. `max_length`). New layers are allocated by their first (eager) forward.
+    """
+    if cache is None:
+        cache = StaticCache(config=config.get_text_config(decoder=True), max_cache_len=capacity)
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is StaticLayer and layer.max_cache_len >= capacity:
+            continue
+        size = max(capacity, getattr(layer, "max_cache_len", 0))
+        new = StaticLayer(max_cache_len=size)
+        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+            held = _slots(layer)  # positions fed so far
+            stored = min(held, layer.keys.shape[-2])  # the last `stored` of them are kept, in order
+            new.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+            new.keys[:, :, held - stored : held] = layer.keys[:, :, :stored]
+            new.values[:, :, held - stored : held] = layer.values[:, :, :stored]
+            new.cumulative_length.fill_(held)
+        cache.layers[index] = new
+    return cache
 
 
 def _stored_after(layer, total: int) -> int:
@@ -80,6 +134,10 @@ def crop(cache: Cache, num_slots: int) -> None:
     """
     total = total_slots(cache)
     if total == 0:  # nothing fed yet (transformers' sliding layers cannot even crop(0) before their first update)
+        return
+    if is_static(cache):  # the pointer moves back; the next forward overwrites the dropped slots
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(total - num_slots)
         return
     for layer in cache.layers:
         if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized and layer.keys is not None:
@@ -114,6 +172,11 @@ def realign(
     assert all(start + length <= total for start, length in zip(new_starts, lengths)), "rows must fit in the cache"
     for layer in cache.layers:
         if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if type(layer) is StaticLayer:  # in place: the tensors keep their (compiled, CUDA-graph) addresses
+            for states in (layer.keys, layer.values):
+                states[:, :, :total] = _moved(states[:, :, :old_total], old_starts, new_starts, lengths, 0, 0, total)
+            layer.cumulative_length.fill_(total)
             continue
         stored = layer.keys.shape[-2]
         new_stored = _stored_after(layer, total) if trim else min(total, stored)
@@ -169,6 +232,9 @@ def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
         if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
             clone.keys = layer.keys[index.to(layer.keys.device)]
             clone.values = layer.values[index.to(layer.values.device)]
+        if type(layer) is StaticLayer:
+            clone.cumulative_length = layer.cumulative_length.clone()
+            clone.batch_size = len(rows)
         taken.layers.append(clone)
     return taken
 
@@ -188,3 +254,18 @@ def stack_rows_into(target: Cache, parts: Sequence[Cache]) -> None:
             layer.dtype, layer.device, layer.is_initialized = layer.keys.dtype, layer.keys.device, True
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = sources[0].cumulative_length
+        if type(layer) is StaticLayer:
+            layer.cumulative_length.copy_(sources[0].cumulative_length)
+            layer.batch_size = layer.keys.shape[0]
+
+
+def select_rows(cache: Cache, index: torch.Tensor) -> None:
+    """Keep the rows `index` (a CPU long tensor) of every layer: `Cache.batch_select_indices`, static layers too."""
+    if not is_static(cache):
+        cache.batch_select_indices(index)
+        return
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys = layer.keys[index.to(layer.keys.device)]
+            layer.values = layer.values[index.to(layer.values.device)]
+            layer.batch_size = layer.keys.shape[0]

@@ -12,7 +12,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
 from . import cache_rows, distributed, validation
+from .compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .config import SpeculativeConfig
 from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
@@ -188,8 +191,14 @@ class SpeculativeDecoder:
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
         cache = model_kwargs.get("past_key_values")
+        widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
+        cache, compiled = _target_cache(model, cache, caller_cache, generation_config, config)
         cached = cache_rows.total_slots(cache) if cache is not None else 0
-        self.target = CachedModel(model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached))
+        self.target = CachedModel(
+            model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached), compiled=compiled,
+            compiled_widths=widest_round,
+        )  # fmt: skip
+        self._compile_seconds_before = compiled.compile_seconds if compiled is not None else None
         prompt_length = input_ids.shape[1]
         self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
         self.sequences.attach(self.target)
@@ -248,6 +257,8 @@ class SpeculativeDecoder:
             self.streamer.end()
         self.stats.target_forward_passes = self.target.forward_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
+        if self.target.compiled is not None:
+            self.stats.compile_seconds = self.target.compiled.compile_seconds - self._compile_seconds_before
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
@@ -267,7 +278,7 @@ class SpeculativeDecoder:
 
     def round(self, lookahead: int) -> None:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
-        prefill = self.stats.rounds == 0
+        compilations = self._compilations()
         self.timer.start()
         proposal = self.drafter.get_candidates(self.sequences, lookahead)
         self.timer.mark()
@@ -276,11 +287,17 @@ class SpeculativeDecoder:
         num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
         durations = self.timer.durations() or [0.0, 0.0]
+        # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
+        prefill = self.stats.rounds == 1 or self._compilations() != compilations
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         if width > 0 and proposal.model_steps == 0:
             return  # a lookup-only round says nothing about a draft model's acceptance or cost
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
         self.policy.observe(RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill))
+
+    def _compilations(self) -> int:
+        compiled = self.target.compiled
+        return compiled.compilations if compiled is not None else 0
 
     def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
@@ -378,6 +395,53 @@ class SpeculativeDecoder:
             stats.row_rejections[row_id] += int(accepted < lookahead)
             stats.row_new_tokens[row_id] += count
             stats.row_target_passes[row_id] += 1
+
+
+def _target_cache(
+    model: PreTrainedModel,
+    cache: Any,
+    caller_cache: bool,
+    generation_config: GenerationConfig,
+    config: SpeculativeConfig,
+) -> tuple[Any, CompiledForward | None]:
+    """The target's cache, and its compiled forward if this call compiles (else None).
+
+    A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed as
+    `past_key_values`) or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full
+    `StaticLayer`s of at least `max_length` slots (`cache_rows.full_static_cache`, converting the caller's cache in
+    place). The forward is compiled as plain `generate()` would compile it for this static cache (`compile_config`,
+    on CPU only with its `_compile_all_devices`), or with `CompileSettings.for_device` under `compile=True`.
+    """
+    implementation = generation_config.cache_implementation
+    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or cache_rows.is_static(cache)):
+        return cache, None
+    if implementation == "offloaded_static" or getattr(cache, "offloading", False):
+        raise ValueError(
+            "`draft_model=` does not run offloaded caches (each round rolls rejected slots back on the device). Use "
+            "cache_implementation='static' (or the default dynamic cache)."
+        )
+    problem = compile_problem(model)
+    if config.compile and problem is not None:
+        raise ValueError(
+            f"SpeculativeConfig(compile=True) cannot compile this target: {problem}. Drop compile=True (the target "
+            "then runs eagerly), or load the target without that setting."
+        )
+    fresh = cache is None or (
+        not caller_cache and cache_rows.total_slots(cache) == 0 and not cache_rows.is_static(cache)
+    )
+    # At least max_length slots; as many as generate() allocated (it keeps the largest size seen, so that compiled
+    # code is not recompiled for a new size) or `max_cache_len` asks for.
+    sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
+    sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
+    cache = cache_rows.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
+    if config.compile:
+        settings = CompileSettings.for_device(input_device(model))
+    elif problem is None and model._valid_auto_compile_criteria({"past_key_values": cache}, generation_config):
+        compile_config = generation_config.compile_config or model._default_compile_config()
+        settings = CompileSettings.from_compile_config(compile_config)
+    else:
+        return cache, None
+    return cache, compiled_forward(model, settings)
 
 
 def _raise_if_nonfinite(num_accepted: list[int]) -> None:

@@ -8,6 +8,11 @@ same tokens. Rows of a batch are fed the same number of new positions in each fo
 different numbers of positions from different rows moves each row back to the end (`cache_rows.realign`, one
 gather per layer); a uniform one is a `Cache.crop`.
 
+A static cache (`StaticLayer`s of fixed size, `cache_rows`) keeps the same layout: its write pointer is the slot
+count, a rollback moves the pointer back, a per-row move happens in place. Every forward then gets the attention
+mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
+most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any.
+
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
 one, which is all the loop ever drops (rejected drafts, and at most the last draft-fed position to even rows out);
@@ -23,6 +28,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from . import cache_rows
+from .compiled import CompiledForward
 from .sequences import Columns, Sequences
 
 
@@ -46,10 +52,11 @@ class CachedModel:
     """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
     Attributes:
-        cache: the `Cache` (a `DynamicCache` of attention layers).
+        cache: the `Cache` (a `DynamicCache` of attention layers, or a static cache of full `StaticLayer`s).
         fed: per row, the number of leading buffer positions whose keys/values are in the cache.
         slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
+        compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
     """
 
     def __init__(
@@ -59,6 +66,8 @@ class CachedModel:
         cache: Cache | None = None,
         cached_is_real: torch.Tensor | None = None,
         embeddable: int | None = None,
+        compiled: CompiledForward | None = None,
+        compiled_widths: int = 0,
     ):
         """
         Args:
@@ -70,6 +79,9 @@ class CachedModel:
             embeddable: ids ``>= embeddable`` are fed as id 0 (a draft narrower than the target cannot embed the
                 target's padded ids; its proposals then condition on another token, which exactness allows: the
                 verifier only needs the distribution the draft really sampled from). None: every id is embeddable.
+            compiled: a compiled forward of `model` (`compiled.compiled_forward`), for a static cache only.
+            compiled_widths: forwards of at most this many positions use `compiled`; wider ones (the prompt) run
+                eagerly, as plain `generate()` runs its prefill.
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -79,6 +91,9 @@ class CachedModel:
                 f"`draft_model=` needs a DynamicCache of attention layers; this cache has {', '.join(unsupported)}. "
                 "Pass no `past_key_values` / `cache_implementation`, or generate without `draft_model=`."
             )
+        self.capacity = cache_rows.capacity(self.cache)  # None: a dynamic cache
+        assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
+        self.compiled, self.compiled_widths = compiled, compiled_widths
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers be rolled back after a forward
         cached = cache_rows.total_slots(self.cache)
@@ -124,7 +139,12 @@ class CachedModel:
 
         device = self.input_device
         kwargs = {"past_key_values": self.cache, "use_cache": True}
-        if not bool(self.slot_is_real.all()):
+        if self.capacity is not None:  # a static cache: the mask covers every slot (one shape for compiled code)
+            assert self.slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {self.slots}"
+            mask = torch.zeros((self.slot_is_real.shape[0], self.capacity), dtype=torch.long)
+            mask[:, : self.slots] = self.slot_is_real
+            kwargs["attention_mask"] = mask.to(device)
+        elif not bool(self.slot_is_real.all()):
             kwargs["attention_mask"] = self.slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
             kwargs["position_ids"] = columns.position_ids.to(device)
@@ -133,7 +153,9 @@ class CachedModel:
         input_ids = columns.input_ids.to(device)
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
-        logits = self.model(input_ids=input_ids, **kwargs).logits
+        use_compiled = self.compiled is not None and width <= self.compiled_widths
+        forward = self.compiled if use_compiled else self.model
+        logits = forward(input_ids=input_ids, **kwargs).logits
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
 
@@ -186,7 +208,7 @@ class CachedModel:
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
-        self.cache.batch_select_indices(index)  # a CPU index works for cache layers on any device
+        cache_rows.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
         self.slot_is_real = self.slot_is_real[index]
         self.fed = [self.fed[row] for row in rows]
         if max(self.fed) < self.slots:  # the rows left share leading holes: drop them (no trim: see module doc)
@@ -201,6 +223,7 @@ class CachedModel:
         taken.slot_is_real = self.slot_is_real[index]
         taken.fed = [self.fed[row] for row in rows]
         taken.forward_passes = 0
+        taken.compiled = None  # its few last forwards (a finished row's padding) would compile a new batch size
         return taken
 
     def left_align(self) -> None:

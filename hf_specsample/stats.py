@@ -24,6 +24,9 @@ class SpeculativeStats:
     draft_form: str = ""  # what drafted: "int8", "none" (as given), with AUTO's step timings; or "prompt_lookup"
     # A draft with another tokenizer: the number of tokens both vocabularies share (all it can propose); else None.
     shared_vocabulary: int | None = None
+    # A compiled target forward (`SpeculativeConfig(compile=True)` or `compile_config=`): seconds spent compiling in
+    # this call (0.0 when compiled code was reused from an earlier call); None when the target ran eagerly.
+    compile_seconds: float | None = None
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -102,4 +105,5 @@ class SpeculativeStats:
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
             + (f", draft {self.draft_form}" if self.draft_form else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
+            + (f", compiled target ({self.compile_seconds:.1f} s compiling)" if self.compile_seconds is not None else "")
         )

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel, StoppingCriteriaList
+from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -160,11 +160,17 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
     cache = model_kwargs.get("past_key_values")
     if cache is not None:
         unsupported = cache_rows.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
-        if unsupported or not cache.is_croppable:
+        if isinstance(cache, StaticCache) and cache_rows.is_static(cache):
+            unsupported = []  # sliding-window static layers are converted to full ones (`cache_rows.full_static_cache`)
+            if getattr(cache, "offloading", False):
+                unsupported = ["offloaded static layers"]
+        elif not unsupported and not cache.is_croppable:
+            unsupported = ["layers that cannot be cropped"]
+        if unsupported:
             raise ValueError(
-                f"`draft_model=` needs a DynamicCache (the default) to roll back rejected tokens; got a cache with "
-                f"{', '.join(unsupported) or 'layers that cannot be cropped'}. Pass no `past_key_values` and no "
-                "static/quantized `cache_implementation`, or a DynamicCache from an earlier generate() call."
+                f"`draft_model=` needs a DynamicCache (the default) or a StaticCache to roll back rejected tokens; got "
+                f"a cache with {', '.join(unsupported)}. Pass no `past_key_values` and no quantized/offloaded "
+                "`cache_implementation`, or a DynamicCache / StaticCache from an earlier generate() call."
             )
         if cache_rows.total_slots(cache) >= input_ids.shape[1]:
             raise ValueError(

@@ -1,0 +1,189 @@
+"""Compiled forward passes for the target's verification (and any fixed-shape step), exact and safe to reuse.
+
+A decoding step streams every weight once; verifying K+1 positions streams them once too but does K+1 times the
+arithmetic. PyTorch's eager small-M GEMM makes that cost about K+1 steps on CPUs without fast bf16 (AVX2: eager
+bf16 `F.linear` 8960x1536 costs 1.8 ms for 1 row and 8.0 ms for 5). Inductor's C++ GEMM template, with the weights
+frozen and prepacked once, reuses each loaded weight block for every row (3.3 ms for 5 rows). This module compiles a
+model's forward that way:
+
+- `CompileSettings`: what to hand `torch.compile`, and the inductor options that must be set *while it compiles*.
+  On this torch, `torch.compile(options={"freezing": True, ...})` does not freeze the weights (the GEMM stays ATen's);
+  patching `torch._inductor.config` around the compiling call does. `for_device` gives the settings that make small
+  M fast: on CPU frozen weights + max-autotune with the C++ GEMM and a dynamic query length (one compile for M=1,
+  one for every M >= 2); on CUDA CUDA graphs (`mode="reduce-overhead"`). `from_compile_config` honours transformers'
+  `CompileConfig`.
+- `compiled_forward(model, settings)`: the compiled callable, kept per model (weakly) and settings.
+
+Exactness: a compiled forward computes the model's function; its logits differ from eager ones by rounding, as
+logits of a batched forward differ from one-row ones. Frozen weights are a *copy*: if the model's parameters
+change after compiling (`load_state_dict`, `copy_`, an optimizer step), compiled code would silently compute the
+old model. Every call therefore checks the parameters' storage and version counters (`_fingerprint`, ~0.1 ms on a
+1.5B model) and compiles afresh when they changed. torch's compile cache is attached to a code object and reused
+by any new `torch.compile` of the same function (guards check shapes, not values), so each compilation traces a
+fresh copy of a tiny trampoline code object: entries never serve another model or stale weights.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from . import distributed
+
+# Inductor options that make small-M GEMM fast on CPU: weights frozen and prepacked once, and the C++ GEMM template
+# autotuned against ATen's. Needs `torch.no_grad`/`inference_mode` (generate() runs under no_grad).
+CPU_INDUCTOR_OPTIONS = (
+    ("freezing", True),
+    ("max_autotune", True),
+    ("max_autotune_gemm_backends", "CPP,ATEN"),
+)
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How to compile a forward.
+
+    Attributes:
+        compile_kwargs: keyword arguments of `torch.compile` (as sorted pairs: hashable).
+        inductor_options: inductor config values patched in while compiled code runs (and so while it compiles).
+        freezes: whether compiled code holds a copy of the weights (inductor `freezing`): then weight changes are
+            detected before every call and trigger a new compilation.
+    """
+
+    compile_kwargs: tuple[tuple[str, Any], ...] = ()
+    inductor_options: tuple[tuple[str, Any], ...] = ()
+    freezes: bool = False
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "CompileSettings":
+        """What `SpeculativeConfig(compile=True)` uses: fast small-M GEMM on CPU, CUDA graphs on CUDA."""
+        if device.type == "cpu":
+            # dynamic=True: the query length M is symbolic (M=1 is specialised by dynamo), so K may change every
+            # round without recompiling, and the C++ GEMM template still applies (it needs static N and K only).
+            return cls(compile_kwargs=(("dynamic", True),), inductor_options=CPU_INDUCTOR_OPTIONS, freezes=True)
+        # CUDA graphs replay a recorded kernel sequence per shape: K takes a handful of values (one graph each).
+        return cls(compile_kwargs=(("dynamic", None), ("mode", "reduce-overhead")))
+
+    @classmethod
+    def from_compile_config(cls, compile_config: Any) -> "CompileSettings":
+        """transformers' `CompileConfig`, as plain `generate()` applies it (`torch.compile(**config.to_dict())`).
+
+        Inductor options in its `options` are also patched in while compiling (torch.compile's own `options=` does
+        not turn on freezing here), so `CompileConfig(mode=None, options={"freezing": True, ...})` works as meant.
+        """
+        kwargs = dict(compile_config.to_dict())
+        options = kwargs.get("options") or {}
+        return cls(
+            compile_kwargs=tuple(sorted((key, _hashable(value)) for key, value in kwargs.items())),
+            inductor_options=tuple(sorted(options.items())),
+            freezes=bool(options.get("freezing")),
+        )
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Storage address and version counter of every parameter and buffer: changes when any weight is replaced or
+    written in place through autograd-visible ops (writes through `.data` bypass version counters)."""
+    return tuple(
+        (tensor.data_ptr(), tensor._version if not tensor.is_inference() else -1)
+        for tensor in (*model.parameters(), *model.buffers())
+    )
+
+
+def _trampoline(model, kwargs):
+    return model(**kwargs)
+
+
+@dataclass
+class CompiledForward:
+    """`model(**kwargs)` compiled with `settings`; recompiles (on a fresh code object) when the weights changed.
+
+    Attributes:
+        compile_seconds: wall time of the calls that compiled (first calls of a new shape class, recompilations).
+        compilations: how many calls compiled something.
+    """
+
+    model_ref: weakref.ReferenceType
+    settings: CompileSettings
+    compile_seconds: float = 0.0
+    compilations: int = 0
+    _function: Callable | None = field(default=None, repr=False)
+    _fingerprint: tuple | None = field(default=None, repr=False)
+
+    def _fresh(self, model: torch.nn.Module) -> None:
+        code = _trampoline.__code__.replace(co_name=f"hf_specsample_forward_{id(self)}_{self.compilations}")
+        function = types.FunctionType(code, _trampoline.__globals__, code.co_name)
+        self._function = torch.compile(function, **dict(self.settings.compile_kwargs))
+        self._fingerprint = _fingerprint(model) if self.settings.freezes else None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        model = self.model_ref()
+        assert model is not None, "the compiled model was freed"
+        if self._function is None or (self.settings.freezes and _fingerprint(model) != self._fingerprint):
+            self._fresh(model)
+        graphs = _captured_graphs()
+        start = time.perf_counter()
+        with torch._inductor.config.patch(dict(self.settings.inductor_options)):
+            out = self._function(model, kwargs)
+        if _captured_graphs() != graphs:
+            self.compile_seconds += time.perf_counter() - start
+            self.compilations += 1
+        return out
+
+
+def _captured_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a private counter; 0 where it is unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 (only used to attribute time to compilation)
+        return 0
+
+
+# model -> {settings: CompiledForward}. Weak: freed with the model. Each entry references the model weakly too.
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[CompileSettings, CompiledForward]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def compiled_forward(model: PreTrainedModel, settings: CompileSettings) -> CompiledForward:
+    """The compiled forward of `model` under `settings`, compiled on first call and kept while the model lives."""
+    entries = _COMPILED.setdefault(model, {})
+    if settings not in entries:
+        entries[settings] = CompiledForward(weakref.ref(model), settings)
+    return entries[settings]
+
+
+def release_compiled(model: PreTrainedModel) -> None:
+    """Drop the compiled forwards kept for `model` (and the frozen weight copies they hold)."""
+    _COMPILED.pop(model, None)
+
+
+def compile_problem(model: PreTrainedModel) -> str | None:
+    """Why `model`'s forward cannot be compiled here, or None.
+
+    As plain `generate()` decides (`_valid_auto_compile_criteria`): a quantizer that is not compileable, CPU or disk
+    offload (accelerate hooks move weights during the forward). Tensor-parallel models are left eager too.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        return f"its quantization ({type(quantizer).__name__}) cannot be compiled"
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        devices = set(device_map.values())
+        if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+            return "it is offloaded by accelerate (device_map with CPU or disk parts)"
+    if distributed.is_tensor_parallel(model):
+        return "it is tensor-parallel"
+    return None
