@@ -123,7 +123,10 @@ class CompiledForward:
     def _fresh(self, model: torch.nn.Module) -> None:
         code = _trampoline.__code__.replace(co_name=f"hf_specsample_forward_{id(self)}_{self.compilations}")
         function = types.FunctionType(code, _trampoline.__globals__, code.co_name)
-        self._function = torch.compile(function, **dict(self.settings.compile_kwargs))
+        kwargs = {
+            key: dict(value) if key == "options" and value else value for key, value in self.settings.compile_kwargs
+        }
+        self._function = torch.compile(function, **kwargs)
         self._fingerprint = _fingerprint(model) if self.settings.freezes else None
 
     def __call__(self, **kwargs: Any) -> Any:

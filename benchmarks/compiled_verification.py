@@ -1,0 +1,184 @@
+"""Compiled verification on the real pair: the target's cost curve over M positions, and the methods side by side.
+
+    python benchmarks/compiled_verification.py                      # Qwen2.5-Coder 1.5B target, 0.5B draft
+    python benchmarks/compiled_verification.py --prompts 3 --new-tokens 96 --load-from gguf
+
+Prints, on the machine it runs on (`lscpu`'s model name and flags first):
+1. the target's forward over M = 1..9 positions on a static cache, eager and compiled
+   (`hf_specsample.compiled.CompileSettings.for_device`), in ms and in one-position steps; compile seconds;
+2. per mode (greedy; sampling T=0.7, top_p=0.95), tokens/s on held-out HumanEval prompts (problems 100..): plain
+   `generate()` eager; plain `generate()` with the same static cache and compilation; `assistant_model=`;
+   hf_specsample eager (default options); hf_specsample with `SpeculativeConfig(compile=True)`. Calls are interleaved
+   per prompt, after a warm-up call of every method (compilation stays out of the timings and is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+from transformers import CompileConfig, StaticCache
+
+import hf_specsample  # noqa: F401  (registers draft_model=)
+from hf_specsample import SpeculativeConfig, prepare_draft
+from hf_specsample.compiled import CompileSettings, compiled_forward
+from hf_specsample_bench.methods import Mode, sampling_kwargs
+from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
+from hf_specsample_bench.prompts import PromptSet, load_prompts
+
+HELD_OUT = 100  # HumanEval problems from here on were never looked at while tuning
+
+
+def cpu_name() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("Flags"))
+        extras = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+        return f"{name} ({torch.get_num_threads()} threads; {', '.join(extras)})"
+    except Exception:  # noqa: BLE001
+        return platform.processor() or "unknown CPU"
+
+
+def median_ms(function, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+@torch.inference_mode()
+def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 10)) -> None:
+    """The target's forward over M positions after the prompt, on a static cache, eager and compiled."""
+    capacity = prompt_ids.shape[1] + 64
+    cache = StaticCache(config=target.config, max_cache_len=capacity)
+    from hf_specsample.cache_rows import full_static_cache
+
+    full_static_cache(cache, target.config, capacity)
+    prompt_length = prompt_ids.shape[1]
+    mask = torch.zeros((1, capacity), dtype=torch.long)
+    mask[:, :prompt_length] = 1
+    target(input_ids=prompt_ids, past_key_values=cache, attention_mask=mask, logits_to_keep=1)
+    compiled = compiled_forward(target, CompileSettings.for_device(torch.device("cpu")))
+
+    def forward(function, width: int):
+        def run():
+            mask[:, : prompt_length + width] = 1
+            ids = prompt_ids[:, -width:]
+            positions = torch.arange(prompt_length, prompt_length + width)[None]
+            function(input_ids=ids, past_key_values=cache, attention_mask=mask, position_ids=positions,
+                     logits_to_keep=width)  # fmt: skip
+            for layer in cache.layers:  # roll back: the next call writes the same slots
+                layer.cumulative_length.fill_(prompt_length)
+            mask[:, prompt_length:] = 0
+
+        return run
+
+    start = time.perf_counter()
+    for width in (1, 2):
+        forward(compiled, width)()
+    print(f"compiling the target (M=1, then dynamic M): {time.perf_counter() - start:.0f} s "
+          f"(of which compile {compiled.compile_seconds:.0f} s, {compiled.compilations} compilations)")  # fmt: skip
+    rows = []
+    for width in widths:
+        eager = median_ms(forward(target, width), repeats)
+        fast = median_ms(forward(compiled, width), repeats)
+        rows.append((width, eager, fast))
+    eager_1, fast_1 = rows[0][1], rows[0][2]
+    print("\nforward over M positions (prompt of %d tokens; median of %d)" % (prompt_length, repeats))
+    print(
+        f"{'M':>2} {'eager ms':>9} {'x eager M=1':>11} {'compiled ms':>12} {'x compiled M=1':>14} {'x eager M=1':>11}"
+    )
+    for width, eager, fast in rows:
+        print(f"{width:>2} {eager:>9.1f} {eager / eager_1:>11.2f} {fast:>12.1f} {fast / fast_1:>14.2f} "
+              f"{fast / eager_1:>11.2f}")  # fmt: skip
+
+
+def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, dict]:
+    """generate() arguments of each compared method."""
+    return {
+        "target eager": {},
+        "target static+compiled": dict(cache_implementation="static", compile_config=compile_plain),
+        "assistant_model=": dict(assistant_model=draft),
+        "hf_specsample eager": dict(draft_model=prepared),
+        "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),
+    }
+
+
+def run_method(target, inputs, kwargs: dict, settings: dict, new_tokens: int, pad: int):
+    """(new tokens, seconds, stats) of one call; inductor's CPU options are on for plain compiled generate()."""
+    options = dict(CompileSettings.for_device(torch.device("cpu")).inductor_options)
+    start = time.perf_counter()
+    with torch._inductor.config.patch(options):
+        out = target.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+                              return_dict_in_generate=True, **settings, **kwargs)  # fmt: skip
+    seconds = time.perf_counter() - start
+    return out.sequences.shape[1] - inputs["input_ids"].shape[1], seconds, getattr(out, "speculative_stats", None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=5, help="cost-curve repeats per M")
+    parser.add_argument("--load-from", type=LoadPath, choices=list(LoadPath), default=LoadPath.CHECKPOINT)
+    parser.add_argument("--modes", default="sampling,greedy")
+    parser.add_argument("--skip-curve", action="store_true")
+    args = parser.parse_args(argv)
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}")
+    target, draft, tokenizer = load_pair(KnownPair.QWEN_CODER, torch.bfloat16, path=args.load_from)
+    print(f"Qwen2.5-Coder 1.5B target, 0.5B draft, bf16, loaded from {args.load_from}")
+    prompts = load_prompts(PromptSet.HUMANEVAL, args.prompts, offset=HELD_OUT)
+    encoded = [prompt.encode(tokenizer) for prompt in prompts]
+    if not args.skip_curve:
+        cost_curve(target, encoded[0]["input_ids"], args.repeats)
+
+    prepared = prepare_draft(draft, target)
+    compile_plain = CompileConfig(fullgraph=False, dynamic=True, mode=None)
+    compile_plain._compile_all_devices = True  # transformers compiles on CPU only with this set
+    table = methods(target, draft, prepared, compile_plain)
+    pad = tokenizer.pad_token_id
+    for mode in [Mode(name) for name in args.modes.split(",")]:
+        settings = sampling_kwargs(mode, 0.7, 0.95)
+        print(f"\n=== {mode}: warm-up (compilation) ===")
+        for name, kwargs in table.items():
+            start = time.perf_counter()
+            _, _, stats = run_method(target, encoded[0], kwargs, settings, 8, pad)
+            extra = f", stats compile_seconds {stats.compile_seconds}" if stats is not None else ""
+            print(f"{name:<24} first call {time.perf_counter() - start:.1f} s{extra}", flush=True)
+        totals = {name: [0, 0.0] for name in table}
+        alphas, lookaheads = {}, {}
+        for index, inputs in enumerate(encoded):
+            for name, kwargs in table.items():
+                torch.manual_seed(index)
+                tokens, seconds, stats = run_method(target, inputs, kwargs, settings, args.new_tokens, pad)
+                totals[name][0] += tokens
+                totals[name][1] += seconds
+                if stats is not None:
+                    alphas.setdefault(name, []).append(stats.alpha)
+                    lookaheads.setdefault(name, []).append(stats.mean_lookahead)
+                print(f"  {prompts[index].prompt_id} {name:<24} {tokens / seconds:6.2f} tok/s", flush=True)
+        rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+        base, compiled_base, assisted = (
+            rates["target eager"],
+            rates["target static+compiled"],
+            rates["assistant_model="],
+        )
+        print(f"\n=== {mode}, {len(encoded)} held-out HumanEval prompts x {args.new_tokens} tokens ===")
+        print(f"{'method':<24} {'tok/s':>6} {'x target':>8} {'x target compiled':>17} {'x assisted':>10} "
+              f"{'alpha':>5} {'mean K':>6}")  # fmt: skip
+        for name, rate in rates.items():
+            alpha = f"{statistics.mean(alphas[name]):.2f}" if name in alphas else "-"
+            mean_k = f"{statistics.mean(lookaheads[name]):.1f}" if name in lookaheads else "-"
+            print(f"{name:<24} {rate:>6.2f} {rate / base:>7.2f}x {rate / compiled_base:>16.2f}x "
+                  f"{rate / assisted:>9.2f}x {alpha:>5} {mean_k:>6}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Compiled verification (`SpeculativeConfig(compile=True)`, `compile_config=`): exact, reused, never stale.
+
+Tiny models compile in seconds with frozen weights only (the `light` fixture drops max-autotune, whose GEMM
+benchmarking costs seconds per shape); one slow test runs the real CPU settings. K changes every round under the
+adaptive policy, so the dynamic query length is exercised.
+"""
+
+import pytest
+import torch
+from exact import sampled_pvalue
+from tiny import PAD, perturbed_copy, tiny_lm
+from transformers import CompileConfig
+
+import hf_specsample.compiled as compiled
+from hf_specsample import SpeculativeConfig
+
+COMPILE = SpeculativeConfig(compile=True)
+PROMPT = torch.tensor([[1, 5, 2, 5]])
+
+
+@pytest.fixture
+def light(monkeypatch):
+    """Frozen weights without max-autotune: the same compiled path, seconds instead of minutes."""
+    monkeypatch.setattr(compiled, "CPU_INDUCTOR_OPTIONS", (("freezing", True),))
+
+
+def make_pair():
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Shared by the tests that leave the weights alone: compiled once (per shape class) for all of them."""
+    return make_pair()
+
+
+@pytest.fixture
+def own_pair():
+    """A pair whose weights a test changes."""
+    return make_pair()
+
+
+def greedy(target, **kwargs):
+    return target.generate(PROMPT, max_new_tokens=16, pad_token_id=PAD, do_sample=False, **kwargs)
+
+
+@torch.no_grad()
+def test_compiled_greedy_equals_plain_and_is_reused(light, pair):
+    target, draft = pair
+    plain = greedy(target)
+    first = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
+    assert first.sequences.tolist() == plain.tolist()
+    assert first.speculative_stats.compile_seconds > 0
+    assert len(set(first.speculative_stats.lookahead_per_round[1:])) > 1, "K should vary (dynamic query length)"
+    again = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
+    assert again.sequences.tolist() == plain.tolist()
+    assert again.speculative_stats.compile_seconds == 0.0  # the compiled forward is kept with the model
+    assert "compiled target" in str(again.speculative_stats)
+
+
+@torch.no_grad()
+def test_compiled_sampling_is_exact(light, pair):
+    target, draft = pair
+    settings = dict(temperature=0.9, top_k=5)
+    p_value = sampled_pvalue(target, PROMPT, 3, 4000, seed=5, settings=settings, draft_model=draft,
+                             speculative_config=COMPILE, num_lookahead=2)  # fmt: skip
+    assert p_value > 1e-3
+
+
+@torch.no_grad()
+def test_weights_changed_after_compiling_are_used(light, own_pair):
+    """Frozen weights are a copy: a change in place must be seen (recompiled), never the old model's output."""
+    target, draft = own_pair
+    greedy(target, draft_model=draft, speculative_config=COMPILE)
+    with torch.no_grad():
+        for parameter in target.parameters():
+            parameter.mul_(-1.3)
+    plain = greedy(target)
+    assert greedy(target, draft_model=draft, speculative_config=COMPILE).tolist() == plain.tolist()
+
+
+@torch.no_grad()
+def test_weight_guard_has_power(light, own_pair, monkeypatch):
+    """Without the fingerprint check, the compiled forward keeps computing the old weights (what the guard stops)."""
+    target, draft = own_pair
+    monkeypatch.setattr(compiled, "_fingerprint", lambda model: ())
+    before = greedy(target, draft_model=draft, speculative_config=COMPILE)
+    with torch.no_grad():
+        for parameter in target.parameters():
+            parameter.mul_(-1.3)
+    assert greedy(target).tolist() != before.tolist()
+    stale = greedy(target, draft_model=draft, num_lookahead=3, speculative_config=COMPILE)
+    assert stale.tolist() != greedy(target).tolist()
+
+
+@torch.no_grad()
+def test_compile_config_is_honoured_as_plain_generate_does(pair):
+    """`cache_implementation="static"` + `compile_config=`: compiled on CPU only with `_compile_all_devices`."""
+    target, draft = pair
+    config = CompileConfig(fullgraph=False, dynamic=True, mode=None, options={"freezing": True})
+    kwargs = dict(draft_model=draft, cache_implementation="static", return_dict_in_generate=True, num_lookahead=3)
+    eager = greedy(target, compile_config=config, **kwargs)
+    assert eager.speculative_stats.compile_seconds is None  # plain generate() does not compile on CPU either
+    config._compile_all_devices = True
+    out = greedy(target, compile_config=config, **kwargs)
+    assert out.speculative_stats.compile_seconds is not None
+    assert out.sequences.tolist() == greedy(target).tolist()
+    assert (
+        greedy(target, compile_config=config, disable_compile=True, **kwargs).speculative_stats.compile_seconds is None
+    )
+
+
+def test_compile_refused_where_it_cannot_run(pair):
+    target, draft = pair
+    target.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk"}
+    try:
+        with pytest.raises(ValueError, match="offloaded by accelerate"):
+            greedy(target, draft_model=draft, speculative_config=COMPILE)
+    finally:
+        del target.hf_device_map
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        SpeculativeConfig(compile="yes")
+
+
+def test_settings_for_cpu_freeze_and_use_the_cpp_gemm():
+    settings = compiled.CompileSettings.for_device(torch.device("cpu"))
+    options = dict(settings.inductor_options)
+    assert settings.freezes and options["freezing"] and "CPP" in options["max_autotune_gemm_backends"]
+    assert dict(settings.compile_kwargs)["dynamic"] is True
+    assert dict(compiled.CompileSettings.for_device(torch.device("cuda")).compile_kwargs)["mode"] == "reduce-overhead"
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_real_cpu_settings_greedy_equals_plain(pair):
+    """The settings users get (max-autotune, C++ GEMM), on a tiny model: compiles for a minute or two."""
+    target, draft = pair
+    out = greedy(target, draft_model=draft, speculative_config=COMPILE)
+    assert out.tolist() == greedy(target).tolist()
