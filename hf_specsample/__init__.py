@@ -9,6 +9,7 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
+from .compiled import release_compiled
 from .config import SpeculativeConfig
 from .decoding import speculative_generate
 from .draft_prep import DraftQuantization, PreparedDraft, prepare_draft
@@ -34,6 +35,7 @@ __all__ = [
     "SpeculativeStats",
     "is_registered",
     "register",
+    "release_compiled",
     "speculative_generate",
     "unregister",
 ]

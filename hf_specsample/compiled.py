@@ -117,6 +117,7 @@ class CompiledForward:
     settings: CompileSettings
     compile_seconds: float = 0.0
     compilations: int = 0
+    warmed: set = field(default_factory=set)  # batch shapes warmed up: {True: one row, False: several}
     _function: Callable | None = field(default=None, repr=False)
     _fingerprint: tuple | None = field(default=None, repr=False)
 
@@ -134,6 +135,8 @@ class CompiledForward:
         assert model is not None, "the compiled model was freed"
         if self._function is None or (self.settings.freezes and _fingerprint(model) != self._fingerprint):
             self._fresh(model)
+        if self.settings.freezes:
+            _unmark_static(kwargs.get("past_key_values"))
         graphs = _captured_graphs()
         start = time.perf_counter()
         with torch._inductor.config.patch(dict(self.settings.inductor_options)):
@@ -142,6 +145,43 @@ class CompiledForward:
             self.compile_seconds += time.perf_counter() - start
             self.compilations += 1
         return out
+
+    @property
+    def symbolic_widths(self) -> bool:
+        """Whether one compilation serves every query length >= 2 (`dynamic=True`; dynamo specialises length 1,
+        so callers pad one-position forwards to two rather than compile, and hold, a second frozen copy)."""
+        return dict(self.settings.compile_kwargs).get("dynamic") is True
+
+    def ready_for(self, rows: int) -> bool:
+        """Whether a forward over `rows` rows may run compiled code now without compiling in the middle of a call.
+
+        With symbolic widths, compiled code is used only for the batch shapes warmed up (`warm`) at the start of
+        a call: dynamo specialises one row apart from several, and each compiled graph holds its own copy of the
+        frozen weights, so a batch that shrinks to one row finishes eagerly. Otherwise compiled code compiles on
+        demand, as plain `generate()`'s does (rounds that compiled are left out of the cost estimates).
+        """
+        return not self.symbolic_widths or (rows == 1) in self.warmed
+
+    def needs_warm_up(self, rows: int) -> bool:
+        return self.symbolic_widths and (rows == 1) not in self.warmed
+
+    def warm(self, rows: int) -> None:
+        self.warmed.add(rows == 1)
+
+
+def _unmark_static(cache: Any) -> None:
+    """Let frozen compiled code read the cache as an input, not as a constant.
+
+    `StaticLayer` marks its tensors with `torch._dynamo.mark_static_address` (for CUDA graphs). Under inductor's
+    `freezing`, marked tensors are frozen like weights: compiled code then reads the *first* call's cache in every
+    later call, a silently wrong result (torch 2.13; tested in `tests/test_compiled.py`). Without the mark they are
+    ordinary inputs.
+    """
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values", "cumulative_length"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and hasattr(tensor, "_dynamo_static_input_type"):
+                del tensor._dynamo_static_input_type
 
 
 def _captured_graphs() -> int:

@@ -6,6 +6,7 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer, Proposal
 from .kv import CachedModel, input_device
-from .lookahead import FixedLookahead, RoundRecord, weight_bytes_ratio
+from .lookahead import RoundRecord, weight_bytes_ratio
 from .named_drafts import NamedDraft
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
@@ -175,7 +176,11 @@ class SpeculativeDecoder:
                     "draft_model='prompt_lookup' runs no draft model: draft_quantization / draft_vocabulary have "
                     "nothing to act on. Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
                 )
-            self.policy = FixedLookahead(lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS)
+            # K adapts to measured acceptance and cost as for a model draft (drafting costs only the lookup), up to
+            # `prompt_lookup_num_tokens` (default 10); `num_lookahead=` fixes it.
+            widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
+            lookup_config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
+            self.policy = lookup_config.make_policy(generator is not None, cost_ratio=0.0, batch_size=batch)
         else:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
@@ -205,6 +210,7 @@ class SpeculativeDecoder:
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
+        self.lookup_drafter = lookup if draft is None else None  # drafting by lookup alone
         if draft is None:
             self.drafter = lookup
         else:
@@ -287,11 +293,13 @@ class SpeculativeDecoder:
         num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
         durations = self.timer.durations() or [0.0, 0.0]
+        if self.stats.rounds == 1 and self.sequences.num_active:
+            self.target.warm_up()  # compile the verification shapes now, outside every later round
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        if width > 0 and proposal.model_steps == 0:
-            return  # a lookup-only round says nothing about a draft model's acceptance or cost
+        if width > 0 and proposal.model_steps == 0 and self.drafter is not self.lookup_drafter:
+            return  # a lookup round of a model draft says nothing about the model's acceptance or cost
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
         self.policy.observe(RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill))
 

@@ -138,26 +138,64 @@ class CachedModel:
         self.fed = [fed + width for fed in self.fed]
 
         device = self.input_device
+        rows = self.slot_is_real.shape[0]
+        compiled = (
+            self.compiled is not None
+            and width <= self.compiled_widths
+            and self.compiled.ready_for(rows)
+            and all(layer.is_initialized for layer in self.cache.layers)  # a first forward allocates the cache eagerly
+        )
+        # One position is fed as two under symbolic widths (one compiled graph, one frozen weight copy): the extra
+        # position repeats the last token one slot further, its logits are dropped and its slot is rolled back.
+        padded = int(compiled and width == 1 and self.compiled.symbolic_widths and self.slots < self.capacity)
+        input_ids, position_ids = columns.input_ids.to(device), columns.position_ids
+        if padded:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
         kwargs = {"past_key_values": self.cache, "use_cache": True}
         if self.capacity is not None:  # a static cache: the mask covers every slot (one shape for compiled code)
             assert self.slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {self.slots}"
-            mask = torch.zeros((self.slot_is_real.shape[0], self.capacity), dtype=torch.long)
-            mask[:, : self.slots] = self.slot_is_real
+            mask = torch.zeros((rows, self.capacity), dtype=torch.long)
+            mask[:, : self.slots + padded] = torch.cat(
+                [self.slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1
+            )
             kwargs["attention_mask"] = mask.to(device)
         elif not bool(self.slot_is_real.all()):
             kwargs["attention_mask"] = self.slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
-            kwargs["position_ids"] = columns.position_ids.to(device)
+            kwargs["position_ids"] = position_ids.to(device)
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = num_logits
-        input_ids = columns.input_ids.to(device)
+            kwargs["logits_to_keep"] = num_logits + padded
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
-        use_compiled = self.compiled is not None and width <= self.compiled_widths
-        forward = self.compiled if use_compiled else self.model
-        logits = forward(input_ids=input_ids, **kwargs).logits
+        logits = (self.compiled if compiled else self.model)(input_ids=input_ids, **kwargs).logits
+        if padded:
+            cache_rows.crop(self.cache, 1)
+            logits = logits[:, :-1]
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
+
+    def warm_up(self) -> None:
+        """Compile now what verification rounds will run, so no round pays for it (see `CompiledForward.ready_for`).
+
+        The warm-up forward writes two positions past the cache's write pointer, which then moves back: those
+        slots are masked (causally) and overwritten by the next forward. Nothing else changes.
+        """
+        rows = self.slot_is_real.shape[0]
+        if self.compiled is None or not self.compiled.needs_warm_up(rows) or self.slots + 2 > self.capacity:
+            return
+        pointer, device = self.slots, self.input_device
+        mask = torch.zeros((rows, self.capacity), dtype=torch.long)
+        mask[:, :pointer] = self.slot_is_real
+        mask[:, pointer : pointer + 2] = 1
+        kwargs = {"past_key_values": self.cache, "use_cache": True, "attention_mask": mask.to(device)}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = torch.arange(pointer, pointer + 2, device=device).expand(rows, 2)
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 2
+        self.compiled(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
+        cache_rows.crop(self.cache, 2)
+        self.compiled.warm(rows)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
         """Roll back to what the committed tokens confirm, leaving every row the same distance behind its length.

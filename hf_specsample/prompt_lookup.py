@@ -7,7 +7,9 @@ occurrence) and proposes the tokens that followed it. No model runs, so a round 
 Exact when sampling: a deterministic proposal is a draft distribution like any other, a point mass on the proposed
 token, so the verifier accepts it with probability ``target(token)`` and otherwise samples the residual, the target's
 distribution without that token. A row with no match (or a match shorter than the round) is padded with its last
-token, another point mass: exactness never depends on the proposal being good.
+token, another point mass: exactness never depends on the proposal being good. A round is only as wide as the
+longest continuation found (no row has one: a plain decoding step), and `draft_model="prompt_lookup"` chooses its
+width like a model draft's K (`lookahead.AdaptiveLookahead`, with a lookup's near-zero drafting cost).
 """
 
 from __future__ import annotations
@@ -74,13 +76,15 @@ class PromptLookupProposer:
         ]
 
     def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
-        """Write `num_tokens` proposed tokens after every active row's committed tokens.
+        """Write up to `num_tokens` proposed tokens after every active row's committed tokens: as many as the longest
+        continuation found (rows with shorter ones, or none, repeat their last token).
 
         Returns:
-            `Proposal` with `(batch, num_tokens)` tokens and, when sampling, their `(batch, num_tokens, vocab)`
+            `Proposal` with `(batch, k)` tokens, ``k <= num_tokens`` and, when sampling, their `(batch, k, vocab)`
             one-hot distributions.
         """
         found = self.continuations(sequences, num_tokens)
+        num_tokens = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
         rows = []
         for row, continuation in enumerate(found):
             last = continuation[-1:] if continuation.numel() else sequences.tokens[row, sequences.lengths[row] - 1 :][:1]

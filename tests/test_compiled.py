@@ -57,6 +57,12 @@ def test_compiled_greedy_equals_plain_and_is_reused(light, pair):
     assert again.sequences.tolist() == plain.tolist()
     assert again.speculative_stats.compile_seconds == 0.0  # the compiled forward is kept with the model
     assert "compiled target" in str(again.speculative_stats)
+    # Another prompt length and max_new_tokens (so another cache size): no recompilation (dynamic shapes).
+    longer = torch.tensor([[1, 5, 2, 5, 3, 7, 2, 6, 1]])
+    other = target.generate(longer, max_new_tokens=27, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                            speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
+    assert other.sequences.tolist() == target.generate(longer, max_new_tokens=27, pad_token_id=PAD).tolist()
+    assert other.speculative_stats.compile_seconds == 0.0
 
 
 @torch.no_grad()

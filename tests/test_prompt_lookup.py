@@ -120,3 +120,21 @@ def test_model_options_with_prompt_lookup_are_refused_and_num_lookahead_sets_the
         return_dict_in_generate=True,
     )  # fmt: skip
     assert set(out.speculative_stats.lookahead_per_round) <= {0, 1, 2}
+
+
+def test_lookup_width_adapts_and_a_round_without_a_continuation_is_a_plain_step(pair):
+    """`draft_model="prompt_lookup"` chooses its width like a model draft's K (up to prompt_lookup_num_tokens), and
+    a round in which no row has a continuation verifies nothing extra (it used to pad ten copies of the last token)."""
+    target, _ = pair
+    never_repeats = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    first = target.generate(
+        never_repeats, do_sample=False, max_new_tokens=1, pad_token_id=PAD, draft_model="prompt_lookup",
+        num_lookahead=10, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert first.speculative_stats.draft_tokens == 0  # nothing found: a plain step, whatever K was asked for
+    out = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=40, pad_token_id=PAD, draft_model="prompt_lookup",
+        prompt_lookup_num_tokens=6, return_dict_in_generate=True, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    widths = out.speculative_stats.lookahead_per_round
+    assert max(widths) <= 6 and len(set(widths)) > 1
