@@ -10,6 +10,8 @@ one warm-up round:
 - target: plain `generate()`;
 - transformers lookup: `generate(prompt_lookup_num_tokens=N)`, transformers' prompt-lookup decoding;
 - lookup: `generate(draft_model="prompt_lookup", prompt_lookup_num_tokens=N)`;
+- lookup compiled: the same with `speculative_config=SpeculativeConfig(compile=True)` (compiled verification; the
+  warm-up call compiles);
 - draft: `generate(draft_model=draft)` (the library default for a model draft);
 - draft + lookup: `generate(draft_model=draft, prompt_lookup_num_tokens=N)`.
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-
 
 import hf_specsample
 from hf_specsample_bench.pairs import load_bench_pair
@@ -44,6 +45,8 @@ def main() -> None:
         "target": {},
         "transformers lookup": dict(prompt_lookup_num_tokens=n),
         "lookup": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n),
+        "lookup compiled": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n,
+                                speculative_config=hf_specsample.SpeculativeConfig(compile=True)),  # fmt: skip
         "draft": dict(draft_model=prepared),
         "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),
     }

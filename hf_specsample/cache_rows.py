@@ -159,7 +159,8 @@ def realign(
 ) -> None:
     """Move each row's slots so that row ``b``'s slots ``old_starts[b] .. + lengths[b]`` land at ``new_starts[b]``.
 
-    The cache ends with `total` slots; slots in front of each row's moved range hold zeros (callers mask them out). With `trim`, sliding-window layers are trimmed as `crop` trims them; without, they keep every slot
+    The cache ends with `total` slots; slots in front of each row's moved range hold zeros (callers mask them out).
+    With `trim`, sliding-window layers are trimmed as `crop` trims them; without, they keep every slot
     they store (so that a later rollback can still drop slots fed since the last trim). The moved range must still
     be stored in every layer (a sliding-window layer keeps the slots fed since its last trim, plus ``window - 1``).
 

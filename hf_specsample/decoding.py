@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
-
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward

@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
 from .cross_vocab import SharedVocabulary, shared_vocabulary
-from .named_drafts import NamedDraft
 from .draft_timing import decode_step_seconds
+from .named_drafts import NamedDraft
 from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
 from .validation import check_models, check_tokenizers, vocab_size
 from .vocabulary import special_token_ids, vocabulary_ids

@@ -188,6 +188,8 @@ def fast_equivalent(processor: lp.LogitsProcessor):
     fast = {lp.TopPLogitsWarper: fast_top_p, lp.TypicalLogitsWarper: fast_typical}.get(type(processor))
     if fast is None:
         return None
-    return lambda scores: fast(processor, scores) if scores.device.type == "cpu" else processor(
-        torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device), scores
+    return lambda scores: (
+        fast(processor, scores)
+        if scores.device.type == "cpu"
+        else processor(torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device), scores)
     )

@@ -87,7 +87,8 @@ class PromptLookupProposer:
         num_tokens = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
         rows = []
         for row, continuation in enumerate(found):
-            last = continuation[-1:] if continuation.numel() else sequences.tokens[row, sequences.lengths[row] - 1 :][:1]
+            own_last = sequences.tokens[row, sequences.lengths[row] - 1 :][:1]
+            last = continuation[-1:] if continuation.numel() else own_last
             rows.append(torch.cat([continuation, last.cpu().repeat(num_tokens - continuation.numel())]))
         proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, k)
         for step in range(num_tokens):

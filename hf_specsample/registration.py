@@ -51,7 +51,8 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     if draft_tokenizer is not None:
         if kwargs.get("tokenizer") is None:
             raise ValueError(
-                "`draft_tokenizer=` / `assistant_tokenizer=` is compared with the target's tokenizer: pass the target's "
+                "`draft_tokenizer=` / `assistant_tokenizer=` is compared with the target's tokenizer: pass the "
+                "target's "
                 "as `tokenizer=` too."
             )
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)

@@ -209,7 +209,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Ve
 
 
 class NonFinite(enum.IntEnum):
-    """Codes that replace `Verdict.num_accepted` for a row whose distributions hold NaN or inf (see `flag_nonfinite`)."""
+    """Codes replacing `Verdict.num_accepted` for a row whose distributions hold NaN or inf (see `flag_nonfinite`)."""
 
     TARGET = -1
     DRAFT = -2

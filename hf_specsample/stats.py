@@ -105,5 +105,9 @@ class SpeculativeStats:
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
             + (f", draft {self.draft_form}" if self.draft_form else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
-            + (f", compiled target ({self.compile_seconds:.1f} s compiling)" if self.compile_seconds is not None else "")
+            + (
+                f", compiled target ({self.compile_seconds:.1f} s compiling)"
+                if self.compile_seconds is not None
+                else ""
+            )
         )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-
 from typing import Any
 
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, StoppingCriteriaList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
 from . import cache_rows
 from .named_drafts import NamedDraft
@@ -38,8 +37,8 @@ def check_models(target: PreTrainedModel, draft: Any) -> None:
     if not isinstance(draft, PreTrainedModel):
         raise TypeError(
             f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
-            f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' (n-gram "
-            f"continuations from the prompt and text so far), got {draft!r}."
+            f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' "
+            f"(n-gram continuations from the prompt and text so far), got {draft!r}."
         )
     for role, model in (("target", target), ("draft", draft)):
         if model.config.is_encoder_decoder:
