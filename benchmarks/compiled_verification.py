@@ -53,7 +53,7 @@ def median_ms(function, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # as generate() runs: dynamo guards on the grad mode, so the loop reuses this graph
 def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 10)) -> None:
     """The target's forward over M positions after the prompt, on a static cache, eager and compiled."""
     capacity = prompt_ids.shape[1] + 64
@@ -70,7 +70,7 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     def forward(function, width: int):
         def run():
             mask[:, : prompt_length + width] = 1
-            ids = prompt_ids[:, -width:]
+            ids = prompt_ids[:, -width:].contiguous()  # as the loop's: dynamo guards on strides
             positions = torch.arange(prompt_length, prompt_length + width)[None]
             # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph
             kwargs = dict(past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=positions)

@@ -190,7 +190,9 @@ class CachedModel:
         mask[:, pointer : pointer + 2] = 1
         kwargs = {"past_key_values": self.cache, "use_cache": True, "attention_mask": mask.to(device)}
         if self._takes_position_ids:
-            kwargs["position_ids"] = torch.arange(pointer, pointer + 2, device=device).expand(rows, 2)
+            # contiguous, as the rounds' position ids are: dynamo guards on strides (an expanded tensor would
+            # compile, and freeze the weights, a second time)
+            kwargs["position_ids"] = torch.arange(pointer, pointer + 2, device=device).repeat(rows, 1)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 2
         self.compiled(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)

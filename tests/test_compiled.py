@@ -12,7 +12,7 @@ from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import CompileConfig
 
 import hf_specsample.compiled as compiled
-from hf_specsample import SpeculativeConfig
+from hf_specsample import FixedLookahead, SpeculativeConfig
 
 COMPILE = SpeculativeConfig(compile=True)
 PROMPT = torch.tensor([[1, 5, 2, 5]])
@@ -52,6 +52,9 @@ def test_compiled_greedy_equals_plain_and_is_reused(light, pair):
     first = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
     assert first.sequences.tolist() == plain.tolist()
     assert first.speculative_stats.compile_seconds > 0
+    # One graph (one frozen weight copy) serves the warm-up and every round: one-position rounds run as two, and
+    # the warm-up's inputs have the rounds' strides.
+    assert next(iter(compiled._COMPILED[target].values())).compilations == 1
     assert len(set(first.speculative_stats.lookahead_per_round[1:])) > 1, "K should vary (dynamic query length)"
     again = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
     assert again.sequences.tolist() == plain.tolist()
@@ -144,3 +147,32 @@ def test_real_cpu_settings_greedy_equals_plain(pair):
     target, draft = pair
     out = greedy(target, draft_model=draft, speculative_config=COMPILE)
     assert out.tolist() == greedy(target).tolist()
+
+
+K0 = SpeculativeConfig(compile=True, lookahead_policy=lambda: FixedLookahead(0))  # every round one position
+
+
+@torch.no_grad()
+def test_one_position_rounds_run_padded_and_exact(light, pair):
+    """K=0 rounds feed one position, run through the compiled graph as two (the extra slot rolled back)."""
+    target, draft = pair
+    out = greedy(target, draft_model=draft, speculative_config=K0, return_dict_in_generate=True)
+    assert out.sequences.tolist() == greedy(target).tolist()
+    assert set(out.speculative_stats.lookahead_per_round) == {0}
+    p_value = sampled_pvalue(target, PROMPT, 3, 4000, seed=6, settings=dict(temperature=0.9, top_k=5),
+                             draft_model=draft, speculative_config=K0)  # fmt: skip
+    assert p_value > 1e-3
+
+
+@torch.no_grad()
+def test_compiled_ragged_batch_that_shrinks_equals_plain(light, pair):
+    """Rows stop at different rounds (EOS); the last row finishes eagerly (its one-row shape was not compiled)."""
+    target, draft = pair
+    ids = torch.tensor([[PAD, PAD, 1, 5, 2, 5], [1, 3, 3, 4, 6, 2], [PAD, 1, 7, 7, 2, 9]])
+    mask = (ids != PAD).long()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 3])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
+    plain = target.generate(ids, **kwargs)
+    mine = target.generate(ids, **kwargs, draft_model=draft, speculative_config=COMPILE, num_lookahead=2)
+    assert mine.tolist() == plain.tolist()
