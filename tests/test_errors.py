@@ -172,8 +172,9 @@ def test_attentions_and_hidden_states(target, draft):
     )
 
 
-def test_static_cache(target, draft):
-    assert_fails_before_work(target, draft, match="needs a DynamicCache", cache_implementation="static")
+def test_offloaded_static_cache(target, draft):
+    """Static caches work (tests/test_static_cache.py); an offloaded one is refused."""
+    assert_fails_before_work(target, draft, match="offloaded static layers", cache_implementation="offloaded_static")
 
 
 def test_stateful_watermark_processor(target, draft):
