@@ -9,9 +9,9 @@ model's forward that way:
 - `CompileSettings`: what to hand `torch.compile`, and the inductor options that must be set *while it compiles*.
   On this torch, `torch.compile(options={"freezing": True, ...})` does not freeze the weights (the GEMM stays ATen's);
   patching `torch._inductor.config` around the compiling call does. `for_device` gives the settings that make small
-  M fast: on CPU frozen weights + max-autotune with the C++ GEMM and a dynamic query length (one compile for M=1,
-  one for every M >= 2); on CUDA CUDA graphs (`mode="reduce-overhead"`). `from_compile_config` honours transformers'
-  `CompileConfig`.
+  M fast: on CPU frozen weights + max-autotune with the C++ GEMM and a dynamic query length (one graph serves
+  every width >= 2; callers feed one position as two); on CUDA CUDA graphs (`mode="reduce-overhead"`).
+  `from_compile_config` honours transformers' `CompileConfig`.
 - `compiled_forward(model, settings)`: the compiled callable, kept per model (weakly) and settings.
 
 Exactness: a compiled forward computes the model's function; its logits differ from eager ones by rounding, as
@@ -129,11 +129,16 @@ class CompiledForward:
         }
         self._function = torch.compile(function, **kwargs)
         self._fingerprint = _fingerprint(model) if self.settings.freezes else None
+        self.warmed.clear()  # a fresh code object has compiled nothing yet
+
+    def _stale(self, model: torch.nn.Module) -> bool:
+        """Whether the next call must compile afresh (nothing compiled yet, or the frozen weights are outdated)."""
+        return self._function is None or (self.settings.freezes and _fingerprint(model) != self._fingerprint)
 
     def __call__(self, **kwargs: Any) -> Any:
         model = self.model_ref()
         assert model is not None, "the compiled model was freed"
-        if self._function is None or (self.settings.freezes and _fingerprint(model) != self._fingerprint):
+        if self._stale(model):
             self._fresh(model)
         if self.settings.freezes:
             _unmark_static(kwargs.get("past_key_values"))
@@ -163,7 +168,10 @@ class CompiledForward:
         return not self.symbolic_widths or (rows == 1) in self.warmed
 
     def needs_warm_up(self, rows: int) -> bool:
-        return self.symbolic_widths and (rows == 1) not in self.warmed
+        """Whether `rows` rows need a warm-up forward: not compiled yet, or the weights changed since."""
+        model = self.model_ref()
+        stale = model is not None and self._stale(model)
+        return self.symbolic_widths and (stale or (rows == 1) not in self.warmed)
 
     def warm(self, rows: int) -> None:
         self.warmed.add(rows == 1)
