@@ -25,6 +25,7 @@ fresh copy of a tiny trampoline code object: entries never serve another model o
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 import weakref
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 from transformers import PreTrainedModel
 
 from . import distributed
@@ -144,7 +146,7 @@ class CompiledForward:
             _unmark_static(kwargs.get("past_key_values"))
         graphs = _captured_graphs()
         start = time.perf_counter()
-        with torch._inductor.config.patch(dict(self.settings.inductor_options)):
+        with torch._inductor.config.patch(dict(self.settings.inductor_options)), _no_duck_shapes(self.symbolic_widths):
             out = self._function(model, kwargs)
         if _captured_graphs() != graphs:
             self.compile_seconds += time.perf_counter() - start
@@ -175,6 +177,19 @@ class CompiledForward:
 
     def warm(self, rows: int) -> None:
         self.warmed.add(rows == 1)
+
+
+def _no_duck_shapes(symbolic: bool):
+    """Give every dynamic size its own symbol while compiling (torch's "duck shapes" give equal sizes one symbol).
+
+    With duck shapes, a query length that happens to equal another size of the first compiled call (Qwen2.5-1.5B
+    has 2 key/value heads, and the warm-up feeds 2 positions) shares its symbol, and a guard on that other size
+    (the static cache's `index_copy_` pins the head count) pins the query length too: the next width recompiles,
+    and a second graph freezes a second copy of the weights (6 GB for a 1.5B model).
+    """
+    if not symbolic:
+        return contextlib.nullcontext()
+    return fx_config.patch(use_duck_shape=False)
 
 
 def _unmark_static(cache: Any) -> None:

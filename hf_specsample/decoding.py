@@ -256,6 +256,7 @@ class SpeculativeDecoder:
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
             self.streamer.put(self.sequences.tokens[:, : self.sequences.prompt_length].cpu())
+        self.target.warm_up()  # compile now, outside every round (the prompt then runs compiled too)
         while self.sequences.num_active > 0:
             self.round(self.next_lookahead())
         if self.streamer is not None:
@@ -293,7 +294,7 @@ class SpeculativeDecoder:
         self.timer.mark()
         durations = self.timer.durations() or [0.0, 0.0]
         if self.stats.rounds == 1 and self.sequences.num_active:
-            self.target.warm_up()  # compile the verification shapes now, outside every later round
+            self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen

@@ -11,7 +11,8 @@ gather per layer); a uniform one is a `Cache.crop`.
 A static cache (`StaticLayer`s of fixed size, `cache_rows`) keeps the same layout: its write pointer is the slot
 count, a rollback moves the pointer back, a per-row move happens in place. Every forward then gets the attention
 mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
-most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any.
+most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
+a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt.
 
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
@@ -141,7 +142,7 @@ class CachedModel:
         rows = self.slot_is_real.shape[0]
         compiled = (
             self.compiled is not None
-            and width <= self.compiled_widths
+            and (width <= self.compiled_widths or self.compiled.symbolic_widths)  # one graph also serves the prompt
             and self.compiled.ready_for(rows)
             and all(layer.is_initialized for layer in self.cache.layers)  # a first forward allocates the cache eagerly
         )
@@ -165,7 +166,7 @@ class CachedModel:
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids.to(device)
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = num_logits + padded
+            kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
         logits = (self.compiled if compiled else self.model)(input_ids=input_ids, **kwargs).logits
@@ -176,14 +177,24 @@ class CachedModel:
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
 
     def warm_up(self) -> None:
-        """Compile now what verification rounds will run, so no round pays for it (see `CompiledForward.ready_for`).
+        """Compile now what this call's forwards will run, so no round pays for it (`CompiledForward.ready_for`).
 
+        Called before the first round: with symbolic widths the one compiled graph then also encodes the prompt.
         The warm-up forward writes two positions past the cache's write pointer, which then moves back: those
-        slots are masked (causally) and overwritten by the next forward. Nothing else changes.
+        slots are masked (causally) and overwritten by the next forward. A cache whose layers are not allocated
+        yet (`StaticLayer` allocates on its first update) gets the same two positions eagerly first. Nothing else
+        changes.
         """
         rows = self.slot_is_real.shape[0]
         if self.compiled is None or not self.compiled.needs_warm_up(rows) or self.slots + 2 > self.capacity:
             return
+        if not all(layer.is_initialized for layer in self.cache.layers):
+            self._dummy_forward(self.model, rows)
+        self._dummy_forward(self.compiled, rows)
+        self.compiled.warm(rows)
+
+    def _dummy_forward(self, forward, rows: int) -> None:
+        """Two positions of id 0 after the write pointer, then the pointer moves back."""
         pointer, device = self.slots, self.input_device
         mask = torch.zeros((rows, self.capacity), dtype=torch.long)
         mask[:, :pointer] = self.slot_is_real
@@ -194,10 +205,9 @@ class CachedModel:
             # compile, and freeze the weights, a second time)
             kwargs["position_ids"] = torch.arange(pointer, pointer + 2, device=device).repeat(rows, 1)
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = 2
-        self.compiled(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
+            kwargs["logits_to_keep"] = _positions_to_keep(2, 2, device, compiled=forward is self.compiled)
+        forward(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
         cache_rows.crop(self.cache, 2)
-        self.compiled.warm(rows)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
         """Roll back to what the committed tokens confirm, leaving every row the same distance behind its length.
@@ -291,3 +301,15 @@ class CachedModel:
         source = (slots - new_starts_t + torch.tensor(old_starts)[:, None]).clamp(0, max(self.slots - 1, 0))
         self.slot_is_real = (slots >= new_starts_t) & self.slot_is_real.gather(1, source)
         self.fed = list(keep)
+
+
+def _positions_to_keep(width: int, num_logits: int, device: torch.device, compiled: bool) -> int | torch.Tensor:
+    """`logits_to_keep` for a forward over `width` positions that returns the last `num_logits` logits.
+
+    Compiled code gets the positions as a `(num_logits,)` tensor: an int argument is specialised by dynamo (a guard
+    on its value, which also pins the query length it equals), so each new width would compile, and freeze the
+    weights, again; a tensor's length stays symbolic, and one graph serves the prompt and every round.
+    """
+    if not compiled:
+        return num_logits
+    return torch.arange(width - num_logits, width, device=device)

@@ -5,10 +5,12 @@ benchmarking costs seconds per shape); one slow test runs the real CPU settings.
 adaptive policy, so the dynamic query length is exercised.
 """
 
+import contextlib
+
 import pytest
 import torch
 from exact import sampled_pvalue
-from tiny import PAD, perturbed_copy, tiny_lm
+from tiny import PAD, perturbed_copy, tiny_lm, tiny_llama
 from transformers import CompileConfig
 
 import hf_specsample.compiled as compiled
@@ -66,6 +68,29 @@ def test_compiled_greedy_equals_plain_and_is_reused(light, pair):
                             speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
     assert other.sequences.tolist() == target.generate(longer, max_new_tokens=27, pad_token_id=PAD).tolist()
     assert other.speculative_stats.compile_seconds == 0.0
+
+
+@pytest.mark.parametrize("duck_shapes", [False, True])
+@torch.no_grad()
+def test_one_graph_when_a_head_count_equals_the_warm_up_width(light, monkeypatch, duck_shapes):
+    """Two key/value heads, as Qwen2.5-1.5B has, and a warm-up over two positions: one graph serves the warm-up, the
+    prompt and every round. The power check: with torch's duck shapes the width shares the head count's symbol, a
+    guard on the heads pins it, and the next width compiles (and freezes the weights) a second time."""
+    if duck_shapes:
+        monkeypatch.setattr(compiled, "_no_duck_shapes", lambda symbolic: contextlib.nullcontext())
+    target = tiny_llama(0, 16, 2, 32, heads=2, kv_heads=2, init_range=0.5)
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    widths = []
+    call = compiled.CompiledForward.__call__
+    monkeypatch.setattr(compiled.CompiledForward, "__call__",
+                        lambda self, **kwargs: widths.append(kwargs["input_ids"].shape[1]) or call(self, **kwargs))  # fmt: skip
+    prompt = torch.tensor([[1, 5, 2, 5, 3, 7, 2]])
+    out = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                          speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.tolist() == target.generate(prompt, max_new_tokens=16, pad_token_id=PAD).tolist()
+    assert widths[0] == 2 and widths[1] >= prompt.shape[1], "the warm-up, then the prompt through compiled code"
+    assert len(set(widths)) > 2, "several widths"
+    assert next(iter(compiled._COMPILED[target].values())).compilations == (2 if duck_shapes else 1)
 
 
 @torch.no_grad()
