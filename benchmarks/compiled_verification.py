@@ -56,7 +56,7 @@ def median_ms(function, repeats: int) -> float:
 @torch.no_grad()  # as generate() runs: dynamo guards on the grad mode, so the loop reuses this graph
 def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 10)) -> None:
     """The target's forward over M positions after the prompt, on a static cache, eager and compiled."""
-    capacity = prompt_ids.shape[1] + 64
+    capacity = 2 * prompt_ids.shape[1] + 64
     cache = StaticCache(config=target.config, max_cache_len=capacity)
     from hf_specsample.cache_rows import full_static_cache
 
@@ -67,14 +67,21 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     target(input_ids=prompt_ids, past_key_values=cache, attention_mask=mask, logits_to_keep=1)
     compiled = compiled_forward(target, CompileSettings.for_device(torch.device("cpu")))
 
-    def forward(function, width: int):
+    def forward(function, width: int, start: int = prompt_length, keep: int | None = None):
+        """One forward over `width` positions from `start`, returning `keep` logits (default all), rolled back."""
+        keep = width if keep is None else keep
+
         def run():
-            mask[:, : prompt_length + width] = 1
-            ids = prompt_ids[:, -width:].contiguous()  # as the loop's: dynamo guards on strides
-            positions = torch.arange(prompt_length, prompt_length + width)[None]
-            # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph
+            mask[:, : start + width] = 1
+            mask[:, start + width :] = 0
+            source = prompt_ids if width <= prompt_length else prompt_ids.repeat(1, 2)
+            ids = source[:, -width:].contiguous()  # as the loop's: dynamo guards on strides
+            positions = torch.arange(start, start + width)[None]
+            # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph;
+            # compiled code gets the kept positions as a tensor, as the loop passes them (an int is specialised)
+            to_keep = torch.arange(width - keep, width) if function is compiled else keep
             kwargs = dict(past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=positions)
-            function(input_ids=ids, **kwargs, logits_to_keep=width)
+            function(input_ids=ids, **kwargs, logits_to_keep=to_keep)
             for layer in cache.layers:  # roll back: the next call writes the same slots
                 layer.cumulative_length.fill_(prompt_length)
             mask[:, prompt_length:] = 0
@@ -92,6 +99,11 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
         fast = median_ms(forward(compiled, max(width, 2)), repeats)
         rows.append((width, eager, fast))
     eager_1, fast_1 = rows[0][1], rows[0][2]
+    # the prompt's own forward (the first round's), which the loop also runs through the compiled graph
+    prompt_eager = median_ms(forward(target, prompt_length, start=0, keep=1), 1)
+    prompt_fast = median_ms(forward(compiled, prompt_length, start=0, keep=1), max(repeats // 2, 1))
+    print(f"\nprompt ({prompt_length} tokens, eager as plain generate() encodes it): eager {prompt_eager:.0f} ms, "
+          f"compiled {prompt_fast:.0f} ms ({prompt_eager / prompt_fast:.1f}x)")  # fmt: skip
     print(f"\nforward over M positions (prompt of {prompt_length} tokens; median of {repeats}; compiled M=1 runs "
           "as M=2)")  # fmt: skip
     print(
