@@ -14,6 +14,11 @@ Glossary (one place, one naming):
   ``normalise(max(0, target_probs - draft_probs))``.
 - **bonus** token: sampled from the target's distribution after the last draft token when every draft token was
   accepted.
+- **point mass**: a draft token proposed with certainty (a prompt-lookup continuation, an n-gram token forced into a
+  model's proposal, a greedy draft). Its distribution is never materialised as a one-hot row: ``draft_probs=None``
+  says every position is one, a `(batch, num_draft)` bool ``point_mass`` mask says which are among dense ones.
+  Its draft probability is 1, so it is accepted with probability ``target_prob``, and the residual at a rejected
+  point mass is ``max(0, target_probs - onehot(token))``: the target with that token zeroed.
 
 Every round therefore commits ``num_accepted + 1`` tokens: the accepted ones and one recovered or bonus token.
 """
@@ -74,10 +79,11 @@ def uniform_like(shape: tuple[int, ...], device: torch.device, generator: torch.
 
 def speculative_accept(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
+    point_mass: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept or reject each row's draft tokens so that the committed tokens follow `target_probs` exactly.
 
@@ -85,24 +91,27 @@ def speculative_accept(
 
     Args:
         draft_tokens: `(batch, num_draft)` long, the tokens the draft sampled.
-        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from.
+        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from; None:
+            every draft token is a point mass.
         target_probs: `(batch, num_draft + 1, vocab)` float, the target's distribution at each drafted position and
             at the position after the last draft token.
         generator: optional generator for the acceptance draws and the recovered/bonus sample.
         uniform: optional `(batch, num_draft)` acceptance draws in [0, 1) (tests); drawn with `generator` if None.
+        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (its row of
+            `draft_probs` is then ignored); None: none is, unless `draft_probs` is None.
 
     Returns:
         A :class:`Verdict`. A zero draft probability rejects (never divides); an all-zero residual falls back to the
         target's distribution at that position.
     """
     batch, num_draft = draft_tokens.shape
-    assert draft_probs.shape[:2] == (batch, num_draft), f"draft_probs {tuple(draft_probs.shape)}"
+    _check_draft(draft_tokens, draft_probs, point_mass)
     assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
     if uniform is None:
         uniform = uniform_like((batch, num_draft), target_probs.device, generator)
 
     index = draft_tokens.unsqueeze(-1)
-    draft_p = draft_probs.gather(-1, index).squeeze(-1)  # (batch, num_draft)
+    draft_p = draft_token_probs(draft_tokens, draft_probs, point_mass)  # (batch, num_draft)
     target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1)  # (batch, num_draft)
     # u < target_p / draft_p, written without the division; draft_p == 0 rejects.
     accepted = (draft_p > 0) & (uniform * draft_p < target_p)  # (batch, num_draft)
@@ -112,20 +121,28 @@ def speculative_accept(
     target_next = target_probs[rows, num_accepted]  # (batch, vocab)
     if num_draft == 0:
         return Verdict(num_accepted, sample_from_weights(target_next, generator))
-    # The draft distribution at the first rejected position; zero for rows that accepted everything (bonus token).
-    rejected_somewhere = (num_accepted < num_draft).unsqueeze(-1)  # (batch, 1)
-    draft_next = draft_probs[rows, num_accepted.clamp(max=num_draft - 1)] * rejected_somewhere  # (batch, vocab)
-    residual = (target_next - draft_next).clamp_min(0.0)  # (batch, vocab)
+    # The draft distribution at the first rejected position is subtracted; nothing for rows that accepted everything
+    # (bonus token).
+    rejected_somewhere = num_accepted < num_draft  # (batch,)
+    at = num_accepted.clamp(max=num_draft - 1)  # (batch,)
+    residual = residual_weights(
+        target_next,
+        draft_tokens[rows, at],
+        None if draft_probs is None else draft_probs[rows, at],
+        None if point_mass is None else point_mass[rows, at],
+        rejected_somewhere,
+    )  # (batch, vocab)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_next)
     return Verdict(num_accepted, sample_from_weights(residual, generator))
 
 
 def block_accept(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
+    point_mass: torch.Tensor | None = None,
 ) -> Verdict:
     """Block verification (Sun et al. 2024, arXiv 2403.10444): the draft block is verified jointly.
 
@@ -144,17 +161,20 @@ def block_accept(
 
     Args:
         draft_tokens: `(batch, num_draft)` long.
-        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from.
+        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from; None:
+            every draft token is a point mass.
         target_probs: `(batch, num_draft + 1, vocab)` float.
         generator: optional generator for the draws.
         uniform: optional `(batch, num_draft)` draws in [0, 1) (tests); drawn with `generator` if None.
+        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (see
+            `speculative_accept`).
 
     Returns:
         A :class:`Verdict`. A zero draft probability gives weight 0 (never divides); an all-zero residual falls back
         to the target's distribution at that position (a case of probability zero).
     """
     batch, num_draft = draft_tokens.shape
-    assert draft_probs.shape[:2] == (batch, num_draft), f"draft_probs {tuple(draft_probs.shape)}"
+    _check_draft(draft_tokens, draft_probs, point_mass)
     assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
     rows = torch.arange(batch, device=target_probs.device)
     if num_draft == 0:
@@ -163,7 +183,7 @@ def block_accept(
         uniform = uniform_like((batch, num_draft), target_probs.device, generator)
 
     index = draft_tokens.unsqueeze(-1)
-    draft_p = draft_probs.gather(-1, index).squeeze(-1).double()  # (batch, K)
+    draft_p = draft_token_probs(draft_tokens, draft_probs, point_mass).double()  # (batch, K)
     target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1).double()  # (batch, K)
     ratio = torch.where(draft_p > 0, target_p / draft_p.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
     weights = [torch.ones_like(ratio[:, 0])]  # weight_0 .. weight_K, each (batch,)
@@ -172,7 +192,7 @@ def block_accept(
     weight = torch.stack(weights, dim=1)  # (batch, K + 1)
     # residual_i for i = 0 .. K-1: after i accepted tokens, against the draft's distribution at that position.
     scale = weight[:, :num_draft, None].to(target_probs.dtype)
-    residual = (scale * target_probs[:, :num_draft] - draft_probs).clamp_min(0)  # (batch, K, vocab)
+    residual = residual_weights(scale * target_probs[:, :num_draft], draft_tokens, draft_probs, point_mass)
     mass = residual.sum(dim=-1).double()  # (batch, K)
     denominator = mass + 1 - weight[:, :num_draft]
     keep = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
@@ -215,26 +235,103 @@ class NonFinite(enum.IntEnum):
     DRAFT = -2
 
 
-def flag_nonfinite(verdict: Verdict, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> Verdict:
+def flag_nonfinite(
+    verdict: Verdict,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    point_mass: torch.Tensor | None = None,
+) -> Verdict:
     """Mark rows that sampled from a NaN/inf distribution, where plain sampling would have raised, without a sync.
 
     Only the distributions a row really used count: the target's at positions ``0 .. num_accepted`` and the draft's
     at the positions before that. (A NaN target or draft probability never passes the acceptance test, so the
-    first such position is always at or after ``num_accepted``.) The codes travel with `num_accepted` to the
-    round's one host synchronisation, where the caller raises.
+    first such position is always at or after ``num_accepted``.) A point mass is always finite. The codes travel
+    with `num_accepted` to the round's one host synchronisation, where the caller raises.
 
     Args:
         verdict: the round's verdict.
-        draft_probs: `(batch, num_draft, vocab)`.
+        draft_probs: `(batch, num_draft, vocab)`, or None (every draft token a point mass).
         target_probs: `(batch, num_draft + 1, vocab)`.
+        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass.
 
     Returns:
         The verdict with `num_accepted` replaced by `NonFinite.TARGET` / `NonFinite.DRAFT` in the rows concerned.
     """
-    num_draft = draft_probs.shape[1]
+    num_draft = target_probs.shape[1] - 1
     used = torch.arange(num_draft + 1, device=target_probs.device) <= verdict.num_accepted[:, None]  # (batch, K+1)
     target_bad = (~torch.isfinite(target_probs).all(dim=-1) & used).any(dim=-1)  # (batch,)
-    draft_bad = (~torch.isfinite(draft_probs).all(dim=-1) & used[:, :num_draft]).any(dim=-1)  # (batch,)
-    codes = torch.where(draft_bad, int(NonFinite.DRAFT), verdict.num_accepted)
+    codes = verdict.num_accepted
+    if draft_probs is not None:
+        draft_nonfinite = ~torch.isfinite(draft_probs).all(dim=-1)  # (batch, K)
+        if point_mass is not None:
+            draft_nonfinite &= ~point_mass
+        draft_bad = (draft_nonfinite & used[:, :num_draft]).any(dim=-1)  # (batch,)
+        codes = torch.where(draft_bad, int(NonFinite.DRAFT), codes)
     codes = torch.where(target_bad, int(NonFinite.TARGET), codes)
     return Verdict(codes, verdict.next_tokens)
+
+
+def draft_token_probs(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, point_mass: torch.Tensor | None
+) -> torch.Tensor:
+    """The draft's probability of each of its tokens: gathered from `draft_probs`, 1 at a point mass.
+
+    Args:
+        draft_tokens: `(..., num_draft)` long.
+        draft_probs: `(..., num_draft, vocab)` float, or None (every token a point mass).
+        point_mass: optional `(..., num_draft)` bool, True where the token is a point mass.
+
+    Returns:
+        `(..., num_draft)` float32 (or `draft_probs`' dtype).
+    """
+    if draft_probs is None:
+        return torch.ones(draft_tokens.shape, dtype=torch.float32, device=draft_tokens.device)
+    probs = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (..., num_draft)
+    return probs if point_mass is None else torch.where(point_mass, 1.0, probs)
+
+
+def residual_weights(
+    weights: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    point_mass: torch.Tensor | None,
+    subtract: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``max(0, weights - draft)`` where `subtract`, ``max(0, weights)`` elsewhere, without a one-hot tensor.
+
+    A dense draft distribution is subtracted as it is; a point mass as 1 at its token (the target with that token
+    zeroed, since no probability exceeds 1). Bit for bit what subtracting a dense one-hot row would give.
+
+    Args:
+        weights: `(..., vocab)` float, e.g. the target's distribution at the positions concerned.
+        draft_tokens: `(...)` long, the draft token at each position.
+        draft_probs: `(..., vocab)` float, the draft's distribution at each position, or None (all point masses).
+        point_mass: optional `(...)` bool, True where the draft token is a point mass.
+        subtract: optional `(...)` bool, False where nothing is subtracted (a row that accepted everything); None:
+            everywhere.
+
+    Returns:
+        `(..., vocab)` non-negative float.
+    """
+    dense = None if point_mass is None else ~point_mass  # (...) where a dense row is subtracted; None: everywhere
+    if subtract is not None:
+        dense = subtract if dense is None else dense & subtract
+    if draft_probs is not None:
+        subtracted = draft_probs if dense is None else torch.where(dense.unsqueeze(-1), draft_probs, 0.0)
+        weights = weights - subtracted  # (..., vocab)
+    if draft_probs is None or point_mass is not None:
+        point = torch.ones_like(draft_tokens, dtype=torch.bool) if draft_probs is None else point_mass  # (...)
+        if subtract is not None:
+            point = point & subtract
+        mass = point.to(weights.dtype).unsqueeze(-1)  # (..., 1): 1 where a point mass is subtracted
+        weights = weights.scatter_add(-1, draft_tokens.unsqueeze(-1), -mass)  # (..., vocab)
+    return weights.clamp_min(0.0)
+
+
+def _check_draft(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, point_mass: torch.Tensor | None) -> None:
+    """Assert the draft's shapes: `draft_probs` `(batch, K, vocab)` or None, `point_mass` `(batch, K)` or None."""
+    if draft_probs is not None:
+        assert draft_probs.shape[:2] == draft_tokens.shape, f"draft_probs {tuple(draft_probs.shape)}"
+    if point_mass is not None:
+        assert point_mass.shape == draft_tokens.shape, f"point_mass {tuple(point_mass.shape)}"
+        assert point_mass.dtype == torch.bool, f"point_mass {point_mass.dtype}"

@@ -4,7 +4,14 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_specsample.rejection import Verdict, block_accept, greedy_accept, sample_from_weights, speculative_accept
+from hf_specsample.rejection import (
+    Verdict,
+    block_accept,
+    flag_nonfinite,
+    greedy_accept,
+    sample_from_weights,
+    speculative_accept,
+)
 
 V = 6
 
@@ -249,3 +256,77 @@ def test_block_hand_built_cases():
     zero_draft = torch.cat([one_hot(1), one_hot(3)])[None]  # the draft "sampled" 2 with probability 0
     verdict = block_accept(torch.tensor([[2, 3]]), zero_draft, target, uniform=torch.tensor([[0.0, 0.0]]))
     assert verdict.num_accepted.tolist() == [0] and verdict.next_tokens.tolist() == [2]
+
+
+# --- point masses: token ids, no dense one-hot ----------------------------------------------------------------------
+
+
+def test_a_rejected_point_mass_recovers_from_the_target_without_its_token():
+    draft_tokens = torch.tensor([[2]])
+    target_probs = torch.zeros(1, 2, V)
+    target_probs[0, 0, 2], target_probs[0, 0, 3] = 0.5, 0.5
+    target_probs[0, 1, 0] = 1.0
+    for rule in RULES.values():
+        verdict = rule(draft_tokens, None, target_probs, uniform=torch.tensor([[0.9]]))  # 0.9 >= target(2) / 1
+        assert verdict.num_accepted.tolist() == [0] and verdict.next_tokens.tolist() == [3]
+        verdict = rule(draft_tokens, None, target_probs, uniform=torch.tensor([[0.4]]))
+        assert verdict.num_accepted.tolist() == [1] and verdict.next_tokens.tolist() == [0]
+
+
+def point_mass_round(seed: int, rows: int = 400, lookahead: int = 3):
+    """Random target distributions, dense draft distributions, and draft tokens drawn from the target (half of the
+    rows) or the draft, so that every number of accepted tokens occurs; a random `(rows, K)` point-mass mask."""
+    generator = torch.Generator().manual_seed(seed)
+    target_probs = _random_probs(generator, rows, lookahead + 1)  # (rows, K + 1, V)
+    draft_probs = _random_probs(generator, rows, lookahead)  # (rows, K, V)
+    from_target = sample_from_weights(target_probs[:, :lookahead], generator)
+    from_draft = sample_from_weights(draft_probs, generator)
+    draft_tokens = torch.where(torch.arange(rows)[:, None] % 2 == 0, from_target, from_draft)  # (rows, K)
+    point_mass = torch.rand(rows, lookahead, generator=generator) < 0.5  # (rows, K)
+    uniform = torch.rand(rows, lookahead, generator=generator)  # (rows, K)
+    return draft_tokens, draft_probs, target_probs, point_mass, uniform
+
+
+def verdict_of(rule, draft_tokens, draft_probs, target_probs, uniform, **kwargs) -> Verdict:
+    """`rule`'s verdict with the given acceptance draws and a fixed generator for the recovered/bonus draws."""
+    verdict = rule(draft_tokens, draft_probs, target_probs, torch.Generator().manual_seed(11), uniform, **kwargs)
+    return flag_nonfinite(verdict, draft_probs, target_probs, kwargs.get("point_mass"))
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("seed", range(3))
+def test_point_masses_give_the_verdicts_of_dense_one_hot_rows(rule, seed):
+    """`draft_probs=None` (every token a point mass) and a `point_mass` mask (some) give exactly the verdicts of the
+    same proposals written as dense one-hot rows, for fixed uniforms and generator."""
+    draft_tokens, draft_probs, target_probs, point_mass, uniform = point_mass_round(seed)
+    one_hot = torch.nn.functional.one_hot(draft_tokens, V).float()  # (rows, K, V)
+
+    every = verdict_of(RULES[rule], draft_tokens, None, target_probs, uniform)
+    expected = verdict_of(RULES[rule], draft_tokens, one_hot, target_probs, uniform)
+    assert torch.equal(every.num_accepted, expected.num_accepted)
+    assert torch.equal(every.next_tokens, expected.next_tokens)
+    assert set(expected.num_accepted.tolist()) == {0, 1, 2, 3}  # every outcome is compared
+
+    # Mixed: the point-mass positions' rows of draft_probs are ignored, even NaN (forced tokens in a model proposal).
+    masked = torch.where(point_mass[..., None], float("nan"), draft_probs)
+    mixed = verdict_of(RULES[rule], draft_tokens, masked, target_probs, uniform, point_mass=point_mass)
+    expected = verdict_of(
+        RULES[rule], draft_tokens, torch.where(point_mass[..., None], one_hot, draft_probs), target_probs, uniform
+    )
+    assert torch.equal(mixed.num_accepted, expected.num_accepted)
+    assert torch.equal(mixed.next_tokens, expected.next_tokens)
+    assert set(expected.num_accepted.tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_point_masses_follow_the_target_jointly(rule):
+    """Rounds of prompt-lookup-like drafts (point masses on a fixed token per position) stay exact."""
+    target_table, _ = tables(seed=5)
+    tokens_table = torch.tensor([1, 4, 1, 0, 2, 5, 3, 3, 1, 0, 2, 4])  # the token proposed at each position
+
+    def point_mass_rule(draft_tokens, draft_probs, target_probs, generator=None):
+        return RULES[rule](draft_tokens, None, target_probs, generator)
+
+    draft_table = torch.nn.functional.one_hot(tokens_table, V).float()  # only to draw the tokens in `simulate`
+    tokens = simulate(point_mass_rule, target_table, draft_table, lookahead=3, length=3, rows=60_000, seed=2)
+    assert joint_pvalue(tokens, target_table) > 1e-3
