@@ -19,13 +19,14 @@ from .compiled import CompiledForward, CompileSettings, compile_problem, compile
 from .config import SpeculativeConfig
 from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
-from .drafting import DraftModelProposer, Proposal
+from .drafting import DraftModelProposer
 from .kv import CachedModel, input_device
 from .lookahead import RoundRecord, weight_bytes_ratio
 from .named_drafts import NamedDraft
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
 from .prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
+from .proposer import Proposal, Proposer
 from .rejection import (
     NonFinite,
     Verdict,
@@ -207,9 +208,10 @@ class SpeculativeDecoder:
         self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
         self.sequences.attach(self.target)
         if draft is None or lookup_tokens is not None:
-            lookup = PromptLookupProposer(vocab_size, self.do_sample, max_ngram or DEFAULT_MAX_NGRAM)
+            lookup = PromptLookupProposer(max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         self.lookup_drafter = lookup if draft is None else None  # drafting by lookup alone
+        self.drafter: Proposer
         if draft is None:
             self.drafter = lookup
         else:
@@ -321,16 +323,23 @@ class SpeculativeDecoder:
         return scores, raw_logits
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
+        """The round's verdict: greedy by argmax, else the configured rule on the proposal's distributions (its
+        point masses as token ids, `rejection.py`), with NaN/inf rows flagged.
+
+        Args:
+            scores: `(batch, K + 1, vocab)` the target's processed scores.
+        """
         if not self.do_sample:
             verdict = greedy_accept(proposal.tokens, scores.argmax(dim=-1))
         else:
-            target_probs = probabilities(scores)
-            draft_probs = proposal.probs
-            if draft_probs is None:  # no draft tokens this round
-                draft_probs = target_probs[:, :0]
+            target_probs = probabilities(scores)  # (batch, K + 1, vocab)
             rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
-            verdict = rule(proposal.tokens, draft_probs, target_probs, self.generator)
-            verdict = flag_nonfinite(verdict, draft_probs, target_probs)
+            draft_probs, point_mass = proposal.probs, proposal.point_mass  # None / None: all point masses
+            # A mask only where a proposal mixes point masses with distributions: a rule's four-argument call stays
+            # the contract (`Verification`), and `point_mass` an optional keyword.
+            mixed = {} if point_mass is None else {"point_mass": point_mass}
+            verdict = rule(proposal.tokens, draft_probs, target_probs, self.generator, **mixed)
+            verdict = flag_nonfinite(verdict, draft_probs, target_probs, point_mass)
         return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
 
     def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> list[int]:

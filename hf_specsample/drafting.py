@@ -1,15 +1,14 @@
-"""Draft proposers: they write K draft tokens per row and report the distributions they sampled them from.
+"""The draft-model proposer: K draft tokens per row from a small causal LM, with the distributions they were drawn from.
 
-`get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`, batched over rows of different lengths and
-returning the draft's *processed* probabilities, which exactness needs. `keep_confirmed` only rolls the draft's
-cache back to the committed tokens (transformers' `update_candidate_strategy` also adapts K; here the lookahead
-policy does that).
+It implements `proposer.Proposer`: `get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`, batched
+over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
+`keep_confirmed` only rolls the draft's cache back to the committed tokens (transformers' `update_candidate_strategy`
+also adapts K; here `lookahead.py` does that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -17,27 +16,14 @@ from transformers import DynamicCache, PreTrainedModel
 from .cross_vocab import DraftIdBuffer
 from .kv import CachedModel
 from .processing import PositionwiseProcessor, probabilities
+from .proposer import Proposal, Proposer
 from .rejection import sample_from_weights
 from .sequences import Sequences
 
 _DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 
 
-class Proposal(NamedTuple):
-    """Draft tokens of one round.
-
-    Attributes:
-        tokens: `(batch, k)` long, also written into the buffer after each row's committed tokens.
-        probs: `(batch, k, vocab)` float32, the distributions `tokens` were sampled from; None for greedy drafts.
-        model_steps: draft-model forwards run for it (0: no model ran, e.g. an n-gram proposal).
-    """
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None
-    model_steps: int = 0
-
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
     With a `vocabulary` (target token ids: an FR-Spec subset, see `draft_prep.restrict_vocabulary`, the ids both
@@ -102,23 +88,31 @@ class DraftModelProposer:
     def forward_passes(self) -> int:
         return self.runner.forward_passes
 
-    def get_candidates(
-        self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None
-    ) -> Proposal:
-        """Draft `num_tokens` tokens after every active row's committed tokens.
+    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
+        """Draft `num_tokens` tokens after every active row's committed tokens (see `Proposer.get_candidates`).
+
+        Returns:
+            `Proposal` with `(batch, num_tokens)` tokens and, when sampling, their `(batch, num_tokens, vocab)`
+            distributions (None for greedy drafts: argmax tokens are point masses).
+        """
+        return self.draft(sequences, num_tokens)
+
+    def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
+        """Draft `num_tokens` tokens after every active row's committed tokens, some of them possibly forced.
 
         The first forward catches the draft's cache up with the committed tokens it has not seen (the prompt, or
         the last one or two committed tokens); each later forward feeds the previous draft token.
 
         Args:
             forced: per active row, `(m,)` tokens that replace the model's first ``m`` proposals (an n-gram
-                continuation); each is a point mass, so its distribution is known exactly. The model still runs for
-                every row (its later proposals condition on the forced tokens).
+                continuation); each is a point mass, so its distribution is known exactly and is marked in the
+                proposal's `point_mass` mask. The model still runs for every row (its later proposals condition on
+                the forced tokens).
         """
         tokens, lengths = sequences.tokens, sequences.lengths
         reads = sequences if self.inputs is None else self.inputs.sequences
         read_lengths = reads.lengths
-        drafted, drafted_probs = [], []
+        drafted, drafted_probs, pinned = [], [], []
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
             logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
@@ -130,37 +124,41 @@ class DraftModelProposer:
                 probs, index = None, scores.argmax(dim=-1)
             token = self.vocabulary[index] if self.compact else index
             if forced is not None:
-                token, probs = self._force(forced, step, token, probs)
+                token, forced_here = self._force(forced, step, token)
+                pinned.append(forced_here)
             sequences.write([step] * sequences.num_active, token)
             if self.inputs is not None:
                 self.inputs.write(step, token)  # the draft's next input: the token's draft id
             drafted.append(token)
             if probs is not None:
                 drafted_probs.append(probs)
-        probs = torch.stack(drafted_probs, dim=1) if drafted_probs else None
+        probs = self._full(torch.stack(drafted_probs, dim=1)) if drafted_probs else None  # (batch, k, vocab)
+        any_forced = forced is not None and any(row.numel() for row in forced)
         return Proposal(
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=probs if probs is None or forced is not None else self._full(probs),
+            probs=probs,
+            point_mass=torch.stack(pinned, dim=1) if probs is not None and any_forced else None,  # (batch, k)
             model_steps=num_tokens,
         )
 
     def _force(
-        self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor, probs: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replace the rows' proposals at `step` by their forced tokens, with point-mass (full-width) probabilities.
+        self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace the rows' proposals at `step` by their forced tokens.
 
         Args:
-            token: `(batch,)` the model's proposals; probs: `(batch, vocab or subset)` or None (greedy).
+            token: `(batch,)` the model's proposals.
+
+        Returns:
+            The `(batch,)` tokens, and `(batch,)` bool: True in the rows whose token was forced (a point mass).
         """
-        rows = [row for row, tokens in enumerate(forced) if tokens.numel() > step]
-        full = None if probs is None else self._full(probs[:, None])[:, 0]  # (batch, vocab)
+        forced_here = [tokens.numel() > step for tokens in forced]
+        rows = [row for row, is_forced in enumerate(forced_here) if is_forced]
         if rows:
             index = torch.tensor(rows, device=token.device)
             chosen = torch.stack([forced[row][step] for row in rows]).to(token.device)
             token = token.index_put((index,), chosen)
-            if full is not None:
-                full = full.index_put((index,), torch.nn.functional.one_hot(chosen, full.shape[-1]).to(full.dtype))
-        return token, full
+        return token, torch.tensor(forced_here, dtype=torch.bool, device=token.device)
 
     def _forward(self, sequences: Sequences, upto: list[int]) -> torch.Tensor:
         """`(batch, 1, width)` draft logits after ``upto[b]`` tokens of each row."""

@@ -6,17 +6,22 @@ occurrence) and proposes the tokens that followed it. No model runs, so a round 
 
 Exact when sampling: a deterministic proposal is a draft distribution like any other, a point mass on the proposed
 token, so the verifier accepts it with probability ``target(token)`` and otherwise samples the residual, the target's
-distribution without that token. A row with no match (or a match shorter than the round) is padded with its last
-token, another point mass: exactness never depends on the proposal being good. A round is only as wide as the
-longest continuation found (no row has one: a plain decoding step), and `draft_model="prompt_lookup"` chooses its
-width like a model draft's K (`lookahead.AdaptiveLookahead`, with a lookup's near-zero drafting cost).
+distribution without that token. The proposal carries the token ids alone (`Proposal.probs` is None): no one-hot
+tensor over the vocabulary is built (`rejection.py` handles point masses as such). A row with no match (or a match
+shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
+being good. A round is only as wide as the longest continuation found (no row has one: a plain decoding step), and
+`draft_model="prompt_lookup"` chooses its width like a model draft's K (`lookahead.AdaptiveLookahead`, with a
+lookup's near-zero drafting cost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .drafting import DraftModelProposer, Proposal
+from .drafting import DraftModelProposer
+from .proposer import Proposal, Proposer
 from .sequences import Sequences
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
@@ -48,22 +53,18 @@ def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: in
     return tokens[:0]
 
 
-class PromptLookupProposer:
-    """Drafts every row from its own text (`ngram_continuation`), with point-mass draft distributions.
+class PromptLookupProposer(Proposer):
+    """Drafts every row from its own text (`ngram_continuation`); every proposal is a point mass (token ids only).
 
     Attributes:
         max_ngram: the longest n-gram looked up.
-        vocab_size: the target's logit width (the point masses' width).
-        do_sample: whether probabilities are returned (greedy verification needs none).
         forward_passes: always 0 (no model runs).
     """
 
     forward_passes = 0
 
-    def __init__(self, vocab_size: int, do_sample: bool, max_ngram: int = DEFAULT_MAX_NGRAM):
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM):
         """`max_ngram` is checked with the call's other options (`validation.check_prompt_lookup`)."""
-        self.vocab_size = vocab_size
-        self.do_sample = do_sample
         self.max_ngram = max_ngram
 
     def continuations(self, sequences: Sequences, num_tokens: int) -> list[torch.Tensor]:
@@ -80,10 +81,17 @@ class PromptLookupProposer:
         continuation found (rows with shorter ones, or none, repeat their last token).
 
         Returns:
-            `Proposal` with `(batch, k)` tokens, ``k <= num_tokens`` and, when sampling, their `(batch, k, vocab)`
-            one-hot distributions.
+            `Proposal` with `(batch, k)` tokens, ``k <= num_tokens``, and no probabilities (all point masses).
         """
-        found = self.continuations(sequences, num_tokens)
+        return self.propose(sequences, self.continuations(sequences, num_tokens))
+
+    def propose(self, sequences: Sequences, found: Sequence[torch.Tensor]) -> Proposal:
+        """Write the rows' continuations `found` (per active row, `(m,)` long, possibly empty), padded to the longest
+        with each row's last token, after every active row's committed tokens.
+
+        Returns:
+            `Proposal` with `(batch, k)` tokens, ``k`` the longest continuation, and `probs` None.
+        """
         num_tokens = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
         rows = []
         for row, continuation in enumerate(found):
@@ -93,23 +101,20 @@ class PromptLookupProposer:
         proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, k)
         for step in range(num_tokens):
             sequences.write([step] * sequences.num_active, proposed[:, step])
-        probs = None
-        if self.do_sample:
-            probs = torch.nn.functional.one_hot(proposed, self.vocab_size).float()  # (batch, k, vocab)
-        return Proposal(tokens=proposed, probs=probs)
+        return Proposal(tokens=proposed, probs=None)
 
-    def keep_confirmed(self, lengths) -> None:
+    def keep_confirmed(self, lengths: Sequence[int]) -> None:
         """Nothing to roll back: the drafter keeps no state between rounds."""
 
 
-class LookupThenModelProposer:
+class LookupThenModelProposer(Proposer):
     """`draft_model=small, prompt_lookup_num_tokens=N`: n-gram continuations where rows have one, the model elsewhere.
 
     With one active row, a round in which it has a continuation drafts `num_tokens` (N) tokens by lookup alone and
     the draft model does not run (its cache catches up in a later round). Otherwise the model drafts the policy's
-    K tokens, and rows with a continuation take its tokens first (`DraftModelProposer.get_candidates(forced=...)`).
-    In a batch the model runs every round: skipping it would leave rows behind in its cache by different amounts,
-    and a forward feeds every row the same number of positions.
+    K tokens, and rows with a continuation take its tokens first (`DraftModelProposer.draft(forced=...)`, marked as
+    point masses in the proposal). In a batch the model runs every round: skipping it would leave rows behind in its
+    cache by different amounts, and a forward feeds every row the same number of positions.
     """
 
     def __init__(self, model: DraftModelProposer, lookup: PromptLookupProposer, num_tokens: int, max_length: int):
@@ -131,8 +136,8 @@ class LookupThenModelProposer:
         width = min(max(num_tokens, self.num_tokens), room)
         found = self.lookup.continuations(sequences, width)
         if width > 0 and sequences.num_active == 1 and found[0].numel():
-            return self.lookup.get_candidates(sequences, width)
-        return self.model.get_candidates(sequences, num_tokens, forced=found)
+            return self.lookup.propose(sequences, found)
+        return self.model.draft(sequences, num_tokens, forced=found)
 
-    def keep_confirmed(self, lengths) -> None:
+    def keep_confirmed(self, lengths: Sequence[int]) -> None:
         self.model.keep_confirmed(lengths)

@@ -138,3 +138,57 @@ def test_lookup_width_adapts_and_a_round_without_a_continuation_is_a_plain_step(
     )  # fmt: skip
     widths = out.speculative_stats.lookahead_per_round
     assert max(widths) <= 6 and len(set(widths)) > 1
+
+
+# --- point masses travel as token ids -------------------------------------------------------------------------------
+
+
+def test_every_drafter_implements_the_proposer_contract():
+    from hf_specsample.drafting import DraftModelProposer
+    from hf_specsample.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
+    from hf_specsample.proposer import Proposer
+
+    for drafter in (DraftModelProposer, PromptLookupProposer, LookupThenModelProposer):
+        assert issubclass(drafter, Proposer) and not drafter.__abstractmethods__, drafter
+
+
+@pytest.mark.parametrize("verification", ["block", "token"])
+@pytest.mark.parametrize("mode", list(DRAFTS))
+def test_lookup_proposals_build_no_vocabulary_wide_draft_tensor(pair, monkeypatch, mode, verification):
+    """Lookup tokens reach the acceptance rule as token ids: `draft_probs` None in a lookup round, and in a model's
+    round with forced n-gram tokens the model's own distributions with a `point_mass` mask. No one-hot is built."""
+    import hf_specsample.decoding as decoding
+
+    def no_one_hot(*args, **kwargs):
+        raise AssertionError("a one-hot draft distribution was built")
+
+    seen = []  # per round with draft tokens: (draft_probs is None, a point_mass mask was given)
+
+    def recorded(rule):
+        def checked(draft_tokens, draft_probs, target_probs, generator=None, uniform=None, point_mass=None):
+            if draft_tokens.shape[1]:
+                seen.append((draft_probs is None, point_mass is not None))
+            return rule(draft_tokens, draft_probs, target_probs, generator, uniform, point_mass)
+
+        return checked
+
+    monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
+    monkeypatch.setattr(decoding, "block_accept", recorded(decoding.block_accept))
+    monkeypatch.setattr(decoding, "speculative_accept", recorded(decoding.speculative_accept))
+    target, draft = pair
+    rows = [[1, 5, 2, 5, 3, 5, 2], [1, 3, 3, 4, 3, 3]]  # batched: rows with and without a continuation
+    ids = torch.tensor([[PAD] * (7 - len(row)) + row for row in rows])
+    mask = (ids != PAD).long()
+    # With a generator K is chosen clock-free from weight sizes, and a draft as large as this target never pays:
+    # fix K so that the model drafts (with n-gram tokens forced where a row has some).
+    config = SpeculativeConfig(verification=verification, num_lookahead=2 if mode == "lookup-then-model" else None)
+    for prompt, prompt_mask in ((PROMPT, None), (ids, mask)):
+        target.generate(
+            prompt, attention_mask=prompt_mask, do_sample=True, max_new_tokens=16, pad_token_id=PAD,
+            generator=torch.Generator().manual_seed(0), speculative_config=config, **arguments(mode, draft),
+        )  # fmt: skip
+    assert (True, False) in seen  # lookup rounds: token ids only
+    if mode == "lookup-then-model":
+        assert (False, True) in seen  # a model round in which some row's tokens were forced
+    else:
+        assert set(seen) == {(True, False)}

@@ -1,0 +1,75 @@
+"""The contract every drafter implements (`Proposer`) and what it hands the verifier each round (`Proposal`).
+
+Mirrors transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`), batched over rows of
+different lengths, and returning what exactness needs: the distributions the draft tokens were drawn from. A token
+drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
+is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`rejection.py` handles it
+as such). Choosing K is not a drafter's business: `lookahead.py` decides it, and the drafter drafts what it is told.
+
+Drafters: `drafting.DraftModelProposer` (a draft model), `prompt_lookup.PromptLookupProposer` (n-gram
+continuations), `prompt_lookup.LookupThenModelProposer` (both).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .sequences import Sequences
+
+
+class Proposal(NamedTuple):
+    """Draft tokens of one round, and the distributions they were drawn from.
+
+    Attributes:
+        tokens: `(batch, k)` long, also written into the buffer after each row's committed tokens.
+        probs: `(batch, k, vocab)` float32, the distributions `tokens` were drawn from, over the target's ids; None
+            when every token is a point mass (a lookup proposal, a greedy draft, no token at all).
+        point_mass: `(batch, k)` bool, True where a token is a point mass although `probs` is given (a forced
+            n-gram token in a model's proposal): the verifier ignores `probs` there. None: no such position.
+        model_steps: draft-model forwards run for it (0: no model ran, e.g. a lookup proposal).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    point_mass: torch.Tensor | None = None
+    model_steps: int = 0
+
+
+class Proposer(ABC):
+    """A drafter: proposes draft tokens after every active row's committed tokens, once per round.
+
+    The loop (`decoding.SpeculativeDecoder`) calls, per round: `get_candidates` (before the target's forward), then,
+    after the round's tokens are committed and finished rows retired, `keep_confirmed` with the rows' new lengths
+    (only while rows remain). It reads `forward_passes` once, for the statistics, at the end.
+    """
+
+    @property
+    @abstractmethod
+    def forward_passes(self) -> int:
+        """Draft-model forwards run so far in this call (0 for a drafter that runs no model)."""
+
+    @abstractmethod
+    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
+        """Write at most `num_tokens` draft tokens after every active row's committed tokens and return them.
+
+        Args:
+            sequences: the call's token buffer: `tokens` `(batch, capacity)`, the committed `lengths` per active
+                row. The proposal's ``k`` tokens of each row are written at columns ``lengths[b] .. lengths[b]+k-1``
+                (`Sequences.write`); the committed lengths do not move.
+            num_tokens: the round's K, already capped by the room left before `max_length`; 0 drafts nothing.
+
+        Returns:
+            A `Proposal` with `(batch, k)` tokens, ``k <= num_tokens`` (all rows the same ``k``).
+        """
+
+    @abstractmethod
+    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+        """Forget what the round drafted beyond the committed tokens (roll a draft's cache back).
+
+        Args:
+            lengths: per active row (after the round's finished rows were retired), its committed length.
+        """
