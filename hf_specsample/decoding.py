@@ -6,7 +6,6 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,11 +20,11 @@ from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer
 from .kv import CachedModel, input_device
-from .lookahead import RoundRecord, weight_bytes_ratio
+from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .named_drafts import NamedDraft
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
-from .prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
+from .prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .proposer import Proposal, Proposer
 from .rejection import (
     NonFinite,
@@ -170,26 +169,19 @@ class SpeculativeDecoder:
         self.verification = config.verification
         batch = input_ids.shape[0]
         draft = None
-        if draft_model == NamedDraft.PROMPT_LOOKUP:  # no model: every round proposes N tokens by lookup
+        if draft_model == NamedDraft.PROMPT_LOOKUP:  # no model: every round proposes up to K tokens by lookup
             if config.draft_quantization is not DraftQuantization.AUTO or config.draft_vocabulary is not None:
                 raise ValueError(
                     "draft_model='prompt_lookup' runs no draft model: draft_quantization / draft_vocabulary have "
                     "nothing to act on. Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
                 )
-            # K adapts to measured acceptance and cost as for a model draft (drafting costs only the lookup), up to
-            # `prompt_lookup_num_tokens` (default 10); `num_lookahead=` fixes it.
-            widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
-            lookup_config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
-            self.policy = lookup_config.make_policy(generator is not None, cost_ratio=0.0, batch_size=batch)
         else:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
                 special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
             )  # fmt: skip
-            cost_ratio = weight_bytes_ratio(draft.model, model)
-            self.policy = config.make_policy(generator is not None, cost_ratio, batch_size=batch)
 
-        # A row never holds more than max_length tokens: next_lookahead caps K so that the drafts and the
+        # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
         # recovered/bonus token fit (one spare column).
         capacity = self.max_length + 1
         position_ids = model_kwargs.get("position_ids")
@@ -205,19 +197,23 @@ class SpeculativeDecoder:
         )  # fmt: skip
         self._compile_seconds_before = compiled.compile_seconds if compiled is not None else None
         prompt_length = input_ids.shape[1]
-        self.prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
+        prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
+        self.lookahead = RoundLookahead.for_call(
+            config, reproducible=generator is not None, batch_size=batch, max_length=self.max_length,
+            prompt_ends_in_padding=prompt_ends_in_padding, lookup_tokens=lookup_tokens, lookup_only=draft is None,
+            cost_ratio=weight_bytes_ratio(draft.model, model) if draft is not None else 0.0,
+        )  # fmt: skip
         self.sequences.attach(self.target)
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
-        self.lookup_drafter = lookup if draft is None else None  # drafting by lookup alone
         self.drafter: Proposer
         if draft is None:
             self.drafter = lookup
         else:
             self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
-                self.drafter = LookupThenModelProposer(self.drafter, lookup, lookup_tokens, self.max_length)
+                self.drafter = LookupThenModelProposer(self.drafter, lookup)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
         # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
         wanted = bool(generation_config.return_dict_in_generate) or caller_cache or cached > 0
@@ -226,7 +222,7 @@ class SpeculativeDecoder:
         self.recorder = OutputRecorder(generation_config, batch)
         self.stats.draft_form = draft.form if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
-        self.timer = PhaseTimer(self.policy.needs_timing, devices)
+        self.timer = PhaseTimer(self.lookahead.needs_timing, devices)
 
     def draft_proposer(
         self, draft: PreparedDraft, model: PreTrainedModel, vocab_size: int, other_tokenizers: tuple[Any, Any] | None
@@ -260,7 +256,7 @@ class SpeculativeDecoder:
             self.streamer.put(self.sequences.tokens[:, : self.sequences.prompt_length].cpu())
         self.target.warm_up()  # compile now, outside every round (the prompt then runs compiled too)
         while self.sequences.num_active > 0:
-            self.round(self.next_lookahead())
+            self.round(self.lookahead.widths(self.sequences.lengths))
         if self.streamer is not None:
             self.streamer.end()
         self.stats.target_forward_passes = self.target.forward_passes
@@ -271,24 +267,11 @@ class SpeculativeDecoder:
         cache = self.plain_cache(sequences) if self.keep_cache else None
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
-    def next_lookahead(self) -> int:
-        """Draft tokens for this round: the policy's K (asked once per round), never drafting past `max_length`.
-
-        A first round whose prompt ends in padding in some row (right padding) drafts nothing: the logits of that
-        padding position can come from an attention row with every key masked (a sliding window over padding),
-        which eager/SDPA attention fills by averaging over every key of the forward, so the target's first forward
-        must cover exactly the prompt, as plain decoding's does.
-        """
-        if self.stats.rounds == 0 and self.prompt_ends_in_padding:
-            return 0
-        room = self.max_length - max(self.sequences.lengths) - 1
-        return max(0, min(self.policy.choose(), room))
-
-    def round(self, lookahead: int) -> None:
+    def round(self, widths: RoundWidths) -> None:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
         compilations = self._compilations()
         self.timer.start()
-        proposal = self.drafter.get_candidates(self.sequences, lookahead)
+        proposal = self.drafter.get_candidates(self.sequences, widths)
         self.timer.mark()
         scores, raw_logits = self.verify(proposal)
         verdict = self.accept(proposal, scores)
@@ -300,10 +283,9 @@ class SpeculativeDecoder:
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        if width > 0 and proposal.model_steps == 0 and self.drafter is not self.lookup_drafter:
-            return  # a lookup round of a model draft says nothing about the model's acceptance or cost
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
-        self.policy.observe(RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill))
+        record = RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill)
+        self.lookahead.observe(record, proposal.model_steps)
 
     def _compilations(self) -> int:
         compiled = self.target.compiled

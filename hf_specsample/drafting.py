@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .cross_vocab import DraftIdBuffer
 from .kv import CachedModel
+from .lookahead import RoundWidths
 from .processing import PositionwiseProcessor, probabilities
 from .proposer import Proposal, Proposer
 from .rejection import sample_from_weights
@@ -88,14 +89,14 @@ class DraftModelProposer(Proposer):
     def forward_passes(self) -> int:
         return self.runner.forward_passes
 
-    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
-        """Draft `num_tokens` tokens after every active row's committed tokens (see `Proposer.get_candidates`).
+    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+        """Draft `widths.model` (K) tokens after every active row's committed tokens (see `Proposer.get_candidates`).
 
         Returns:
-            `Proposal` with `(batch, num_tokens)` tokens and, when sampling, their `(batch, num_tokens, vocab)`
-            distributions (None for greedy drafts: argmax tokens are point masses).
+            `Proposal` with `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions (None
+            for greedy drafts: argmax tokens are point masses).
         """
-        return self.draft(sequences, num_tokens)
+        return self.draft(sequences, widths.model)
 
     def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
         """Draft `num_tokens` tokens after every active row's committed tokens, some of them possibly forced.

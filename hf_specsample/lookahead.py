@@ -16,17 +16,27 @@ the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so t
 every sample, is reproducible. K = 0 is plain decoding: when
 drafting does not pay (a useless draft), the policy stops drafting and probes with K = 1 now and then to notice if
 it starts paying. Choosing K from past rounds never biases the output: each round is exact for any K.
+
+`RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
+made for `generate()`), it asks the policy before every round and caps its choice (room left before `max_length`,
+the first round of a prompt ending in padding, the width of a lookup round), handing the drafter `RoundWidths`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
+if TYPE_CHECKING:
+    from .config import SpeculativeConfig
+
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
+DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
 # Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
 # but a batch verifies batch * (K+1) tokens and turns compute-bound.
@@ -221,3 +231,127 @@ class AdaptiveLookahead(LookaheadPolicy):
             self._rounds_without_drafting, self._probed = 0, True
             return 1
         return 0
+
+
+class RoundWidths(NamedTuple):
+    """How many tokens a round may draft, decided by `RoundLookahead` alone; each drafter reads its own field.
+
+    Attributes:
+        model: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
+        lookup: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
+            ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
+    """
+
+    model: int
+    lookup: int
+
+
+class RoundLookahead:
+    """The one owner of K in a `generate()` call: the policy's choice in, the round's capped widths out.
+
+    `widths` is called once before every round and asks the policy once (`LookaheadPolicy.choose`), except in a
+    first round whose prompt ends in padding, which drafts nothing. Its choice is then capped:
+
+    - room: a row never holds more than `max_length` tokens, so a round drafts at most ``max_length - longest row -
+      1`` tokens (the recovered/bonus token takes the last place); the token buffer then needs `max_length + 1`
+      columns whatever K a policy asks for;
+    - first round: where the prompt ends in padding in some row (right padding), the logits of that padding
+      position can come from an attention row with every key masked (a sliding window over padding), which
+      eager/SDPA attention fills by averaging over every key of the forward, so the target's first forward must
+      cover exactly the prompt, as plain decoding's does;
+    - lookup width: drafting by lookup alone, the policy's K (its `max_lookahead` widened to N at construction);
+      with a model draft and N, a round one row drafts by lookup alone may be ``max(K, N)`` wide.
+
+    `observe` passes each round's record to the policy, except a lookup round of a model draft, which says nothing
+    about the model's acceptance or cost.
+    """
+
+    def __init__(
+        self,
+        policy: LookaheadPolicy,
+        max_length: int,
+        prompt_ends_in_padding: bool = False,
+        lookup_tokens: int | None = None,
+        lookup_only: bool = False,
+    ):
+        """
+        Args:
+            policy: chooses K (a fresh one per call).
+            max_length: `generate()`'s max_length.
+            prompt_ends_in_padding: some row's prompt ends in padding: the first round drafts nothing.
+            lookup_tokens: N (`prompt_lookup_num_tokens`) with a model draft: the width of a lookup round; None: no
+                lookup.
+            lookup_only: drafting by lookup alone (`draft_model="prompt_lookup"`): lookup rounds are K wide.
+        """
+        self.policy, self.max_length = policy, max_length
+        self.prompt_ends_in_padding = prompt_ends_in_padding
+        self.lookup_tokens, self.lookup_only = lookup_tokens, lookup_only
+        self._first_round = True
+
+    @classmethod
+    def for_call(
+        cls,
+        config: SpeculativeConfig,
+        *,
+        reproducible: bool,
+        batch_size: int,
+        max_length: int,
+        prompt_ends_in_padding: bool,
+        lookup_tokens: int | None,
+        lookup_only: bool,
+        cost_ratio: float = 0.0,
+    ) -> RoundLookahead:
+        """The K owner of one `generate()` call, with a fresh policy (`SpeculativeConfig.make_policy`).
+
+        Args:
+            config: the call's options (`num_lookahead`, `max_lookahead`, `lookahead_policy`).
+            reproducible: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
+                agree).
+            batch_size: rows verified together.
+            max_length: `generate()`'s max_length.
+            prompt_ends_in_padding: some row's prompt ends in padding.
+            lookup_tokens: `prompt_lookup_num_tokens` (N), or None.
+            lookup_only: no draft model (`draft_model="prompt_lookup"`): K adapts as for a model draft (drafting
+                costs only the lookup) up to N (default `DEFAULT_LOOKUP_TOKENS`); `num_lookahead=` fixes it.
+            cost_ratio: draft/target cost of a step (`weight_bytes_ratio`); ignored by lookup alone (cost 0).
+        """
+        if lookup_only:
+            widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
+            config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
+            policy = config.make_policy(reproducible, cost_ratio=0.0, batch_size=batch_size)
+            return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
+        policy = config.make_policy(reproducible, cost_ratio, batch_size=batch_size)
+        return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
+
+    @property
+    def needs_timing(self) -> bool:
+        """Whether the policy learns from wall-clock durations (`LookaheadPolicy.needs_timing`)."""
+        return self.policy.needs_timing
+
+    def widths(self, lengths: Sequence[int]) -> RoundWidths:
+        """This round's widths; call exactly once before each round.
+
+        Args:
+            lengths: per active row, its committed length.
+        """
+        first_round, self._first_round = self._first_round, False
+        if first_round and self.prompt_ends_in_padding:
+            return RoundWidths(model=0, lookup=0)
+        room = self.max_length - max(lengths) - 1
+        lookahead = max(0, min(self.policy.choose(), room))
+        if self.lookup_only:
+            return RoundWidths(model=lookahead, lookup=lookahead)
+        if self.lookup_tokens is None:
+            return RoundWidths(model=lookahead, lookup=0)
+        return RoundWidths(model=lookahead, lookup=max(0, min(max(lookahead, self.lookup_tokens), room)))
+
+    def observe(self, record: RoundRecord, model_steps: int) -> None:
+        """Let the policy learn from a finished round.
+
+        Args:
+            record: the round's width (the proposal's), acceptance and durations.
+            model_steps: draft-model forwards of the round's proposal (0 and a nonzero width: a lookup round).
+        """
+        if record.lookahead > 0 and model_steps == 0 and not self.lookup_only:
+            return  # a lookup round of a model draft says nothing about the model's acceptance or cost
+        self.policy.observe(record)

@@ -11,7 +11,7 @@ tensor over the vocabulary is built (`rejection.py` handles point masses as such
 shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
 being good. A round is only as wide as the longest continuation found (no row has one: a plain decoding step), and
 `draft_model="prompt_lookup"` chooses its width like a model draft's K (`lookahead.AdaptiveLookahead`, with a
-lookup's near-zero drafting cost).
+lookup's near-zero drafting cost), up to `prompt_lookup_num_tokens` (default `lookahead.DEFAULT_LOOKUP_TOKENS`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from .drafting import DraftModelProposer
+from .lookahead import RoundWidths
 from .proposer import Proposal, Proposer
 from .sequences import Sequences
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
-DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
 
 
 def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: int, num_tokens: int) -> torch.Tensor:
@@ -76,14 +76,14 @@ class PromptLookupProposer(Proposer):
             for row, length in enumerate(sequences.lengths)
         ]
 
-    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
-        """Write up to `num_tokens` proposed tokens after every active row's committed tokens: as many as the longest
-        continuation found (rows with shorter ones, or none, repeat their last token).
+    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+        """Write up to `widths.lookup` proposed tokens after every active row's committed tokens: as many as the
+        longest continuation found (rows with shorter ones, or none, repeat their last token).
 
         Returns:
-            `Proposal` with `(batch, k)` tokens, ``k <= num_tokens``, and no probabilities (all point masses).
+            `Proposal` with `(batch, k)` tokens, ``k <= widths.lookup``, and no probabilities (all point masses).
         """
-        return self.propose(sequences, self.continuations(sequences, num_tokens))
+        return self.propose(sequences, self.continuations(sequences, widths.lookup))
 
     def propose(self, sequences: Sequences, found: Sequence[torch.Tensor]) -> Proposal:
         """Write the rows' continuations `found` (per active row, `(m,)` long, possibly empty), padded to the longest
@@ -110,34 +110,37 @@ class PromptLookupProposer(Proposer):
 class LookupThenModelProposer(Proposer):
     """`draft_model=small, prompt_lookup_num_tokens=N`: n-gram continuations where rows have one, the model elsewhere.
 
-    With one active row, a round in which it has a continuation drafts `num_tokens` (N) tokens by lookup alone and
-    the draft model does not run (its cache catches up in a later round). Otherwise the model drafts the policy's
-    K tokens, and rows with a continuation take its tokens first (`DraftModelProposer.draft(forced=...)`, marked as
-    point masses in the proposal). In a batch the model runs every round: skipping it would leave rows behind in its
-    cache by different amounts, and a forward feeds every row the same number of positions.
+    With one active row, a round in which it has a continuation drafts up to `widths.lookup` (``max(K, N)``) tokens
+    by lookup alone and the draft model does not run (its cache catches up in a later round). Otherwise the model
+    drafts `widths.model` (K) tokens, and rows with a continuation take its tokens first
+    (`DraftModelProposer.draft(forced=...)`, marked as point masses in the proposal). In a batch the model runs every
+    round: skipping it would leave rows behind in its cache by different amounts, and a forward feeds every row the
+    same number of positions.
     """
 
-    def __init__(self, model: DraftModelProposer, lookup: PromptLookupProposer, num_tokens: int, max_length: int):
+    def __init__(self, model: DraftModelProposer, lookup: PromptLookupProposer):
         """
         Args:
             model: the draft-model proposer.
             lookup: the n-gram proposer.
-            num_tokens: N, the width of a lookup-only round.
-            max_length: `generate()`'s max_length (a round never drafts past it).
         """
-        self.model, self.lookup, self.num_tokens, self.max_length = model, lookup, num_tokens, max_length
+        self.model, self.lookup = model, lookup
 
     @property
     def forward_passes(self) -> int:
         return self.model.forward_passes
 
-    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
-        room = self.max_length - max(sequences.lengths) - 1
-        width = min(max(num_tokens, self.num_tokens), room)
-        found = self.lookup.continuations(sequences, width)
-        if width > 0 and sequences.num_active == 1 and found[0].numel():
+    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+        """A lookup round (one active row with a continuation), else the model's proposal with n-gram tokens forced.
+
+        Returns:
+            `Proposal` with `(batch, k)` tokens: ``k <= widths.lookup`` and `probs` None for a lookup round;
+            ``k = widths.model``, the model's distributions and a `point_mass` mask where tokens were forced.
+        """
+        found = self.lookup.continuations(sequences, widths.lookup)
+        if widths.lookup > 0 and sequences.num_active == 1 and found[0].numel():
             return self.lookup.propose(sequences, found)
-        return self.model.draft(sequences, num_tokens, forced=found)
+        return self.model.draft(sequences, widths.model, forced=found)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
         self.model.keep_confirmed(lengths)

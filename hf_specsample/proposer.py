@@ -4,7 +4,8 @@ Mirrors transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_
 different lengths, and returning what exactness needs: the distributions the draft tokens were drawn from. A token
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
 is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`rejection.py` handles it
-as such). Choosing K is not a drafter's business: `lookahead.py` decides it, and the drafter drafts what it is told.
+as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter drafts
+what it is told (`lookahead.RoundWidths`).
 
 Drafters: `drafting.DraftModelProposer` (a draft model), `prompt_lookup.PromptLookupProposer` (n-gram
 continuations), `prompt_lookup.LookupThenModelProposer` (both).
@@ -18,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from .lookahead import RoundWidths
 from .sequences import Sequences
 
 
@@ -53,17 +55,19 @@ class Proposer(ABC):
         """Draft-model forwards run so far in this call (0 for a drafter that runs no model)."""
 
     @abstractmethod
-    def get_candidates(self, sequences: Sequences, num_tokens: int) -> Proposal:
-        """Write at most `num_tokens` draft tokens after every active row's committed tokens and return them.
+    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+        """Write this round's draft tokens after every active row's committed tokens and return them.
 
         Args:
             sequences: the call's token buffer: `tokens` `(batch, capacity)`, the committed `lengths` per active
                 row. The proposal's ``k`` tokens of each row are written at columns ``lengths[b] .. lengths[b]+k-1``
                 (`Sequences.write`); the committed lengths do not move.
-            num_tokens: the round's K, already capped by the room left before `max_length`; 0 drafts nothing.
+            widths: how many tokens this round may draft, already capped by the room left before `max_length`
+                (`lookahead.RoundLookahead.widths`): a model drafts `widths.model`, a lookup at most
+                `widths.lookup`; 0 drafts nothing.
 
         Returns:
-            A `Proposal` with `(batch, k)` tokens, ``k <= num_tokens`` (all rows the same ``k``).
+            A `Proposal` with `(batch, k)` tokens, ``k`` at most the drafter's width (all rows the same ``k``).
         """
 
     @abstractmethod

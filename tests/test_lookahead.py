@@ -8,7 +8,15 @@ from exact import sampled_pvalue
 from tiny import PAD, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig
-from hf_specsample.lookahead import AdaptiveLookahead, FixedLookahead, LookaheadPolicy, RoundRecord, StaticCosts
+from hf_specsample.lookahead import (
+    AdaptiveLookahead,
+    FixedLookahead,
+    LookaheadPolicy,
+    RoundLookahead,
+    RoundRecord,
+    RoundWidths,
+    StaticCosts,
+)
 
 
 def feed(policy: AdaptiveLookahead, rounds: int, alpha: float, draft_step: float, verify) -> list[int]:
@@ -171,3 +179,41 @@ def test_choose_is_called_once_per_round(pair):
     )  # fmt: skip
     (policy,) = policies
     assert policy.calls == policy.observed == out.speculative_stats.rounds > 1
+
+
+def test_one_owner_caps_k_and_sets_the_lookup_width():
+    """`RoundLookahead` asks the policy once per round and caps its K by the room left; it alone widens lookup
+    rounds (max(K, N) with a model draft) and keeps the first round of a prompt ending in padding plain."""
+    policy = GreedyForK(5)
+    lookahead = RoundLookahead(policy, max_length=20, lookup_tokens=8)
+    assert lookahead.widths([10, 12]) == RoundWidths(model=5, lookup=7)  # room: 20 - 12 - 1 = 7
+    assert lookahead.widths([16]) == RoundWidths(model=3, lookup=3)
+    assert policy.calls == 2
+    assert RoundLookahead(GreedyForK(5), max_length=20).widths([4]) == RoundWidths(model=5, lookup=0)
+
+    padded = RoundLookahead(GreedyForK(5), max_length=20, prompt_ends_in_padding=True, lookup_tokens=8)
+    assert padded.widths([4]) == RoundWidths(model=0, lookup=0) and padded.policy.calls == 0
+    assert padded.widths([5]) == RoundWidths(model=5, lookup=8) and padded.policy.calls == 1
+
+    lookahead.observe(RoundRecord(4, 2, 3, 0.0, 0.1), model_steps=0)  # a lookup round of a model draft
+    lookahead.observe(RoundRecord(2, 1, 2, 0.1, 0.1), model_steps=2)
+    lookahead.observe(RoundRecord(0, 0, 0, 0.0, 0.1), model_steps=0)  # a plain step teaches the policy too
+    assert policy.observed == 2
+
+
+def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
+    alone = RoundLookahead.for_call(
+        SpeculativeConfig(), reproducible=True, batch_size=1, max_length=100, prompt_ends_in_padding=False,
+        lookup_tokens=12, lookup_only=True,
+    )  # fmt: skip
+    assert alone.policy.max_lookahead == 12
+    widths = alone.widths([10])
+    assert widths.model == widths.lookup and 0 < widths.lookup <= 12
+    tested = alone.policy.alpha.count
+    alone.observe(RoundRecord(widths.lookup, 1, 2, 0.0, 0.1), model_steps=0)  # lookup rounds are its rounds
+    assert alone.policy.alpha.count > tested
+    fixed = RoundLookahead.for_call(
+        SpeculativeConfig(num_lookahead=3), reproducible=False, batch_size=1, max_length=100,
+        prompt_ends_in_padding=False, lookup_tokens=None, lookup_only=True,
+    )  # fmt: skip
+    assert fixed.widths([10]) == RoundWidths(model=3, lookup=3) and not fixed.needs_timing
