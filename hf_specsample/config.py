@@ -95,21 +95,27 @@ class SpeculativeConfig:
         if isinstance(vocabulary, int) and vocabulary < 1:
             raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
 
-    def make_policy(self, reproducible: bool, cost_ratio: float, batch_size: int = 1) -> LookaheadPolicy:
-        """A fresh policy for one generate() call.
+    def make_policy(
+        self, reproducible: bool, cost_ratio: float, batch_size: int = 1, draft_step_seconds: float | None = None
+    ) -> LookaheadPolicy:
+        """A fresh policy for one generate() call (`lookahead.RoundLookahead.for_call` calls it and caps its K).
 
         Args:
             reproducible: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
                 agree): the adaptive policy then uses `StaticCosts`, with verification rising with the batch.
             cost_ratio: draft/target cost of a step, estimated from weight sizes.
             batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
+            draft_step_seconds: the draft's step time measured before the call, if any: the starting estimate of
+                the wall-clock costs (`MeasuredCosts`); unused by clock-free `StaticCosts`.
         """
         if self.lookahead_policy is not None:
             return self.lookahead_policy()
         if self.num_lookahead is not None:
             return FixedLookahead(self.num_lookahead)
-        costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size) if reproducible else None
-        return AdaptiveLookahead(self.max_lookahead, costs=costs)
+        if reproducible:
+            costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
+            return AdaptiveLookahead(self.max_lookahead, costs=costs)
+        return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds)
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

@@ -202,6 +202,7 @@ class SpeculativeDecoder:
             config, reproducible=generator is not None, batch_size=batch, max_length=self.max_length,
             prompt_ends_in_padding=prompt_ends_in_padding, lookup_tokens=lookup_tokens, lookup_only=draft is None,
             cost_ratio=weight_bytes_ratio(draft.model, model) if draft is not None else 0.0,
+            draft_step_seconds=draft.measured_step_seconds if draft is not None else None,
         )  # fmt: skip
         self.sequences.attach(self.target)
         if draft is None or lookup_tokens is not None:

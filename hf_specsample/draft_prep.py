@@ -96,6 +96,12 @@ class PreparedDraft:
         )
         return f"{self.quantization}" + (f" (timed per step: {timed})" if timed else "")
 
+    @property
+    def measured_step_seconds(self) -> float | None:
+        """Seconds of one single-token step of `model` where AUTO timed it (`step_seconds` of its form), else None."""
+        seconds = self.step_seconds.get(self.quantization)
+        return seconds if seconds is not None and math.isfinite(seconds) else None
+
     def ids_for(self, target: PreTrainedModel) -> torch.Tensor | None:
         """The token ids this draft proposes over when drafting for `target`, or None for ``0 .. width - 1``.
 

@@ -4,7 +4,8 @@
 keeps up to date while generating:
 
 - alpha, the probability that a tested draft token is accepted (decayed counts of accepted / tested tokens);
-- d, the cost of one draft step (seconds per drafted token);
+- d, the cost of one draft step (seconds per drafted token), starting from the draft's step time measured before
+  the call where `draft_quantization="auto"` timed it (`MeasuredCosts`' prior);
 - v(K), the cost of everything else in a round that verifies K draft tokens: the target forward over K+1
   positions, logits processing, acceptance and bookkeeping. It grows with K where verification is compute-bound
   (large batches, bitsandbytes 4-bit, float32 on CPU), so it is a line v0 + v1 K fitted to the rounds observed.
@@ -102,11 +103,20 @@ class _DecayedMean:
 
 
 class MeasuredCosts:
-    """Round costs from the wall clock: d per draft step, and v(K) as a line through the K's observed."""
+    """Round costs from the wall clock: d per draft step, and v(K) as a line through the K's observed.
 
-    def __init__(self, decay: float):
+    Args:
+        decay: per round, how much earlier observations still count.
+        draft_step_prior: seconds of one draft step measured before the call (`PreparedDraft.step_seconds`, where
+            `draft_quantization="auto"` timed the draft's forms), the starting estimate of d; it counts as one
+            drafted token (a bare single-row forward, without the processing and sampling a round adds) and fades
+            with `decay`. None: d is unknown until a round drafts.
+    """
+
+    def __init__(self, decay: float, draft_step_prior: float | None = None):
         self.decay = decay
-        self.draft_step = _DecayedMean(0.0, weight=0.0, decay=decay)
+        prior_weight = 0.0 if draft_step_prior is None else 1.0
+        self.draft_step = _DecayedMean(draft_step_prior or 0.0, weight=prior_weight, decay=decay)
         self.verify: dict[int, _DecayedMean] = {}  # K -> decayed mean of v(K)
 
     @property
@@ -191,9 +201,10 @@ class AdaptiveLookahead(LookaheadPolicy):
         probe_every: int = 16,  # when not drafting, a K=1 round this often re-measures alpha (~2% cost at c=0.3);
         # the interval doubles (up to 8x) while probes keep confirming that drafting does not pay
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
+        draft_step_seconds: float | None = None,  # a draft step timed before the call: the measured costs' prior
     ):
         self.max_lookahead = max_lookahead
-        self.costs = costs if costs is not None else MeasuredCosts(decay)
+        self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds)
         self.first_lookahead = min(first_lookahead, max_lookahead)
         self.probe_every = probe_every
         self.alpha = _DecayedMean(alpha_prior, weight=alpha_prior_weight, decay=decay)
@@ -300,6 +311,7 @@ class RoundLookahead:
         lookup_tokens: int | None,
         lookup_only: bool,
         cost_ratio: float = 0.0,
+        draft_step_seconds: float | None = None,
     ) -> RoundLookahead:
         """The K owner of one `generate()` call, with a fresh policy (`SpeculativeConfig.make_policy`).
 
@@ -314,13 +326,15 @@ class RoundLookahead:
             lookup_only: no draft model (`draft_model="prompt_lookup"`): K adapts as for a model draft (drafting
                 costs only the lookup) up to N (default `DEFAULT_LOOKUP_TOKENS`); `num_lookahead=` fixes it.
             cost_ratio: draft/target cost of a step (`weight_bytes_ratio`); ignored by lookup alone (cost 0).
+            draft_step_seconds: the draft's step time measured before the call (`PreparedDraft.
+                measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
         """
         if lookup_only:
             widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
             config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
             policy = config.make_policy(reproducible, cost_ratio=0.0, batch_size=batch_size)
             return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
-        policy = config.make_policy(reproducible, cost_ratio, batch_size=batch_size)
+        policy = config.make_policy(reproducible, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds)
         return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
 
     @property

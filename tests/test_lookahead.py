@@ -217,3 +217,36 @@ def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
         prompt_ends_in_padding=False, lookup_tokens=None, lookup_only=True,
     )  # fmt: skip
     assert fixed.widths([10]) == RoundWidths(model=3, lookup=3) and not fixed.needs_timing
+
+
+def test_a_measured_draft_step_is_the_starting_estimate_of_the_draft_cost():
+    blind, primed = AdaptiveLookahead(), AdaptiveLookahead(draft_step_seconds=0.05)
+    assert primed.costs.draft_seconds() == 0.05 and not primed.costs.ready  # v(K) is not known yet
+    assert blind.choose() == primed.choose() == 2
+    record = RoundRecord(2, 1, 2, draft_seconds=0.02, verify_seconds=0.2)
+    for policy in (blind, primed):
+        policy.observe(record)
+    assert blind.costs.draft_seconds() == pytest.approx(0.01)
+    assert primed.costs.draft_seconds() == pytest.approx((0.85 * 0.05 + 0.02) / (0.85 + 2))  # one step, fading
+    plain = AdaptiveLookahead(draft_step_seconds=0.05)
+    plain.observe(RoundRecord(0, 0, 0, draft_seconds=0.0, verify_seconds=0.2))  # a plain step measures v alone
+    assert plain.costs.ready and not AdaptiveLookahead().costs.ready
+
+
+@pytest.mark.parametrize("quantization, expected", [("auto", 0.001), ("none", None)])
+def test_the_drafts_timed_step_reaches_the_policy(pair, int8_steps_faster, monkeypatch, quantization, expected):
+    """Where `draft_quantization="auto"` timed the draft's forms, the running form's step time is the policy's
+    starting draft cost (the fixture's timing: int8 1 ms, as given 2 ms); a draft run as given is not timed."""
+    target, _ = pair
+    draft = perturbed_copy(target, seed=2, scale=0.1)  # not in the implicit cache of drafts prepared before
+    priors = []
+    make_policy = SpeculativeConfig.make_policy
+
+    def recording(self, *args, **kwargs):
+        priors.append(kwargs.get("draft_step_seconds"))
+        return make_policy(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeConfig, "make_policy", recording)
+    config = SpeculativeConfig(draft_quantization=quantization)
+    target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft, speculative_config=config)
+    assert priors == [expected]
