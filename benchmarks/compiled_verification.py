@@ -26,6 +26,7 @@ from transformers import CompileConfig, StaticCache
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.compiled import CompileSettings, compiled_forward
+from hf_specsample.kv import _positions_to_keep
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
 from hf_specsample_bench.prompts import PromptSet, load_prompts
@@ -79,7 +80,7 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
             positions = torch.arange(start, start + width)[None]
             # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph;
             # compiled code gets the kept positions as a tensor, as the loop passes them (an int is specialised)
-            to_keep = torch.arange(width - keep, width) if function is compiled else keep
+            to_keep = _positions_to_keep(width, keep, torch.device("cpu"), compiled=function is compiled)
             kwargs = dict(past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=positions)
             function(input_ids=ids, **kwargs, logits_to_keep=to_keep)
             for layer in cache.layers:  # roll back: the next call writes the same slots
@@ -101,9 +102,11 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     eager_1, fast_1 = rows[0][1], rows[0][2]
     # the prompt's own forward (the first round's), which the loop also runs through the compiled graph
     prompt_eager = median_ms(forward(target, prompt_length, start=0, keep=1), 1)
+    compilations = compiled.compilations
     prompt_fast = median_ms(forward(compiled, prompt_length, start=0, keep=1), max(repeats // 2, 1))
     print(f"\nprompt ({prompt_length} tokens, eager as plain generate() encodes it): eager {prompt_eager:.0f} ms, "
-          f"compiled {prompt_fast:.0f} ms ({prompt_eager / prompt_fast:.1f}x)")  # fmt: skip
+          f"compiled {prompt_fast:.0f} ms ({prompt_eager / prompt_fast:.1f}x; "
+          f"{compiled.compilations - compilations} recompilations)")  # fmt: skip
     print(f"\nforward over M positions (prompt of {prompt_length} tokens; median of {repeats}; compiled M=1 runs "
           "as M=2)")  # fmt: skip
     print(

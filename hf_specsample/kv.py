@@ -306,10 +306,11 @@ class CachedModel:
 def _positions_to_keep(width: int, num_logits: int, device: torch.device, compiled: bool) -> int | torch.Tensor:
     """`logits_to_keep` for a forward over `width` positions that returns the last `num_logits` logits.
 
-    Compiled code gets the positions as a `(num_logits,)` tensor: an int argument is specialised by dynamo (a guard
-    on its value, which also pins the query length it equals), so each new width would compile, and freeze the
-    weights, again; a tensor's length stays symbolic, and one graph serves the prompt and every round.
+    Compiled code gets the positions as a tensor of at least two: an int argument is specialised by dynamo (a guard
+    on its value, which also pins the query length it equals), and so is a length of 1, so each new value would
+    compile, and freeze the weights, again; a longer tensor's length stays symbolic, and one graph serves the prompt
+    and every round. The caller keeps the last `num_logits` of the logits returned.
     """
     if not compiled:
         return num_logits
-    return torch.arange(width - num_logits, width, device=device)
+    return torch.arange(width - max(num_logits, 2), width, device=device)  # a length of 1 would be specialised too

@@ -108,6 +108,22 @@ def test_shared_vocabulary_respects_the_model_widths(tokenizers):
     assert vocabulary.target_to_draft.shape == (4,) and vocabulary.draft_to_target.shape == (5,)
 
 
+def test_shared_vocabulary_is_kept_per_tokenizer_pair_and_renewed_when_one_changes():
+    """A chat calls generate() once per turn: the pairs are built once per tokenizer pair. A tokenizer changed in
+    place (`add_tokens`) gets a new map that pairs the new token, never the stale one (which would not)."""
+    target_tokenizer = bpe_tokenizer(TARGET_TOKENS, [("a", "b"), ("c", "a")])
+    draft_tokenizer = bpe_tokenizer(DRAFT_TOKENS, [("b", "c"), ("x", "a")])
+    first = shared_vocabulary(target_tokenizer, draft_tokenizer, 16, 16)
+    assert shared_vocabulary(target_tokenizer, draft_tokenizer, 16, 16) is first
+    assert shared_vocabulary(target_tokenizer, draft_tokenizer, 5, 16) is not first  # another width, another map
+    target_tokenizer.add_tokens(["<new>"])
+    draft_tokenizer.add_tokens(["<new>"])
+    renewed = shared_vocabulary(target_tokenizer, draft_tokenizer, 16, 16)
+    assert renewed.size == first.size + 1
+    pair = (draft_tokenizer.convert_tokens_to_ids("<new>"), target_tokenizer.convert_tokens_to_ids("<new>"))
+    assert pair in set(zip(renewed.draft_columns.tolist(), renewed.target_ids.tolist()))
+
+
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """GPT-2 style: "Ġ" is a space, "Ċ" a newline, "Ã©" the two bytes of "é"; "<|im_end|>" an added special token."""
     tokens = ["<|endoftext|>", "h", "i", "Ġ", "Ċ", "Ã", "©", "hi", "Ġhi", "Ã©", "Ġhi!"]
