@@ -45,8 +45,11 @@ def main() -> None:
         "target": {},
         "transformers lookup": dict(prompt_lookup_num_tokens=n),
         "lookup": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n),
-        "lookup compiled": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n,
-                                speculative_config=hf_specsample.SpeculativeConfig(compile=True)),  # fmt: skip
+        "lookup compiled": dict(
+            draft_model="prompt_lookup",
+            prompt_lookup_num_tokens=n,
+            speculative_config=hf_specsample.SpeculativeConfig(compile=True),
+        ),  # fmt: skip
         "draft": dict(draft_model=prepared),
         "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),
     }
@@ -71,10 +74,15 @@ def main() -> None:
             tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
             texts.setdefault(prompt.prompt_id, set()).add(tuple(out[0].tolist()))
     print(f"same text from every method: {all(len(outputs) == 1 for outputs in texts.values())}")
-    base, reference = tokens["target"] / seconds["target"], tokens["transformers lookup"] / seconds["transformers lookup"]
+    base, reference = (
+        tokens["target"] / seconds["target"],
+        tokens["transformers lookup"] / seconds["transformers lookup"],
+    )
     for name in methods:
         rate = tokens[name] / seconds[name]
-        print(f"{name:>20}: {rate:6.2f} tok/s  {rate / base:5.2f}x target  {rate / reference:5.2f}x transformers lookup")
+        print(
+            f"{name:>20}: {rate:6.2f} tok/s  {rate / base:5.2f}x target  {rate / reference:5.2f}x transformers lookup"
+        )
 
 
 if __name__ == "__main__":

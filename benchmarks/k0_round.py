@@ -45,8 +45,10 @@ def main() -> None:
             pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
         runs = {
-            "plain": lambda: target.generate(**inputs, **common),
-            "k0": lambda: target.generate(**inputs, draft_model=draft, speculative_config=NO_DRAFTING, **common),
+            "plain": lambda inputs=inputs, common=common: target.generate(**inputs, **common),
+            "k0": lambda inputs=inputs, common=common: target.generate(
+                **inputs, draft_model=draft, speculative_config=NO_DRAFTING, **common
+            ),
         }
         outputs = {name: run() for name, run in runs.items()}  # warm-up (and the int8 copy of the draft)
         seconds = {name: [] for name in runs}

@@ -9,7 +9,8 @@ warm-up round of each). Every call generates exactly `--max-new-tokens` tokens (
 Both versions are called through transformers' own `generate(custom_generate=...)`, so neither's registration
 wrapper is in the way. Printed: tokens/s per method, each one's speed-up over the target alone, and this/base
 (also per prompt, median). `--levers-off` adds this checkout with the levers that came after the base switched
-off (sort-free top-p, block verification), to tell the cost of a refactor from the gain of a lever. Figures are printed, never asserted; this CPU drifts by about 10% between calls.
+off (sort-free top-p, block verification), to tell the cost of a refactor from the gain of a lever. Figures are
+printed, never asserted; this CPU drifts by about 10% between calls.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from transformers.generation.utils import GenerationMixin
 
 PLAIN_GENERATE = GenerationMixin.generate  # before either version registers its wrapper
@@ -59,8 +59,12 @@ def main() -> None:
     parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many HumanEval prompts first")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--modes", default="sampling,greedy")
-    parser.add_argument("--levers-off", action="store_true", help="also run this checkout without sort-free top-p "
-                        "and with token verification (the levers added after the base)")
+    parser.add_argument(
+        "--levers-off",
+        action="store_true",
+        help="also run this checkout without sort-free top-p "
+        "and with token verification (the levers added after the base)",
+    )
     args = parser.parse_args()
 
     import hf_specsample
@@ -75,7 +79,10 @@ def main() -> None:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line), "")
         print(f"this checkout {head.stdout.strip()} vs base {args.base}; {platform.machine()} {cpu.split(':')[-1]}")
-        print(f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, {args.max_new_tokens} tokens")
+        print(
+            f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, "
+            f"{args.max_new_tokens} tokens"
+        )
         methods = {
             "target": {},
             "this": dict(custom_generate=hf_specsample.speculative_generate, draft_model=draft),
@@ -87,7 +94,9 @@ def main() -> None:
         n = args.max_new_tokens
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         for mode in args.modes.split(","):
-            sampling = dict(do_sample=True, temperature=0.7, top_p=0.95) if mode == "sampling" else dict(do_sample=False)
+            sampling = (
+                dict(do_sample=True, temperature=0.7, top_p=0.95) if mode == "sampling" else dict(do_sample=False)
+            )
             common = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **sampling)
             warm = tokenizer(prompts[0].text, return_tensors="pt")
             for extra in methods.values():

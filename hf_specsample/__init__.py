@@ -10,10 +10,10 @@ Outputs follow the target's own distribution exactly (greedy: token for token), 
 """
 
 from .compiled import release_compiled
-from .config import SpeculativeConfig
 from .decoding import speculative_generate
-from .draft_prep import DraftQuantization, PreparedDraft, prepare_draft
+from .draft_prep import PreparedDraft, prepare_draft
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
+from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats
@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_MAX_LOOKAHEAD",
     "DraftQuantization",
     "FixedLookahead",
+    "NamedDraft",
     "frequent_tokens",
     "LookaheadPolicy",
     "PreparedDraft",
@@ -33,6 +34,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
+    "Verification",
     "is_registered",
     "register",
     "release_compiled",

@@ -15,13 +15,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
 from .compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
-from .config import SpeculativeConfig
 from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
-from .draft_prep import DraftQuantization, PreparedDraft, draft_for_call
+from .draft_prep import PreparedDraft, draft_for_call
 from .drafting import DraftModelProposer
 from .kv import CachedModel, input_device
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
-from .named_drafts import NamedDraft
+from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .processing import PositionwiseProcessor, probabilities
 from .prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
@@ -29,7 +28,6 @@ from .proposer import Proposal, Proposer
 from .rejection import (
     NonFinite,
     Verdict,
-    Verification,
     block_accept,
     flag_nonfinite,
     greedy_accept,

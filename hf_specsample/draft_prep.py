@@ -28,7 +28,6 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
@@ -37,7 +36,7 @@ from transformers.utils.quantization_config import QuantizationMethod
 
 from .cross_vocab import SharedVocabulary, shared_vocabulary
 from .draft_timing import decode_step_seconds
-from .named_drafts import NamedDraft
+from .options import DraftQuantization, NamedDraft
 from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
 from .validation import check_models, check_tokenizers, vocab_size
 from .vocabulary import special_token_ids, vocabulary_ids
@@ -45,15 +44,6 @@ from .vocabulary import special_token_ids, vocabulary_ids
 logger = logging.getLogger(__name__)
 
 AUTO_DRAFT = NamedDraft.AUTO  # draft_model="auto": build a draft from the target
-
-
-class DraftQuantization(str, Enum):
-    AUTO = "auto"  # a float draft on the CPU: int8 or as given, whichever steps faster here; otherwise as given
-    NONE = "none"
-    INT8 = "int8"  # dynamic int8 (CPU only)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, eq=False)

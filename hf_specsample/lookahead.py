@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-if TYPE_CHECKING:
-    from .config import SpeculativeConfig
+from .options import DEFAULT_MAX_LOOKAHEAD
 
-DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
+if TYPE_CHECKING:
+    from .options import SpeculativeConfig
+
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
 # Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),

@@ -30,15 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-
-class Verification(str, enum.Enum):
-    """How a row's draft block is verified; both are exact."""
-
-    TOKEN = "token"  # token by token, stopping at the first rejection (`speculative_accept`)
-    BLOCK = "block"  # jointly (`block_accept`): never fewer accepted tokens in expectation
-
-    def __str__(self) -> str:
-        return self.value
+from .options import Verification  # noqa: F401  (re-exported: the rules it names live here)
 
 
 class Verdict(NamedTuple):

@@ -205,7 +205,8 @@ def _compare(args, config: BenchmarkConfig, target, drafts: MethodDrafts, tokeni
         print(f"\nthe draft has its own tokenizer: it drafts over the {meta['shared_vocabulary']} tokens both share")
     quantized = f", target {args.target_quantization.value}, draft {args.draft_quantization.value}"
     loaded = f", loaded from {args.load_from}" if args.pair is not BenchPair.TINY else ""
-    print(f"\n{args.pair.value}, {args.dtype}{loaded}{quantized}, {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+    print(f"\n{args.pair.value}, {args.dtype}{loaded}{quantized}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} new tokens; "
           f"target forward {cost['target_forward_s'] * 1000:.0f} ms, draft {cost['draft_forward_s'] * 1000:.0f} ms, "
           f"c = {cost['c']:.2f}")  # fmt: skip
     if not args.skip_main:

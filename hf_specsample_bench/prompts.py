@@ -97,7 +97,10 @@ def code_edit_prompts() -> list[Prompt]:
         except SyntaxError:
             continue
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or not EDIT_LINES[0] <= node.end_lineno - node.lineno + 1 <= EDIT_LINES[1]:
+            if (
+                not isinstance(node, ast.FunctionDef)
+                or not EDIT_LINES[0] <= node.end_lineno - node.lineno + 1 <= EDIT_LINES[1]
+            ):
                 continue
             arguments = node.args.args + node.args.kwonlyargs
             if node.returns is not None or any(argument.annotation is not None for argument in arguments):

@@ -49,9 +49,11 @@ def exact_distribution(
             mask = torch.cat([attention_mask, torch.ones(1, new, dtype=attention_mask.dtype)], 1)
             positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + torch.arange(1, new + 1)], 1)
             rows = len(prefixes)
-            logits = model(
-                input_ids=ids, attention_mask=mask.expand(rows, -1), position_ids=positions.expand(rows, -1)
-            ).logits[:, -1].float()
+            logits = (
+                model(input_ids=ids, attention_mask=mask.expand(rows, -1), position_ids=positions.expand(rows, -1))
+                .logits[:, -1]
+                .float()
+            )
         probs = torch.softmax(processors(ids, logits).double(), dim=-1)
         next_frontier: dict[Continuation, float] = {}
         for prefix, row in zip(prefixes, probs):

@@ -71,7 +71,9 @@ def test_speculative_cache_serves_plain_generate_and_back(pair):
     third = target.generate(
         torch.cat([second.sequences, TURN], dim=1), past_key_values=second.past_key_values, draft_model=draft, **kwargs
     )  # speculative on plain's cache
-    fresh = target.generate(torch.cat([second.sequences, TURN], dim=1), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    fresh = target.generate(
+        torch.cat([second.sequences, TURN], dim=1), max_new_tokens=8, do_sample=False, pad_token_id=PAD
+    )
     assert third.sequences.tolist() == fresh.tolist()
 
 

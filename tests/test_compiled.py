@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 from exact import sampled_pvalue
-from tiny import PAD, perturbed_copy, tiny_lm, tiny_llama
+from tiny import PAD, perturbed_copy, tiny_llama, tiny_lm
 from transformers import CompileConfig
 
 import hf_specsample.compiled as compiled
@@ -82,8 +82,12 @@ def test_one_graph_when_a_head_count_equals_the_warm_up_width(light, monkeypatch
     draft = perturbed_copy(target, seed=1, scale=0.3)
     widths = []
     call = compiled.CompiledForward.__call__
-    monkeypatch.setattr(compiled.CompiledForward, "__call__",
-                        lambda self, **kwargs: widths.append(kwargs["input_ids"].shape[1]) or call(self, **kwargs))  # fmt: skip
+
+    def recording(self, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return call(self, **kwargs)
+
+    monkeypatch.setattr(compiled.CompiledForward, "__call__", recording)
     prompt = torch.tensor([[1, 5, 2, 5, 3, 7, 2]])
     out = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
                           speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip

@@ -192,7 +192,9 @@ def test_stateful_watermark_processor(target, draft):
 
 
 def test_draft_tokenizer_without_the_targets(target, draft):
-    assert_fails_before_work(target, draft, match="pass the target's as `tokenizer=`", draft_tokenizer=char_tokenizer(32))
+    assert_fails_before_work(
+        target, draft, match="pass the target's as `tokenizer=`", draft_tokenizer=char_tokenizer(32)
+    )
 
 
 def test_batch_with_per_row_stop_criteria_and_no_eos_is_refused(target, draft):
@@ -215,5 +217,9 @@ def test_batch_with_per_row_stop_criteria_and_no_eos_is_refused(target, draft):
     assert counter.calls == 0
     # One row, or an EOS id (rows are then padded after they stop, as plain pads them): accepted.
     target.generate(
-        PROMPT, max_new_tokens=5, pad_token_id=PAD, draft_model=draft, stopping_criteria=StoppingCriteriaList([StopOn()])
+        PROMPT,
+        max_new_tokens=5,
+        pad_token_id=PAD,
+        draft_model=draft,
+        stopping_criteria=StoppingCriteriaList([StopOn()]),
     )

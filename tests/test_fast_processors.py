@@ -185,7 +185,9 @@ def test_scores_equal_plain_generate_bit_for_bit(wide_pair, kind):
         do_sample=True, max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
         output_logits=True, **settings,
     )  # fmt: skip
-    out = target.generate(prompt, draft_model=draft, num_lookahead=3, generator=torch.Generator().manual_seed(0), **kwargs)
+    out = target.generate(
+        prompt, draft_model=draft, num_lookahead=3, generator=torch.Generator().manual_seed(0), **kwargs
+    )
     warpers, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=12, **settings)
     assert [type(w) for w in warpers][-1] is last_warper  # (after transformers' default top_k=50)
     no_ids = torch.empty((prompt.shape[0], 0), dtype=torch.long)

@@ -76,6 +76,7 @@ def test_dropping_what_a_sliding_layer_no_longer_stores_raises():
     with pytest.raises(RuntimeError, match="no longer stores"):
         cached.rollback([7])
 
+
 @pytest.mark.parametrize("arch", ["llama", "starcoder2"])
 @torch.no_grad()
 def test_select_rows_keeps_the_chosen_rows_exact(arch):
@@ -91,8 +92,12 @@ def test_select_rows_keeps_the_chosen_rows_exact(arch):
     assert cached.slots == 9, "leading holes every remaining row shares are dropped"
     assert_hole_free(cached)
     logits = cached.feed_upto(sequences, [9, 11], num_logits=1)[:, 0]
-    torch.testing.assert_close(logits[0], reference_logits(model, sequences.tokens[0, :9].tolist()), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits[1], reference_logits(model, sequences.tokens[1, :11].tolist()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        logits[0], reference_logits(model, sequences.tokens[0, :9].tolist()), rtol=1e-4, atol=1e-4
+    )
+    torch.testing.assert_close(
+        logits[1], reference_logits(model, sequences.tokens[1, :11].tolist()), rtol=1e-4, atol=1e-4
+    )
 
 
 @torch.no_grad()

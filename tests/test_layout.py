@@ -52,6 +52,24 @@ def test_the_library_never_imports_the_tooling():
     assert offenders == []
 
 
+def module_level_imports(path: Path) -> list[str]:
+    """Modules a file imports when it is imported: not inside functions, not under `if TYPE_CHECKING:`."""
+    names = []
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return names
+
+
+def test_options_are_a_leaf():
+    """The options and the enums a user passes import nothing of the library's (importing them pulls in no model,
+    cache or drafter code), so any module can import them without a cycle."""
+    imports = module_level_imports(LIBRARY / "options.py")
+    assert [name for name in imports if name.startswith(".") or name.startswith("hf_specsample")] == []
+
+
 def declared_scripts() -> dict[str, str]:
     """`[project.scripts]` of this checkout's pyproject.toml: name -> "module:function"."""
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")

@@ -176,8 +176,13 @@ def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options,
         draft = perturbed_copy(target, seed=3, scale=0.1)
         prepared = implicit_draft(draft, target, **options)
         assert prepared.model is not draft and len(_IMPLICIT) == entries + 1
-        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(
-            draft_quantization=options.get("quantization", "auto"), draft_vocabulary=options.get("vocabulary")))
+        greedy(
+            target,
+            draft_model=draft,
+            speculative_config=SpeculativeConfig(
+                draft_quantization=options.get("quantization", "auto"), draft_vocabulary=options.get("vocabulary")
+            ),
+        )
         return {"draft": weakref.ref(draft), "prepared model": weakref.ref(prepared.model)}
 
     assert collected(make_and_use) == []

@@ -102,17 +102,32 @@ def _architectures():
         "granite": lambda v: _llama_like(tf.GraniteConfig, v),
         "gpt2": lambda v: _plain(tf.GPT2Config, v, n_embd=32, n_layer=2, n_head=4, n_positions=256),
         "gpt_neox": lambda v: _plain(
-            tf.GPTNeoXConfig, v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            tf.GPTNeoXConfig,
+            v,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
             max_position_embeddings=256,
         ),  # fmt: skip
         "gptj": lambda v: _plain(tf.GPTJConfig, v, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256),
         "opt": lambda v: _plain(
-            tf.OPTConfig, v, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-            max_position_embeddings=256, word_embed_proj_dim=32,
+            tf.OPTConfig,
+            v,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
         ),  # fmt: skip
         "bloom": lambda v: _plain(tf.BloomConfig, v, hidden_size=32, n_layer=2, n_head=4),
         "falcon": lambda v: _plain(
-            tf.FalconConfig, v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            tf.FalconConfig,
+            v,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
             new_decoder_architecture=False,
         ),  # fmt: skip
     }

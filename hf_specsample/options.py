@@ -1,22 +1,57 @@
-"""Speculative-sampling options, validated on construction."""
+"""The call's options, and every enum a user passes: a leaf module (it imports nothing of the library's at import).
+
+- `SpeculativeConfig`: the options of `speculative_config=`, validated on construction.
+- `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`).
+- `DraftQuantization`: the form a draft model runs in (`draft_quantization=`, `prepare_draft(quantization=)`).
+- `Verification`: how a draft block is verified (`verification=`).
+
+All enums are `str` enums: the plain strings compare equal, and an invalid one is refused with the choices.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from .draft_prep import DraftQuantization
-from .lookahead import (
-    DEFAULT_MAX_LOOKAHEAD,
-    STATIC_VERIFY_SLOPE,
-    AdaptiveLookahead,
-    FixedLookahead,
-    LookaheadPolicy,
-    StaticCosts,
-)
-from .rejection import Verification
+if TYPE_CHECKING:
+    from .lookahead import LookaheadPolicy
+
+DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
+
+
+class NamedDraft(str, enum.Enum):
+    """`draft_model="auto"` / `draft_model="prompt_lookup"` (a `str` enum: the plain strings compare equal)."""
+
+    AUTO = "auto"  # a draft made from the target: an int8 copy on the CPU, a layer-skipping view elsewhere
+    PROMPT_LOOKUP = "prompt_lookup"  # n-gram continuations from the prompt and the text so far; no model runs
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DraftQuantization(str, enum.Enum):
+    """The form a draft model runs in (`prepare_draft`)."""
+
+    AUTO = "auto"  # a float draft on the CPU: int8 or as given, whichever steps faster here; otherwise as given
+    NONE = "none"
+    INT8 = "int8"  # dynamic int8 (CPU only)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Verification(str, enum.Enum):
+    """How a row's draft block is verified; both are exact."""
+
+    TOKEN = "token"  # token by token, stopping at the first rejection (`rejection.speculative_accept`)
+    BLOCK = "block"  # jointly (`rejection.block_accept`): never fewer accepted tokens in expectation
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def _check_lookahead(name: str, value: int | None) -> None:
@@ -66,7 +101,7 @@ class SpeculativeConfig:
 
     num_lookahead: int | None = None
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
-    lookahead_policy: Callable[[], LookaheadPolicy] | None = None
+    lookahead_policy: "Callable[[], LookaheadPolicy] | None" = None
     draft_quantization: DraftQuantization | str = DraftQuantization.AUTO
     draft_vocabulary: torch.Tensor | int | None = None
     fast_processors: bool = True
@@ -97,7 +132,7 @@ class SpeculativeConfig:
 
     def make_policy(
         self, reproducible: bool, cost_ratio: float, batch_size: int = 1, draft_step_seconds: float | None = None
-    ) -> LookaheadPolicy:
+    ) -> "LookaheadPolicy":
         """A fresh policy for one generate() call (`lookahead.RoundLookahead.for_call` calls it and caps its K).
 
         Args:
@@ -108,6 +143,8 @@ class SpeculativeConfig:
             draft_step_seconds: the draft's step time measured before the call, if any: the starting estimate of
                 the wall-clock costs (`MeasuredCosts`); unused by clock-free `StaticCosts`.
         """
+        from .lookahead import STATIC_VERIFY_SLOPE, AdaptiveLookahead, FixedLookahead, StaticCosts  # options: a leaf
+
         if self.lookahead_policy is not None:
             return self.lookahead_policy()
         if self.num_lookahead is not None:
