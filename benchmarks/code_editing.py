@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--prompt-offset", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--lookup-tokens", type=int, default=10, help="N of prompt_lookup_num_tokens")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
     args = parser.parse_args()
 
     target, draft, tokenizer = load_bench_pair(args.pair)
@@ -53,6 +54,9 @@ def main() -> None:
         "draft": dict(draft_model=prepared),
         "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),
     }
+    if args.methods:  # "target" and "transformers lookup" are the references of the ratios
+        wanted = {"target", "transformers lookup", *args.methods.split(",")}
+        methods = {name: extra for name, extra in methods.items() if name in wanted}
     prompts = load_prompts(PromptSet.CODE_EDIT, args.num_prompts, offset=args.prompt_offset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
@@ -73,6 +77,8 @@ def main() -> None:
             seconds[name] += time.perf_counter() - start
             tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
             texts.setdefault(prompt.prompt_id, set()).add(tuple(out[0].tolist()))
+            rate = (out.shape[1] - inputs["input_ids"].shape[1]) / (time.perf_counter() - start)
+            print(f"  {prompt.prompt_id} {name}: {rate:.2f} tok/s", flush=True)
     print(f"same text from every method: {all(len(outputs) == 1 for outputs in texts.values())}")
     base, reference = (
         tokens["target"] / seconds["target"],

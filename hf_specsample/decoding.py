@@ -14,6 +14,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.generation.streamers import BaseStreamer
 
 from . import cache_rows, distributed, validation
+from .call_inputs import CallInputs
 from .compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
 from .draft_prep import PreparedDraft, draft_for_call
@@ -122,9 +123,13 @@ def speculative_generate(
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
     decoder = SpeculativeDecoder(
-        model, draft_model, input_ids, model_kwargs, logits_processor, stopping_criteria, generation_config, config,
-        generator, speculative_streamer, speculative_caller_cache, lookup_tokens, max_ngram,
-        tokenizers if other_tokenizer else None,
+        CallInputs(
+            model=model, draft_model=draft_model, input_ids=input_ids, model_kwargs=model_kwargs,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, config=config, generator=generator, streamer=speculative_streamer,
+            caller_cache=speculative_caller_cache, lookup_tokens=lookup_tokens, max_ngram=max_ngram,
+            other_tokenizers=tokenizers if other_tokenizer else None,
+        )
     )  # fmt: skip
     return decoder.run()
 
@@ -132,31 +137,17 @@ def speculative_generate(
 class SpeculativeDecoder:
     """State of one speculative `generate()` call; `run()` is the loop."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        draft_model: PreTrainedModel | PreparedDraft | str,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict[str, Any],
-        logits_processor: LogitsProcessorList,
-        stopping_criteria: StoppingCriteriaList,
-        generation_config: GenerationConfig,
-        config: SpeculativeConfig,
-        generator: torch.Generator | None,
-        streamer: BaseStreamer | None,
-        caller_cache: bool = False,
-        lookup_tokens: int | None = None,
-        max_ngram: int | None = None,
-        other_tokenizers: tuple[Any, Any] | None = None,
-    ):
-        """`other_tokenizers`: (target tokenizer, draft tokenizer) when the draft has another vocabulary, else None."""
+    def __init__(self, call: CallInputs):
+        model, draft_model, input_ids, model_kwargs = call.model, call.draft_model, call.input_ids, call.model_kwargs
+        generation_config, config, generator = call.generation_config, call.config, call.generator
+        lookup_tokens, other_tokenizers = call.lookup_tokens, call.other_tokenizers
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
         self.pad_token_id = _as_int(generation_config._pad_token_tensor)
-        self.stopping_criteria = stopping_criteria
-        self.streamer = streamer
+        self.stopping_criteria = call.stopping_criteria
+        self.streamer = call.streamer
         self.processor = PositionwiseProcessor(
-            logits_processor, batch_size=input_ids.shape[0], fast=config.fast_processors
+            call.logits_processor, batch_size=input_ids.shape[0], fast=config.fast_processors
         )
         self.tensor_parallel = distributed.is_tensor_parallel(model)
         if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
@@ -187,7 +178,7 @@ class SpeculativeDecoder:
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
         cache = model_kwargs.get("past_key_values")
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
-        cache, compiled = _target_cache(model, cache, caller_cache, generation_config, config)
+        cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = cache_rows.total_slots(cache) if cache is not None else 0
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached), compiled=compiled,
@@ -204,7 +195,7 @@ class SpeculativeDecoder:
         )  # fmt: skip
         self.sequences.attach(self.target)
         if draft is None or lookup_tokens is not None:
-            lookup = PromptLookupProposer(max_ngram or DEFAULT_MAX_NGRAM)
+            lookup = PromptLookupProposer(call.max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         self.drafter: Proposer
         if draft is None:
@@ -215,7 +206,7 @@ class SpeculativeDecoder:
                 self.drafter = LookupThenModelProposer(self.drafter, lookup)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
         # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
-        wanted = bool(generation_config.return_dict_in_generate) or caller_cache or cached > 0
+        wanted = bool(generation_config.return_dict_in_generate) or call.caller_cache or cached > 0
         self.keep_cache = wanted and model_kwargs.get("use_cache") is not False
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
