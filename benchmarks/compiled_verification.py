@@ -76,8 +76,8 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
             mask[:, : start + width] = 1
             mask[:, start + width :] = 0
             source = prompt_ids if width <= prompt_length else prompt_ids.repeat(1, 2)
-            ids = source[:, -width:].clone()  # a fresh tensor, as the loop feeds: dynamo guards on strides
-            positions = torch.arange(start, start + width)[None]
+            ids = source[:, -width:].clone(memory_format=torch.contiguous_format)  # row-major, as the loop's
+            positions = torch.arange(start, start + width).repeat(1, 1)  # (1, width), not a view (as the loop's)
             # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph;
             # compiled code gets the kept positions as a tensor, as the loop passes them (an int is specialised)
             to_keep = _positions_to_keep(width, keep, torch.device("cpu"), compiled=function is compiled)

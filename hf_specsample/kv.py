@@ -169,6 +169,8 @@ class CachedModel:
             kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
+        if compiled:
+            input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
         logits = (self.compiled if compiled else self.model)(input_ids=input_ids, **kwargs).logits
         if padded:
             cache_rows.crop(self.cache, 1)
@@ -314,3 +316,16 @@ def _positions_to_keep(width: int, num_logits: int, device: torch.device, compil
     if not compiled:
         return num_logits
     return torch.arange(width - max(num_logits, 2), width, device=device)  # a length of 1 would be specialised too
+
+
+def _fresh(value):
+    """A tensor as a fresh, row-major tensor of its own (anything else as it is).
+
+    Dynamo guards on strides and on a view's base, so an input that is a view, or has the strides of one (a
+    `(1, w)` slice of a wider row keeps the row's stride: `.contiguous()` keeps it, since a size-1 dimension is
+    contiguous whatever its stride), fed where a fresh tensor was fed before, compiles and freezes the weights
+    again. The loop's inputs are a few hundred integers: copying them costs microseconds.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value

@@ -212,3 +212,16 @@ def test_compiled_ragged_batch_that_shrinks_equals_plain(light, pair):
     plain = target.generate(ids, **kwargs)
     mine = target.generate(ids, **kwargs, draft_model=draft, speculative_config=COMPILE, num_lookahead=2)
     assert mine.tolist() == plain.tolist()
+
+
+def test_compiled_inputs_are_fresh_row_major_tensors():
+    """Dynamo guards on strides and on a view's base: a `(1, w)` slice of a wider row keeps the row's stride even
+    through `.contiguous()`, and would compile (and freeze the weights) again where a fresh tensor was fed before."""
+    from hf_specsample.kv import _fresh
+
+    row = torch.arange(40)[None]
+    view = row[:, -2:]
+    assert view.contiguous().stride() == (40, 1)  # the trap
+    fresh = _fresh(view)
+    assert fresh.stride() == (2, 1) and fresh._base is None and fresh.tolist() == view.tolist()
+    assert _fresh(None) is None
