@@ -15,9 +15,7 @@ Prints, on the machine it runs on (`lscpu`'s model name and flags first):
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -27,22 +25,12 @@ import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.compiled import CompileSettings, compiled_forward
 from hf_specsample.kv import _positions_to_keep
+from hf_specsample_bench.measure import cpu_name
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
 from hf_specsample_bench.prompts import PromptSet, load_prompts
 
 HELD_OUT = 100  # HumanEval problems from here on were never looked at while tuning
-
-
-def cpu_name() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("Flags"))
-        extras = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-        return f"{name} ({torch.get_num_threads()} threads; {', '.join(extras)})"
-    except Exception:  # noqa: BLE001
-        return platform.processor() or "unknown CPU"
 
 
 def median_ms(function, repeats: int) -> float:
@@ -123,7 +111,10 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
     """generate() arguments of each compared method."""
     return {
         "target eager": {},
-        "target static+compiled": dict(cache_implementation="static", compile_config=compile_plain),
+        # one cache size for every call: transformers allocates a larger static cache for a longer call, and its
+        # frozen compiled code (inductor `freezing` freezes `mark_static_address` tensors) then indexes the old one
+        # ("index out of bounds" in compiled code, measured here); our loop clears the mark (compiled._unmark_static)
+        "target static+compiled": dict(cache_implementation="static", compile_config=compile_plain, max_cache_len=512),
         "assistant_model=": dict(assistant_model=draft),
         "hf_specsample eager": dict(draft_model=prepared),
         "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),

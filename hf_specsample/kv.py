@@ -184,16 +184,18 @@ class CachedModel:
         Called before the first round: with symbolic widths the one compiled graph then also encodes the prompt.
         The warm-up forward writes two positions past the cache's write pointer, which then moves back: those
         slots are masked (causally) and overwritten by the next forward. A cache whose layers are not allocated
-        yet (`StaticLayer` allocates on its first update) gets the same two positions eagerly first. Nothing else
-        changes.
+        yet (`StaticLayer` allocates on its first update: every call's new cache) gets the same two positions
+        eagerly first, also when the graph is already compiled, so that the prompt runs compiled in every call.
+        Nothing else changes.
         """
         rows = self.slot_is_real.shape[0]
-        if self.compiled is None or not self.compiled.needs_warm_up(rows) or self.slots + 2 > self.capacity:
+        if self.compiled is None or not self.compiled.symbolic_widths or self.slots + 2 > self.capacity:
             return
-        if not all(layer.is_initialized for layer in self.cache.layers):
+        if not all(layer.is_initialized for layer in self.cache.layers):  # every call's new cache, not only the first
             self._dummy_forward(self.model, rows)
-        self._dummy_forward(self.compiled, rows)
-        self.compiled.warm(rows)
+        if self.compiled.needs_warm_up(rows):
+            self._dummy_forward(self.compiled, rows)
+            self.compiled.warm(rows)
 
     def _dummy_forward(self, forward, rows: int) -> None:
         """Two positions of id 0 after the write pointer, then the pointer moves back."""

