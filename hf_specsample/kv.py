@@ -326,8 +326,17 @@ def _fresh(value):
     Dynamo guards on strides and on a view's base, so an input that is a view, or has the strides of one (a
     `(1, w)` slice of a wider row keeps the row's stride: `.contiguous()` keeps it, since a size-1 dimension is
     contiguous whatever its stride), fed where a fresh tensor was fed before, compiles and freezes the weights
-    again. The loop's inputs are a few hundred integers: copying them costs microseconds.
+    again. Only such tensors are copied (a few hundred integers).
     """
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and (value._base is not None or value.stride() != _row_major(value.shape)):
         return value.clone(memory_format=torch.contiguous_format)
     return value
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a fresh row-major tensor of `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
