@@ -281,8 +281,8 @@ class DraftIdBuffer:
     """Each active row's text in the draft's own ids: what a draft with another tokenizer reads.
 
     Owns `sequences`, a second `Sequences` over draft ids (its prompt: each row's real target prompt re-encoded, left
-    padded), to which the draft's KV cache attaches. It attaches itself to the target's `Sequences`, so that rows
-    leave both buffers (and the draft's cache) together.
+    padded) over the target's row book, to which the draft's KV cache attaches too, so that rows leave both buffers
+    (and the draft's cache) together.
 
     Per round: `write` puts the draft id of each drafted target token after the row's draft ids (the draft's next
     input); `sync`, once the round is committed, appends the committed target tokens in draft ids. The leading
@@ -300,7 +300,7 @@ class DraftIdBuffer:
             bridge: translation through text for prompts and unshared tokens.
         """
         self.target, self.vocabulary, self.bridge = target, vocabulary, bridge
-        is_real = target.is_real(target.row_ids, target.prompt_length)  # (batch, prompt_length)
+        is_real = target.is_real(target.rows.callers(), target.prompt_length)  # (batch, prompt_length)
         prompt = target.tokens[:, : target.prompt_length].cpu()
         rows = [bridge.prompt(prompt[row][is_real[row]].tolist()) for row in range(target.num_active)]
         width = max(len(row) for row in rows)
@@ -310,10 +310,11 @@ class DraftIdBuffer:
             ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
             mask[row, width - len(tokens) :] = 1
         room = target.capacity - target.prompt_length
-        self.sequences = Sequences(ids.to(target.tokens.device), mask, capacity=width + 2 * room)
+        # Over the target's row book: rows leave both buffers, and the draft's cache, together.
+        self.sequences = Sequences(ids.to(target.tokens.device), mask, capacity=width + 2 * room, rows=target.rows)
         self.synced = list(target.lengths)  # per row, the target length its draft ids stand for
         self.drafted = 0  # draft ids written after each row's draft ids this round
-        target.attach(self)
+        target.rows.attach(self)
 
     def write(self, step: int, target_tokens: torch.Tensor) -> None:
         """Write the draft ids of `(rows,)` drafted target tokens at each row's draft length + `step`.
@@ -377,6 +378,5 @@ class DraftIdBuffer:
         return torch.tensor(out, dtype=torch.long)
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Follow the target's rows (`Sequences.retire`): keep `rows` in the draft buffer and the draft's cache."""
-        self.sequences.select_rows(rows)
+        """Row-book member: keep the `synced` lengths of `rows` (the draft buffer and cache follow the book too)."""
         self.synced = [self.synced[row] for row in rows]

@@ -193,7 +193,7 @@ class SpeculativeDecoder:
             cost_ratio=weight_bytes_ratio(draft.model, model) if draft is not None else 0.0,
             draft_step_seconds=draft.measured_step_seconds if draft is not None else None,
         )  # fmt: skip
-        self.sequences.attach(self.target)
+        self.sequences.rows.attach(self.target)
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(call.max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
@@ -291,7 +291,7 @@ class SpeculativeDecoder:
         lengths = self.sequences.lengths
         upto = [length + lookahead for length in lengths]
         raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
-        scores = self.processor(self.sequences.tokens, lengths, raw_logits, self.sequences.row_ids)
+        scores = self.processor(self.sequences.tokens, lengths, raw_logits, self.sequences.rows.active)
         return scores, raw_logits
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
@@ -330,8 +330,9 @@ class SpeculativeDecoder:
 
         if self.streamer is not None:
             self.streamer.put(seqs.new_tokens(0, counts[0]).unsqueeze(0).cpu())
-        self.recorder.record(seqs.row_ids, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
-        self.update_stats(proposal.tokens.shape[1], num_accepted, counts)
+        callers = seqs.rows.callers()
+        self.recorder.record(callers, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
+        self.stats.record_round(callers, proposal.tokens.shape[1], num_accepted, counts)
 
         seqs.advance(counts)
         self.target.keep_confirmed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
@@ -347,10 +348,10 @@ class SpeculativeDecoder:
         """Set aside the target cache of each row that stops this round, for the cache `generate()` returns."""
         rows = [row for row, is_done in enumerate(done) if is_done]
         if rows == [0] and self.sequences.num_active == 1:  # the last row: its cache is the whole cache, no copy
-            self.finished_caches[self.sequences.row_ids[0]] = self.target
+            self.finished_caches[self.sequences.rows.caller(0)] = self.target
             return
         for row in rows:
-            self.finished_caches[self.sequences.row_ids[row]] = self.target.take_rows([row])
+            self.finished_caches[self.sequences.rows.caller(row)] = self.target.take_rows([row])
 
     def plain_cache(self, sequences: torch.Tensor):
         """The cache plain `generate()` would return with these sequences, in the cache object it was given.
@@ -373,17 +374,6 @@ class SpeculativeDecoder:
             cache_rows.stack_rows_into(self.target.cache, [part.cache for part in parts])
         self.target.stop_recording()
         return self.target.cache
-
-    def update_stats(self, lookahead: int, num_accepted: list[int], counts: list[int]) -> None:
-        stats = self.stats
-        stats.rounds += 1
-        stats.lookahead_per_round.append(lookahead)
-        for row_id, accepted, count in zip(self.sequences.row_ids, num_accepted, counts):
-            stats.row_draft_tokens[row_id] += lookahead
-            stats.row_accepted_tokens[row_id] += accepted
-            stats.row_rejections[row_id] += int(accepted < lookahead)
-            stats.row_new_tokens[row_id] += count
-            stats.row_target_passes[row_id] += 1
 
 
 def _target_cache(

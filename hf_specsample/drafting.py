@@ -75,7 +75,7 @@ class DraftModelProposer(Proposer):
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
         cache = DynamicCache() if inputs is not None else None
         self.runner = CachedModel(draft_model, reads.num_active, cache=cache, embeddable=embeddable)
-        reads.attach(self.runner)
+        reads.rows.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
         self.processor = processor
         self.do_sample = do_sample
@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
             logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
-            scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.row_ids)[:, 0]
+            scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.rows.active)[:, 0]
             if self.do_sample:
                 probs = probabilities(scores)  # (batch, vocab or subset)
                 index = sample_from_weights(probs, self.generator)  # (batch,)

@@ -40,13 +40,14 @@ class OutputRecorder:
 
     def record(
         self,
-        row_ids: Sequence[int],
+        callers: Sequence[int],
         counts: Sequence[int],
         scores: torch.Tensor,
         raw_logits: torch.Tensor | None,
     ) -> None:
-        """Keep positions ``0 .. counts[b] - 1`` of `scores` / `raw_logits` (`(batch, positions, vocab)`)."""
-        for row, (row_id, count) in enumerate(zip(row_ids, counts)):
+        """Keep positions ``0 .. counts[b] - 1`` of `scores` / `raw_logits` (`(active rows, positions, vocab)`), under
+        each active row's caller row (`callers`, from the row book)."""
+        for row, (row_id, count) in enumerate(zip(callers, counts)):
             if self.keep_scores:
                 self.scores[row_id].extend(scores[row, :count].unbind(0))
             if self.keep_logits and raw_logits is not None:

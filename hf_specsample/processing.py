@@ -129,7 +129,7 @@ class PositionwiseProcessor:
         """
         Args:
             processors: the list `generate()` built.
-            batch_size: rows of the caller's batch (`row_ids` index them): the batch given to processors that are
+            batch_size: rows of the caller's batch (`callers` index them): the batch given to processors that are
                 not row-local.
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
                 (`fast_processors.fast_equivalent`); any other processor runs as given.
@@ -146,7 +146,7 @@ class PositionwiseProcessor:
         tokens: torch.Tensor,
         prefix_lengths: Sequence[int],
         scores: torch.Tensor,
-        row_ids: Sequence[int] | None = None,
+        callers: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Return the processed scores (the input is not modified).
 
@@ -154,7 +154,7 @@ class PositionwiseProcessor:
             tokens: `(batch, capacity)` long, each row's tokens (prompt with its padding, generated, then drafts).
             prefix_lengths: `batch` ints, the prefix length of position 0 of each row.
             scores: `(batch, positions, vocab)` float32 logits.
-            row_ids: each row's index in the caller's batch (default: ``0 .. batch - 1``).
+            callers: each row's caller row (`RowBook.active`; default: ``0 .. batch - 1``).
 
         Returns:
             `(batch, positions, vocab)` processed scores.
@@ -175,8 +175,8 @@ class PositionwiseProcessor:
                 for processor in processors:
                     scores = _forbid_eos_while_short(processor, lengths, scores)
             else:
-                row_ids = list(range(batch)) if row_ids is None else row_ids
-                scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, row_ids)
+                callers = list(range(batch)) if callers is None else callers
+                scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, callers)
         return scores
 
     def _by_prefix_length(
@@ -185,7 +185,7 @@ class PositionwiseProcessor:
         tokens: torch.Tensor,
         prefix_lengths: Sequence[int],
         scores: torch.Tensor,
-        row_ids: Sequence[int],
+        callers: Sequence[int],
     ) -> torch.Tensor:
         """Call the processors once per distinct prefix length, with the rows at that length (see module doc)."""
         batch, positions, _ = scores.shape
@@ -199,7 +199,7 @@ class PositionwiseProcessor:
             cols = torch.tensor([col for _, col in pairs], device=scores.device)
             group_ids = tokens[rows, :length]  # (group, length)
             group_scores = scores[rows, cols]  # (group, vocab)
-            caller_rows = torch.tensor([row_ids[row] for row, _ in pairs], device=scores.device)  # (group,)
+            caller_rows = torch.tensor([callers[row] for row, _ in pairs], device=scores.device)  # (group,)
             for processor in processors:
                 if _row_local(processor):
                     group_scores = processor(group_ids, group_scores)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
+
+from .rows import RowBook
 
 
 class Columns(NamedTuple):
@@ -22,12 +24,6 @@ class Columns(NamedTuple):
     is_real: torch.Tensor
 
 
-class RowMember(Protocol):
-    """Anything holding per-row state that must follow the batch (a model's KV cache)."""
-
-    def select_rows(self, rows: Sequence[int]) -> None: ...
-
-
 def generate_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """`(batch, length)` position ids as `generate()` numbers a prompt: real tokens count up from 0, padding is 0."""
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
@@ -38,8 +34,8 @@ class Sequences:
 
     Row ``b`` of `tokens` holds its prompt exactly as `generate()` received it (padding included, on either side),
     its committed tokens up to ``lengths[b]``, and during a round the draft tokens after that. Only active rows are
-    kept in `tokens`; `row_ids` maps them back to the caller's batch. Models' caches register with `attach`, and
-    `retire` drops finished rows from the buffer and from every attached cache at once.
+    kept in `tokens`; the row book `rows` maps them back to the caller's batch. The buffer is a member of its book, as
+    are the models' caches (`rows.attach`), so `retire` drops finished rows from the buffer and every cache at once.
 
     Positions follow `generate()`: the prompt's are `generate()`'s own `position_ids` (from the attention mask:
     padding gets 0, on the left or the right), and each new token's is the previous column's plus one.
@@ -51,6 +47,7 @@ class Sequences:
         attention_mask: torch.Tensor | None,
         capacity: int,
         position_ids: torch.Tensor | None = None,
+        rows: RowBook | None = None,
     ):
         """
         Args:
@@ -59,8 +56,13 @@ class Sequences:
             capacity: buffer length; must cover the longest sequence plus a round of drafts.
             position_ids: `(batch, prompt_length)` the prompt's position ids as `generate()` prepared them; None:
                 computed from the mask the same way.
+            rows: the row book to follow, shared with another buffer over the same rows (a draft's own ids); None: a
+                new book of `batch` rows. Either way every one of its rows must be active (nothing retired yet).
         """
         batch, prompt_length = input_ids.shape
+        self.rows = RowBook(batch) if rows is None else rows
+        if self.rows.active != list(range(batch)):
+            raise ValueError(f"A new buffer of {batch} rows needs a row book with exactly those rows active.")
         self.prompt_length = prompt_length
         self.batch_size = batch
         self.tokens = input_ids.new_zeros((batch, capacity))  # (batch, capacity)
@@ -74,38 +76,33 @@ class Sequences:
         steps = torch.arange(1, capacity - prompt_length + 1)
         self._positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + steps], dim=1)
         self.lengths = [prompt_length] * batch
-        self.row_ids = list(range(batch))
-        self.finished: dict[int, torch.Tensor] = {}
-        self._members: list[RowMember] = []
+        self.finished: dict[int, torch.Tensor] = {}  # caller row -> its final tokens
+        self.rows.attach(self)
 
     @property
     def num_active(self) -> int:
-        return len(self.row_ids)
+        return self.rows.num_active
 
     @property
     def capacity(self) -> int:
         return self.tokens.shape[1]
 
-    def attach(self, member: RowMember) -> None:
-        """Have `member.select_rows` follow every change of the active rows."""
-        self._members.append(member)
-
-    def is_real(self, row_ids: Sequence[int], width: int) -> torch.Tensor:
+    def is_real(self, callers: Sequence[int], width: int) -> torch.Tensor:
         """`(rows, width)` bool on the CPU: which of the first `width` columns of the caller's rows are not padding."""
-        return self._is_real[list(row_ids), :width]
+        return self._is_real[list(callers), :width]
 
     def columns(self, starts: Sequence[int], width: int) -> Columns:
         """Columns ``starts[b] ..`` (`width` of them) of every active row."""
-        return self.columns_of(self.tokens, self.row_ids, starts, width)
+        return self.columns_of(self.tokens, self.rows.callers(), starts, width)
 
-    def columns_of(self, tokens: torch.Tensor, row_ids: Sequence[int], starts: Sequence[int], width: int) -> Columns:
-        """Columns of the given token rows, which stand for the caller's rows `row_ids` (e.g. finished rows).
+    def columns_of(self, tokens: torch.Tensor, callers: Sequence[int], starts: Sequence[int], width: int) -> Columns:
+        """Columns of the given token rows, which stand for the caller's rows `callers` (e.g. finished rows).
 
         Args:
             tokens: `(rows, >= max(starts) + width)` long.
         """
         cols = torch.tensor(list(starts))[:, None] + torch.arange(width)  # (rows, width)
-        rows = list(row_ids)
+        rows = list(callers)
         return Columns(
             input_ids=tokens.gather(1, cols.to(tokens.device)),
             position_ids=self._positions[rows].gather(1, cols),
@@ -168,7 +165,7 @@ class Sequences:
         from 0, padding 0). Only for a buffer that no attached cache has been fed from (it would no longer match):
         `cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
         """
-        real = self.is_real(self.row_ids, self.capacity).to(self.tokens.device)  # (rows, capacity)
+        real = self.is_real(self.rows.callers(), self.capacity).to(self.tokens.device)  # (rows, capacity)
         rows = [self.tokens[row, :length][real[row, :length]] for row, length in enumerate(self.lengths)]
         width = max(tokens.numel() for tokens in rows)
         mask = torch.zeros((self.num_active, width), dtype=torch.bool)
@@ -177,7 +174,7 @@ class Sequences:
             packed[row, width - tokens.numel() : width] = tokens
             mask[row, width - tokens.numel() :] = True
         self.tokens = packed
-        index = torch.tensor(self.row_ids, dtype=torch.long)
+        index = torch.tensor(self.rows.callers(), dtype=torch.long)
         self._is_real[index] = True
         self._is_real[index, :width] = mask
         steps = torch.arange(1, self.capacity - width + 1)
@@ -186,25 +183,22 @@ class Sequences:
         self.lengths = [width] * self.num_active
 
     def retire(self, done: Sequence[bool]) -> list[int]:
-        """Drop the rows flagged in `done` from the buffer and every attached member; return the rows kept."""
+        """Keep the final tokens of the rows flagged in `done` and drop them from the row book (so from this buffer and
+        every member); return the active rows kept."""
         keep = [row for row, is_done in enumerate(done) if not is_done]
         for row, is_done in enumerate(done):
             if is_done:
-                self.finished[self.row_ids[row]] = self.tokens[row, : self.lengths[row]].clone()
-        if len(keep) < self.num_active and keep:
-            self.select_rows(keep)
-        elif not keep:  # every row is done: nothing left to select, members are not asked
+                self.finished[self.rows.caller(row)] = self.tokens[row, : self.lengths[row]].clone()
+        self.rows.select(keep)
+        if not keep:  # every row is done: the book asks no member, this buffer empties itself
             self.tokens = self.tokens[:0]
-            self.lengths, self.row_ids = [], []
+            self.lengths = []
         return keep
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only the active `rows` (indices into the active rows), here and in every attached member."""
+        """Row-book member: keep only the active `rows` (indices into the active rows) of the buffer."""
         self.tokens = self.tokens[torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)]
         self.lengths = [self.lengths[row] for row in rows]
-        self.row_ids = [self.row_ids[row] for row in rows]
-        for member in self._members:
-            member.select_rows(rows)
 
     def output(self, pad_token_id: int | None) -> torch.Tensor:
         """`(batch, longest)` sequences in the caller's row order, shorter rows right-padded with `pad_token_id`."""

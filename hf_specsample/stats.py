@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -38,6 +39,26 @@ class SpeculativeStats:
             row_new_tokens=list(zeros),
             row_target_passes=list(zeros),
         )
+
+    def record_round(
+        self, callers: Sequence[int], lookahead: int, num_accepted: Sequence[int], counts: Sequence[int]
+    ) -> None:
+        """Count one round.
+
+        Args:
+            callers: per row active in the round, its caller row (`RowBook.callers`).
+            lookahead: draft tokens proposed to every row.
+            num_accepted: per active row, draft tokens accepted.
+            counts: per active row, tokens committed (after stopping).
+        """
+        self.rounds += 1
+        self.lookahead_per_round.append(lookahead)
+        for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
+            self.row_draft_tokens[row] += lookahead
+            self.row_accepted_tokens[row] += accepted
+            self.row_rejections[row] += int(accepted < lookahead)
+            self.row_new_tokens[row] += count
+            self.row_target_passes[row] += 1
 
     @property
     def draft_tokens(self) -> int:

@@ -85,7 +85,7 @@ def eager_verification_cost(target, input_ids: torch.Tensor, prefix: int = 16, r
                 start = time.perf_counter()
                 target(ids[:, -width:], past_key_values=cache, use_cache=True)
                 times[width].append(time.perf_counter() - start)
-                cache.crop(prefix)
+                cache.crop(-width)  # transformers 5.23: a negative count removes that many
     return statistics.median(times[3]) / statistics.median(times[1])
 
 

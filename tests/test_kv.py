@@ -16,7 +16,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def real_tokens(sequences: Sequences, row: int, length: int) -> list[int]:
-    is_real = sequences.is_real([sequences.row_ids[row]], length)[0].tolist()
+    is_real = sequences.is_real([sequences.rows.caller(row)], length)[0].tolist()
     return [t for t, ok in zip(sequences.tokens[row, :length].tolist(), is_real) if ok]
 
 
@@ -39,7 +39,7 @@ def test_ragged_rollbacks_keep_rows_exact(arch):
     sequences = Sequences(prompt, mask, capacity=40)
     sequences.tokens[:, 8:] = torch.randint(3, VOCAB, (2, 32), generator=generator)
     cached = CachedModel(model, batch=2)
-    sequences.attach(cached)
+    sequences.rows.attach(cached)
 
     def check(upto):
         logits = cached.feed_upto(sequences, upto, num_logits=1)[:, 0]
@@ -85,7 +85,7 @@ def test_select_rows_keeps_the_chosen_rows_exact(arch):
     sequences = Sequences(prompt, None, capacity=30)
     sequences.tokens[:, 6:] = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(2))
     cached = CachedModel(model, batch=3)
-    sequences.attach(cached)
+    sequences.rows.attach(cached)
     cached.feed_upto(sequences, [12, 12, 12], num_logits=1)
     cached.rollback([12, 7, 9])  # row 0 is the longest: dropping it leaves shared leading holes
     sequences.retire([True, False, False])

@@ -65,6 +65,45 @@ def test_verification_cost_growing_with_k_shortens_k():
     assert sum(steep[20:]) < sum(flat[20:])
 
 
+# The target's forward over M = K + 1 positions measured on an AVX2 EPYC (Qwen2.5-Coder-1.5B bf16, seconds), and the
+# int8 0.5B draft's step with processing: compiled verification is flat to M = 3, then steep; eager is linear.
+COMPILED_CURVE = [0.147, 0.146, 0.162, 0.222, 0.304, 0.38, 0.44, 0.5, 0.56, 0.62, 0.68]
+EAGER_CURVE = [0.189, 0.342, 0.491, 0.639, 0.788, 0.94, 1.09, 1.24, 1.38, 1.53, 1.68]
+
+
+def best_lookahead(alpha: float, draft_step: float, curve: list[float]) -> int:
+    rates = [sum(alpha**i for i in range(k + 1)) / (draft_step * k + curve[k]) for k in range(len(curve))]
+    return max(range(len(curve)), key=rates.__getitem__)
+
+
+def test_convex_compiled_costs_settle_on_the_best_k_without_wide_guesses():
+    """A line through every observed K put v(0) far below its cost on this curve (the K=5 point pulled it down),
+    so the policy stopped drafting though K=2 is 1.5x faster; and after one observation it guessed K=5 cheap."""
+    assert best_lookahead(0.85, 0.045, COMPILED_CURVE) == 2
+    choices = feed(AdaptiveLookahead(), 60, alpha=0.85, draft_step=0.045, verify=COMPILED_CURVE.__getitem__)
+    assert max(choices) <= 3  # one beyond the largest K observed, and never a guessed-cheap wide round
+    assert choices[10:].count(2) >= 0.9 * len(choices[10:])
+
+
+def test_linear_eager_costs_stop_drafting_quickly():
+    # Eager on the same CPU: every extra position costs ~0.8 of a step, so drafting cannot pay (best K = 0).
+    assert best_lookahead(0.9, 0.046, EAGER_CURVE) == 0
+    choices = feed(AdaptiveLookahead(), 96, alpha=0.9, draft_step=0.046, verify=EAGER_CURVE.__getitem__)
+    assert choices[:4] == [2, 3, 0, 0]  # K=2 measures v(2), K=3 the slope; then plain decoding
+    assert sum(choices) <= 12  # then plain decoding, and rare K=1 probes
+
+
+def test_interpolated_verification_cost():
+    policy = AdaptiveLookahead()
+    for k in (1, 3):
+        policy.observe(RoundRecord(k, 0, 1, draft_seconds=0.01 * k, verify_seconds=0.1 * (k + 1)))
+    costs = policy.costs
+    assert costs.verify_seconds(1) == pytest.approx(0.2) and costs.verify_seconds(2) == pytest.approx(0.3)
+    assert costs.verify_seconds(0) == pytest.approx(0.1)  # below: the nearest segment's slope
+    assert costs.verify_seconds(6) == pytest.approx(0.7)  # above: likewise
+    assert costs.largest_lookahead(8) == 4 and costs.largest_lookahead(2) == 2
+
+
 def test_expected_rate_is_theorem_3_8():
     policy = AdaptiveLookahead(costs=StaticCosts(cost_ratio=0.45, verify_slope=0.0))
     policy.alpha.total, policy.alpha.count = 0.8, 1.0  # alpha = 0.8
