@@ -19,9 +19,9 @@ import torch
 from transformers import DynamicCache
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
-from hf_specsample import cache_rows
+from hf_specsample.cache import row_ops
+from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.decoding import SpeculativeDecoder
-from hf_specsample.kv import CachedModel
 from hf_specsample_bench.pairs import BenchPair, load_bench_pair
 from hf_specsample_bench.prompts import PromptSet, load_prompts
 
@@ -93,9 +93,9 @@ def time_realign(config, dtype: torch.dtype, batch: int, lookahead: int, context
         keep = [total - drop for drop in drops]
         best = float("inf")
         for _ in range(repeats):
-            trial = cache_rows.take_rows(cache, range(batch))
+            trial = row_ops.take_rows(cache, range(batch))
             start = time.perf_counter()
-            cache_rows.realign(trial, [0] * batch, [max(keep) - kept for kept in keep], keep, max(keep))
+            row_ops.realign(trial, [0] * batch, [max(keep) - kept for kept in keep], keep, max(keep))
             best = min(best, time.perf_counter() - start)
         print(
             f"  context {context:5d}: {1e3 * best:7.2f} ms per realign, "

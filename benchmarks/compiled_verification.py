@@ -5,7 +5,7 @@
 
 Prints, on the machine it runs on (`lscpu`'s model name and flags first):
 1. the target's forward over M = 1..9 positions on a static cache, eager and compiled
-   (`hf_specsample.compiled.CompileSettings.for_device`), in ms and in one-position steps; compile seconds;
+   (`hf_specsample.cache.compiled.CompileSettings.for_device`), in ms and in one-position steps; compile seconds;
 2. per mode (greedy; sampling T=0.7, top_p=0.95), tokens/s on held-out HumanEval prompts (problems 100..): plain
    `generate()` eager; plain `generate()` with the same static cache and compilation; `assistant_model=`;
    hf_specsample eager (default options); hf_specsample with `SpeculativeConfig(compile=True)`. Calls are interleaved
@@ -23,8 +23,8 @@ from transformers import CompileConfig, StaticCache
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
-from hf_specsample.compiled import CompileSettings, compiled_forward
-from hf_specsample.kv import _positions_to_keep
+from hf_specsample.cache.cached_model import _positions_to_keep
+from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample_bench.measure import cpu_name
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
@@ -47,7 +47,7 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     """The target's forward over M positions after the prompt, on a static cache, eager and compiled."""
     capacity = 2 * prompt_ids.shape[1] + 64
     cache = StaticCache(config=target.config, max_cache_len=capacity)
-    from hf_specsample.cache_rows import full_static_cache
+    from hf_specsample.cache.row_ops import full_static_cache
 
     full_static_cache(cache, target.config, capacity)
     prompt_length = prompt_ids.shape[1]

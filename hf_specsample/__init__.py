@@ -9,15 +9,15 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
-from .compiled import release_compiled
+from .cache.compiled import release_compiled
 from .decoding import speculative_generate
-from .draft_prep import PreparedDraft, prepare_draft
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
+from .prepare.prepared_draft import PreparedDraft, prepare_draft
+from .prepare.vocabulary import frequent_tokens
 from .registration import is_registered, register, unregister
 from .stats import SpeculativeStats
-from .vocabulary import frequent_tokens
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 from .options import NamedDraft, SpeculativeConfig
 
 if TYPE_CHECKING:
-    from .draft_prep import PreparedDraft
+    from .prepare.prepared_draft import PreparedDraft
 
 
 @dataclass(frozen=True, kw_only=True)

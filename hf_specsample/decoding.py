@@ -13,20 +13,25 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.streamers import BaseStreamer
 
-from . import cache_rows, distributed, validation
+from . import distributed, validation
+from .cache import row_ops
+from .cache.cached_model import CachedModel, input_device
+from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
-from .compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
-from .cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
-from .draft_prep import PreparedDraft, draft_for_call
-from .drafting import DraftModelProposer
-from .kv import CachedModel, input_device
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
-from .processing import PositionwiseProcessor, probabilities
-from .prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
-from .proposer import Proposal, Proposer
-from .rejection import (
+from .prepare.prepared_draft import PreparedDraft, draft_for_call
+from .prepare.vocabulary import special_token_ids
+from .proposers.base import Proposal, Proposer
+from .proposers.cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
+from .proposers.model import DraftModelProposer
+from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
+from .round_timer import PhaseTimer
+from .sequences import Sequences
+from .stats import SpeculativeStats
+from .verify.processing import PositionwiseProcessor, probabilities
+from .verify.rejection import (
     NonFinite,
     Verdict,
     block_accept,
@@ -34,11 +39,7 @@ from .rejection import (
     greedy_accept,
     speculative_accept,
 )
-from .sequences import Sequences
-from .stats import SpeculativeStats
-from .stopping import first_stops
-from .timing import PhaseTimer
-from .vocabulary import special_token_ids
+from .verify.stopping import first_stops
 
 
 def speculative_generate(
@@ -82,13 +83,13 @@ def speculative_generate(
             `streamer=` here, because transformers does not forward `streamer` to custom decoding callables).
         speculative_tokenizers: (target tokenizer, draft tokenizer), set by the registered `generate()` from
             `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`. When their vocabularies differ, the draft
-            reads its own ids and drafts over the tokens both share (`cross_vocab.py`).
+            reads its own ids and drafts over the tokens both share (`proposers/cross_vocab.py`).
         speculative_caller_cache: set by the registered `generate()` when the caller passed `past_key_values`:
             that object is then left holding what plain `generate()` leaves in it, even without
             `return_dict_in_generate` (a non-empty cache is taken to be the caller's in any case).
         speculative_prompt_lookup_num_tokens / speculative_max_matching_ngram_size: transformers'
             `prompt_lookup_num_tokens=` / `max_matching_ngram_size=`, passed on by the registered `generate()`: the
-            n-gram drafter's tokens per lookup round and longest n-gram (see `prompt_lookup.py`). With a model
+            n-gram drafter's tokens per lookup round and longest n-gram (see `proposers/prompt_lookup.py`). With a model
             draft, n-gram continuations are drafted first where a row has one.
         **model_kwargs: `attention_mask` `(batch, prompt_length)`, `position_ids` `(batch, prompt_length)`, the
             prepared `past_key_values` (empty, or holding the first tokens of `input_ids` from an earlier turn), and
@@ -179,7 +180,7 @@ class SpeculativeDecoder:
         cache = model_kwargs.get("past_key_values")
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
-        cached = cache_rows.total_slots(cache) if cache is not None else 0
+        cached = row_ops.total_slots(cache) if cache is not None else 0
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached), compiled=compiled,
             compiled_widths=widest_round,
@@ -296,7 +297,7 @@ class SpeculativeDecoder:
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
         """The round's verdict: greedy by argmax, else the configured rule on the proposal's distributions (its
-        point masses as token ids, `rejection.py`), with NaN/inf rows flagged.
+        point masses as token ids, `verify/rejection.py`), with NaN/inf rows flagged.
 
         Args:
             scores: `(batch, K + 1, vocab)` the target's processed scores.
@@ -371,7 +372,7 @@ class SpeculativeDecoder:
                 part.feed(self.sequences.columns_of(sequences[row : row + 1], [row], [start], length - start), 1)
             part.left_align()
         if parts != [self.target]:  # a single row that never left the batch is already in place
-            cache_rows.stack_rows_into(self.target.cache, [part.cache for part in parts])
+            row_ops.stack_rows_into(self.target.cache, [part.cache for part in parts])
         self.target.stop_recording()
         return self.target.cache
 
@@ -387,12 +388,12 @@ def _target_cache(
 
     A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed as
     `past_key_values`) or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full
-    `StaticLayer`s of at least `max_length` slots (`cache_rows.full_static_cache`, converting the caller's cache in
+    `StaticLayer`s of at least `max_length` slots (`cache.row_ops.full_static_cache`, converting the caller's cache in
     place). The forward is compiled as plain `generate()` would compile it for this static cache (`compile_config`,
     on CPU only with its `_compile_all_devices`), or with `CompileSettings.for_device` under `compile=True`.
     """
     implementation = generation_config.cache_implementation
-    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or cache_rows.is_static(cache)):
+    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
         return cache, None
     if implementation == "offloaded_static" or getattr(cache, "offloading", False):
         raise ValueError(
@@ -405,14 +406,12 @@ def _target_cache(
             f"SpeculativeConfig(compile=True) cannot compile this target: {problem}. Drop compile=True (the target "
             "then runs eagerly), or load the target without that setting."
         )
-    fresh = cache is None or (
-        not caller_cache and cache_rows.total_slots(cache) == 0 and not cache_rows.is_static(cache)
-    )
+    fresh = cache is None or (not caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache))
     # At least max_length slots; as many as generate() allocated (it keeps the largest size seen, so that compiled
     # code is not recompiled for a new size) or `max_cache_len` asks for.
     sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
-    cache = cache_rows.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
+    cache = row_ops.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
     if config.compile:
         settings = CompileSettings.for_device(input_device(model))
     elif problem is None and model._valid_auto_compile_criteria({"past_key_values": cache}, generation_config):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .rejection import Verdict
+from .verify.rejection import Verdict
 
 
 def is_tensor_parallel(model) -> bool:

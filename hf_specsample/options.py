@@ -47,8 +47,8 @@ class DraftQuantization(str, enum.Enum):
 class Verification(str, enum.Enum):
     """How a row's draft block is verified; both are exact."""
 
-    TOKEN = "token"  # token by token, stopping at the first rejection (`rejection.speculative_accept`)
-    BLOCK = "block"  # jointly (`rejection.block_accept`): never fewer accepted tokens in expectation
+    TOKEN = "token"  # token by token, stopping at the first rejection (`verify.rejection.speculative_accept`)
+    BLOCK = "block"  # jointly (`verify.rejection.block_accept`): never fewer accepted tokens in expectation
 
     def __str__(self) -> str:
         return self.value
@@ -83,7 +83,7 @@ class SpeculativeConfig:
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
             None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.
-        fast_processors: apply top-p and typical sampling without sorting the vocabulary (`fast_processors.py`):
+        fast_processors: apply top-p and typical sampling without sorting the vocabulary (`verify/fast_processors.py`):
             the kept tokens are exactly transformers' (rows the first candidates cannot settle go to transformers'
             own warper), at a quarter of the cost or less per position on a 152k vocabulary. True (default); False
             runs every processor
@@ -92,7 +92,7 @@ class SpeculativeConfig:
             tokens in expectation) or "token" (token by token, Leviathan et al. / Chen et al.). Both are exact;
             greedy decoding verifies by argmax either way.
         compile: compile the target's verification forward, on a static cache, with the settings that make a
-            forward over K+1 positions cheap (`compiled.CompileSettings.for_device`: on CPU frozen weights and
+            forward over K+1 positions cheap (`cache.compiled.CompileSettings.for_device`: on CPU frozen weights and
             inductor's C++ GEMM with a dynamic query length, two compilations of minutes for a 1.5B model, kept
             while the model lives and reused from inductor's disk cache by later processes; on CUDA, CUDA graphs).
             False (default): eager, or what `cache_implementation="static"` with `compile_config=` asks for, as

@@ -148,7 +148,7 @@ class Sequences:
         """Make room for at least `capacity` columns (the buffer at least doubles); new columns hold real tokens.
 
         The target's buffer never grows (its capacity covers `max_length` plus a round); a draft with another
-        tokenizer may need more of its own ids than the target has tokens (`cross_vocab.DraftIdBuffer`).
+        tokenizer may need more of its own ids than the target has tokens (`proposers.cross_vocab.DraftIdBuffer`).
         """
         if capacity <= self.capacity:
             return
@@ -163,7 +163,7 @@ class Sequences:
 
         Every row's length becomes the longest row's real length; positions stay those of the real tokens (counted
         from 0, padding 0). Only for a buffer that no attached cache has been fed from (it would no longer match):
-        `cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
+        `proposers.cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
         """
         real = self.is_real(self.rows.callers(), self.capacity).to(self.tokens.device)  # (rows, capacity)
         rows = [self.tokens[row, :length][real[row, :length]] for row, length in enumerate(self.lengths)]

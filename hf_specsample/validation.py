@@ -10,7 +10,7 @@ from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, 
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
-from . import cache_rows
+from .cache import row_ops
 from .options import NamedDraft
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
@@ -46,7 +46,7 @@ def check_models(target: PreTrainedModel, draft: Any) -> None:
                 f"The {role} model is encoder-decoder ({type(model).__name__}); hf_specsample drafts for decoder-only "
                 "causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
-        problem = cache_rows.model_cache_problem(model)
+        problem = row_ops.model_cache_problem(model)
         if problem is not None:
             raise ValueError(
                 f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls each "
@@ -158,9 +158,10 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
         )
     cache = model_kwargs.get("past_key_values")
     if cache is not None:
-        unsupported = cache_rows.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
-        if isinstance(cache, StaticCache) and cache_rows.is_static(cache):
-            unsupported = []  # sliding-window static layers are converted to full ones (`cache_rows.full_static_cache`)
+        unsupported = row_ops.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
+        if isinstance(cache, StaticCache) and row_ops.is_static(cache):
+            # sliding-window static layers are converted to full ones (`cache.row_ops.full_static_cache`)
+            unsupported = []
             if getattr(cache, "offloading", False):
                 unsupported = ["offloaded static layers"]
         elif not unsupported and not cache.is_croppable:
@@ -171,9 +172,9 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
                 f"a cache with {', '.join(unsupported)}. Pass no `past_key_values` and no quantized/offloaded "
                 "`cache_implementation`, or a DynamicCache / StaticCache from an earlier generate() call."
             )
-        if cache_rows.total_slots(cache) >= input_ids.shape[1]:
+        if row_ops.total_slots(cache) >= input_ids.shape[1]:
             raise ValueError(
-                f"`past_key_values` already covers {cache_rows.total_slots(cache)} tokens but input_ids has "
+                f"`past_key_values` already covers {row_ops.total_slots(cache)} tokens but input_ids has "
                 f"{input_ids.shape[1]}: pass the whole conversation as input_ids (the cached turns plus the new one), "
                 "as for plain generate()."
             )

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
+from hf_specsample.prepare.self_draft import default_layers_to_keep, layer_skip_draft
 
 from .methods import Choice
 from .models import KnownModel, KnownPair, LoadPath, check_same_vocabulary, load_model

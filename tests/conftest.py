@@ -26,7 +26,7 @@ def _timed_forms(monkeypatch, int8_seconds: float, as_given_seconds: float) -> l
         calls.append(len(models))
         return [int8_seconds, as_given_seconds]
 
-    monkeypatch.setattr("hf_specsample.draft_prep.decode_step_seconds", fake)
+    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.decode_step_seconds", fake)
     return calls
 
 

@@ -13,7 +13,7 @@ from exact import sampled_pvalue
 from tiny import PAD, perturbed_copy, tiny_llama, tiny_lm
 from transformers import CompileConfig
 
-import hf_specsample.compiled as compiled
+import hf_specsample.cache.compiled as compiled
 from hf_specsample import FixedLookahead, SpeculativeConfig
 
 COMPILE = SpeculativeConfig(compile=True)
@@ -223,7 +223,7 @@ def test_compiled_ragged_batch_that_shrinks_equals_plain(light, pair):
 def test_compiled_inputs_are_fresh_row_major_tensors():
     """Dynamo guards on strides and on a view's base: a `(1, w)` slice of a wider row keeps the row's stride even
     through `.contiguous()`, and would compile (and freeze the weights) again where a fresh tensor was fed before."""
-    from hf_specsample.kv import _fresh
+    from hf_specsample.cache.cached_model import _fresh
 
     row = torch.arange(40)[None]
     view = row[:, -2:]

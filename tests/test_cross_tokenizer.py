@@ -21,10 +21,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
 
-import hf_specsample.drafting as drafting
+import hf_specsample.proposers.model as drafting
 from hf_specsample import SpeculativeConfig, prepare_draft
-from hf_specsample.cross_vocab import ABSENT, TokenForm, shared_vocabulary, token_form, vocabulary_contents
-from hf_specsample.processing import probabilities
+from hf_specsample.proposers.cross_vocab import ABSENT, TokenForm, shared_vocabulary, token_form, vocabulary_contents
+from hf_specsample.verify.processing import probabilities
 
 TARGET_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "ca"]
 DRAFT_TOKENS = ["b", "</s>", "x", "a", "<pad>", "<s>", "c", "bc", "xa", "y"]

@@ -8,14 +8,14 @@ from exact import sampled_pvalue
 from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig, frequent_tokens
-from hf_specsample.draft_prep import (
+from hf_specsample.lookahead import weight_bytes
+from hf_specsample.prepare.prepared_draft import (
     DraftQuantization,
     draft_for_call,
     int8_dynamic_copy,
     prepare_draft,
     restrict_vocabulary,
 )
-from hf_specsample.lookahead import weight_bytes
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny import tiny_arch
 
-from hf_specsample.kv import CachedModel
+from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.sequences import Sequences
 
 VOCAB = 32

@@ -40,7 +40,7 @@ def test_importing_the_library_loads_no_tooling():
 
 def test_the_library_never_imports_the_tooling():
     offenders = []
-    for path in sorted(LIBRARY.glob("*.py")):
+    for path in sorted(LIBRARY.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -130,12 +130,15 @@ def test_benchmark_module_runs_and_exits_zero():
 
 def test_the_distribution_installs_the_two_packages_only():
     """`custom_generate/` (the Hub layout) and `examples/` sit at the root beside the packages and stay out of the
-    wheel: setuptools' discovery, as pyproject.toml configures it, finds exactly the library and the tooling."""
+    wheel: setuptools' discovery, as pyproject.toml configures it, finds exactly the library (with every sub-package)
+    and the tooling."""
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
     from setuptools import find_packages
 
     found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    assert sorted(find_packages(str(REPO), include=found["include"])) == ["hf_specsample", TOOLING]
+    packages = sorted(find_packages(str(REPO), include=found["include"]))
+    subpackages = sorted(f"hf_specsample.{path.parent.name}" for path in LIBRARY.glob("*/__init__.py"))
+    assert packages == ["hf_specsample", *subpackages, TOOLING]
 
 
 def test_every_example_is_listed_in_the_readme_and_run_by_the_tests():
@@ -157,3 +160,29 @@ def test_custom_generate_folder_has_the_hub_layout():
     requirements = [line.strip() for line in (folder / "requirements.txt").read_text().splitlines() if line.strip()]
     assert any(line.split(">")[0].split("=")[0] == DISTRIBUTION for line in requirements)
     assert "custom_generate" in (folder / "README.md").read_text().split("---")[1]  # the model card's tags
+
+
+def test_every_module_is_named_in_the_design_page():
+    """docs/ARCHITECTURE.md's module table names every module of the library, by its path in the package."""
+    page = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    unnamed = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        relative = path.relative_to(LIBRARY).as_posix()
+        if path.name == "__init__.py" and path.parent != LIBRARY:
+            relative = f"{path.parent.name}/"  # a sub-package is named by its folder
+        if f"`{relative}`" not in page:
+            unnamed.append(relative)
+    assert unnamed == []
+
+
+def test_sub_packages_never_import_the_loop():
+    """The parts a round calls (drafters, verification, caches, draft preparation) never import the loop or the
+    call's entry points: the dependencies run one way, from `decoding.py` down."""
+    top = {"decoding", "registration", "call_inputs"}
+    offenders = []
+    for path in sorted(LIBRARY.glob("*/*.py")):
+        for name in module_level_imports(path):
+            module = name.lstrip(".").split(".")[0] if name.startswith("..") else name.removeprefix("hf_specsample.")
+            if module in top:
+                offenders.append(f"{path.relative_to(LIBRARY)}: {name}")
+    assert offenders == []

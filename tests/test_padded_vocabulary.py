@@ -81,7 +81,7 @@ def test_other_width_greedy_equals_plain(drafts, kind):
 @torch.no_grad()
 def test_a_wide_draft_proposing_foreign_ids_would_fail_the_test(target, drafts, monkeypatch):
     """Power: letting the wide draft's extra columns through (ids the target lacks) is caught."""
-    from hf_specsample.draft_prep import PreparedDraft
+    from hf_specsample.prepare.prepared_draft import PreparedDraft
 
     monkeypatch.setattr(PreparedDraft, "ids_for", lambda self, target: None)  # every column of the draft's logits
     with pytest.raises((IndexError, RuntimeError)):

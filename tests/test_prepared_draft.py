@@ -12,7 +12,7 @@ from tiny import PAD, perturbed_copy, tiny_lm
 
 import hf_specsample
 from hf_specsample import DraftQuantization, PreparedDraft, SpeculativeConfig, prepare_draft
-from hf_specsample.draft_prep import _IMPLICIT, SharedFloat32Embedding, draft_for_call, int8_dynamic_copy
+from hf_specsample.prepare.prepared_draft import _IMPLICIT, SharedFloat32Embedding, draft_for_call, int8_dynamic_copy
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
@@ -293,7 +293,7 @@ def test_an_as_given_decision_does_not_keep_the_draft_alive(pair, as_given_steps
 
 
 def test_decode_step_seconds_times_each_model_and_skips_a_broken_one(pair):
-    from hf_specsample.draft_timing import decode_step_seconds
+    from hf_specsample.prepare.draft_timing import decode_step_seconds
 
     target, draft = pair
     broken = perturbed_copy(draft, seed=2, scale=0.0)

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_specsample.prompt_lookup import ngram_continuation
+from hf_specsample.proposers.prompt_lookup import ngram_continuation
 
 
 def continuation(tokens, max_ngram=3, num_tokens=4, usable=None):
@@ -144,9 +144,9 @@ def test_lookup_width_adapts_and_a_round_without_a_continuation_is_a_plain_step(
 
 
 def test_every_drafter_implements_the_proposer_contract():
-    from hf_specsample.drafting import DraftModelProposer
-    from hf_specsample.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
-    from hf_specsample.proposer import Proposer
+    from hf_specsample.proposers.base import Proposer
+    from hf_specsample.proposers.model import DraftModelProposer
+    from hf_specsample.proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
 
     for drafter in (DraftModelProposer, PromptLookupProposer, LookupThenModelProposer):
         assert issubclass(drafter, Proposer) and not drafter.__abstractmethods__, drafter

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
+from hf_specsample.prepare.self_draft import default_layers_to_keep, layer_skip_draft
 from hf_specsample_bench.models import KnownModel, load_model
 
 pytestmark = pytest.mark.slow

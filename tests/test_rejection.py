@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_specsample.rejection import (
+from hf_specsample.verify.rejection import (
     Verdict,
     block_accept,
     flag_nonfinite,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import PAD, tiny_lm
 
-from hf_specsample.self_draft import default_layers_to_keep, layer_skip_draft
+from hf_specsample.prepare.self_draft import default_layers_to_keep, layer_skip_draft
 
 PROMPT = torch.tensor([[1, 5, 6, 7, 8]])
 

@@ -1,7 +1,7 @@
 """Static caches (`cache_implementation="static"`, a `StaticCache` passed in): exact, on the architecture matrix.
 
 transformers refuses a static cache with `assistant_model=`. Ours rolls rejected drafts back by moving the cache's
-write pointer and moves ragged rows in place (`cache_rows`); transformers' sliding-window static layers are turned
+write pointer and moves ragged rows in place (`cache.row_ops`); transformers' sliding-window static layers are turned
 into full ones, whose window the model's mask applies. For every architecture:
 - greedy: one prompt and ragged batches padded on either side give plain greedy's tokens;
 - EOS inside accepted blocks: sequences, scores and the returned cache's visible slots equal plain static's, and a
@@ -17,7 +17,7 @@ from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, tiny_arch, tiny
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-import hf_specsample.cache_rows as cache_rows
+import hf_specsample.cache.row_ops as cache_rows
 
 VOCAB = 48
 STATIC = dict(cache_implementation="static", max_cache_len=64)  # room for a second chat turn

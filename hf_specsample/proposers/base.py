@@ -3,12 +3,12 @@
 Mirrors transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`), batched over rows of
 different lengths, and returning what exactness needs: the distributions the draft tokens were drawn from. A token
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
-is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`rejection.py` handles it
-as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter drafts
-what it is told (`lookahead.RoundWidths`).
+is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rejection.py`
+handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
+drafts what it is told (`lookahead.RoundWidths`).
 
-Drafters: `drafting.DraftModelProposer` (a draft model), `prompt_lookup.PromptLookupProposer` (n-gram
-continuations), `prompt_lookup.LookupThenModelProposer` (both).
+Drafters: `proposers.model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer` (n-gram
+continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from .lookahead import RoundWidths
-from .sequences import Sequences
+from ..lookahead import RoundWidths
+from ..sequences import Sequences
 
 
 class Proposal(NamedTuple):

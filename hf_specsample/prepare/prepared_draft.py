@@ -6,7 +6,7 @@ Three levers, each an argument of `prepare_draft` (and an option of `Speculative
   of Qwen2.5-Coder-0.5B: 41 ms int8 against 132 ms bf16 on one CPU, 27 ms against 50 ms on another. Quantization
   changes the draft's distribution a little (acceptance moves by a few points either way) and the output
   distribution not at all. Default AUTO: for a float draft on the CPU, both forms are timed at first use
-  (`draft_timing.py`) and the faster one drafts; elsewhere the draft runs as given.
+  (`prepare/draft_timing.py`) and the faster one drafts; elsewhere the draft runs as given.
 - `vocabulary` (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
   logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset); the cost is that a token outside the subset can never be drafted.
@@ -34,11 +34,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
-from .cross_vocab import SharedVocabulary, shared_vocabulary
+from ..options import DraftQuantization, NamedDraft
+from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
+from ..validation import check_models, check_tokenizers, vocab_size
 from .draft_timing import decode_step_seconds
-from .options import DraftQuantization, NamedDraft
-from .self_draft import _shallow_clone, default_layers_to_keep, layer_skip_draft
-from .validation import check_models, check_tokenizers, vocab_size
+from .self_draft import default_layers_to_keep, layer_skip_draft, shallow_clone
 from .vocabulary import special_token_ids, vocabulary_ids
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class PreparedDraft:
             faster of which is `model`; empty where nothing was timed.
         tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
             `generate()` uses them when it is given no tokenizers, or these very objects.
-        shared_vocabulary: the tokens those tokenizers share (`cross_vocab.shared_vocabulary`, built once here
+        shared_vocabulary: the tokens those tokenizers share (`proposers.cross_vocab.shared_vocabulary`, built once here
             instead of in every call).
     """
 
@@ -345,7 +345,7 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
     weight = head.weight.detach()[token_ids.to(head.weight.device)]
     compact = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     compact.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-    view = _shallow_clone(model)
+    view = shallow_clone(model)
     name = next(name for name, module in model.named_children() if module is head)
     view._modules[name] = compact
     return view

@@ -7,8 +7,8 @@ occurrence) and proposes the tokens that followed it. No model runs, so a round 
 Exact when sampling: a deterministic proposal is a draft distribution like any other, a point mass on the proposed
 token, so the verifier accepts it with probability ``target(token)`` and otherwise samples the residual, the target's
 distribution without that token. The proposal carries the token ids alone (`Proposal.probs` is None): no one-hot
-tensor over the vocabulary is built (`rejection.py` handles point masses as such). A row with no match (or a match
-shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
+tensor over the vocabulary is built (`verify/rejection.py` handles point masses as such). A row with no match (or a
+match shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
 being good. A round is only as wide as the longest continuation found (no row has one: a plain decoding step), and
 `draft_model="prompt_lookup"` chooses its width like a model draft's K (`lookahead.AdaptiveLookahead`, with a
 lookup's near-zero drafting cost), up to `prompt_lookup_num_tokens` (default `lookahead.DEFAULT_LOOKUP_TOKENS`).
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .drafting import DraftModelProposer
-from .lookahead import RoundWidths
-from .proposer import Proposal, Proposer
-from .sequences import Sequences
+from ..lookahead import RoundWidths
+from ..sequences import Sequences
+from .base import Proposal, Proposer
+from .model import DraftModelProposer
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
 

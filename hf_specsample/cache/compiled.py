@@ -37,7 +37,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 from transformers import PreTrainedModel
 
-from . import distributed
+from .. import distributed
 
 # Inductor options that make small-M GEMM fast on CPU: weights frozen and prepacked once, and the C++ GEMM template
 # autotuned against ATen's. Needs `torch.no_grad`/`inference_mode` (generate() runs under no_grad).

@@ -132,7 +132,7 @@ class PositionwiseProcessor:
             batch_size: rows of the caller's batch (`callers` index them): the batch given to processors that are
                 not row-local.
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
-                (`fast_processors.fast_equivalent`); any other processor runs as given.
+                (`verify.fast_processors.fast_equivalent`); any other processor runs as given.
         """
         check_supported(processors)
         self.runs = _runs(processors)

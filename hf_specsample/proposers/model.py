@@ -1,9 +1,9 @@
 """The draft-model proposer: K draft tokens per row from a small causal LM, with the distributions they were drawn from.
 
-It implements `proposer.Proposer`: `get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`, batched
-over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
-`keep_confirmed` only rolls the draft's cache back to the committed tokens (transformers' `update_candidate_strategy`
-also adapts K; here `lookahead.py` does that).
+It implements `proposers.base.Proposer`: `get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`,
+batched over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
+`keep_confirmed` only rolls the draft's cache back to the committed tokens (transformers'
+`update_candidate_strategy` also adapts K; here `lookahead.py` does that).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..cache.cached_model import CachedModel
+from ..lookahead import RoundWidths
+from ..sequences import Sequences
+from ..verify.processing import PositionwiseProcessor, probabilities
+from ..verify.rejection import sample_from_weights
+from .base import Proposal, Proposer
 from .cross_vocab import DraftIdBuffer
-from .kv import CachedModel
-from .lookahead import RoundWidths
-from .processing import PositionwiseProcessor, probabilities
-from .proposer import Proposal, Proposer
-from .rejection import sample_from_weights
-from .sequences import Sequences
 
 _DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 
@@ -27,8 +27,8 @@ _DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 class DraftModelProposer(Proposer):
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
-    With a `vocabulary` (target token ids: an FR-Spec subset, see `draft_prep.restrict_vocabulary`, the ids both
-    models have when their logit widths differ, or the tokens a draft with another tokenizer shares with the
+    With a `vocabulary` (target token ids: an FR-Spec subset, see `prepare.prepared_draft.restrict_vocabulary`, the
+    ids both models have when their logit widths differ, or the tokens a draft with another tokenizer shares with the
     target) the draft's logits stand for those ids only: the logit `columns` (default: the first
     `len(vocabulary)`) are used, a draft wider than the target never proposes an id the target lacks, and ids
     outside the vocabulary get draft probability 0. When every logits processor is vocabulary-free (temperature,
@@ -36,8 +36,8 @@ class DraftModelProposer(Proposer):
     are spread over the full vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
 
     What the draft reads: the target's own token buffer, or with another tokenizer (`inputs`, a
-    `cross_vocab.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the target-id prefix
-    and every proposal is a target id drawn from the returned distribution over target ids.
+    `proposers.cross_vocab.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the
+    target-id prefix and every proposal is a target id drawn from the returned distribution over target ids.
     """
 
     def __init__(

@@ -21,7 +21,7 @@ _HOOK_DICTS = (
 )  # fmt: skip
 
 
-def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
+def shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
     """A new module object sharing parameters and buffers, with its own children and no torch hooks.
 
     An accelerate hook (device_map dispatch, offload) is re-attached to the clone: the `forward` accelerate
@@ -56,12 +56,12 @@ def _decoder_layers(model: PreTrainedModel) -> tuple[torch.nn.Module, str]:
 
 def _renumbered(layer: torch.nn.Module, index: int) -> torch.nn.Module:
     """A clone of a decoder layer whose layer-index attributes (its own and its children's) read `index`."""
-    clone = _shallow_clone(layer)
+    clone = shallow_clone(layer)
     if hasattr(clone, "layer_idx"):
         clone.layer_idx = index
     for name, child in layer.named_children():
         if hasattr(child, "layer_idx"):
-            child_clone = _shallow_clone(child)
+            child_clone = shallow_clone(child)
             child_clone.layer_idx = index
             clone._modules[name] = child_clone
     return clone
@@ -101,11 +101,11 @@ def layer_skip_draft(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedM
     if getattr(text_config, "layer_types", None) is not None:
         text_config.layer_types = [text_config.layer_types[index] for index in keep]
 
-    new_base = _shallow_clone(base)
+    new_base = shallow_clone(base)
     new_base._modules[attribute] = torch.nn.ModuleList(_renumbered(layers[index], i) for i, index in enumerate(keep))
     new_base.config = text_config if getattr(base, "config", None) is not model.config else config
 
-    draft = _shallow_clone(model)
+    draft = shallow_clone(model)
     draft.config = config
     _replace_submodule(draft, base, new_base)
     return draft
@@ -118,7 +118,7 @@ def _replace_submodule(root: torch.nn.Module, old: torch.nn.Module, new: torch.n
             root._modules[name] = new
             return
         if any(module is old for module in child.modules()):
-            child_clone = _shallow_clone(child)
+            child_clone = shallow_clone(child)
             if getattr(child_clone, "config", None) is not None and hasattr(new, "config"):
                 child_clone.config = new.config
             root._modules[name] = child_clone

@@ -5,10 +5,10 @@ holds buffer positions ``0 .. fed[b] - 1`` of that row, in order, in its last ``
 are *holes*, masked out. So each row's slots are laid out exactly as plain `generate()` lays out that row (prompt
 padding included, masked the same way), only shifted right, and a sliding window, which counts slots, covers the
 same tokens. Rows of a batch are fed the same number of new positions in each forward; a rollback that drops
-different numbers of positions from different rows moves each row back to the end (`cache_rows.realign`, one
+different numbers of positions from different rows moves each row back to the end (`cache.row_ops.realign`, one
 gather per layer); a uniform one is a `Cache.crop`.
 
-A static cache (`StaticLayer`s of fixed size, `cache_rows`) keeps the same layout: its write pointer is the slot
+A static cache (`StaticLayer`s of fixed size, `cache.row_ops`) keeps the same layout: its write pointer is the slot
 count, a rollback moves the pointer back, a per-row move happens in place. Every forward then gets the attention
 mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
@@ -17,7 +17,7 @@ a compiled forward with a symbolic query length (one graph for every width) also
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
 one, which is all the loop ever drops (rejected drafts, and at most the last draft-fed position to even rows out);
-`cache_rows` raises rather than compute with slots it no longer has.
+`cache.row_ops` raises rather than compute with slots it no longer has.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from . import cache_rows
+from ..sequences import Columns, Sequences
+from . import row_ops
 from .compiled import CompiledForward
-from .sequences import Columns, Sequences
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
@@ -80,24 +80,24 @@ class CachedModel:
             embeddable: ids ``>= embeddable`` are fed as id 0 (a draft narrower than the target cannot embed the
                 target's padded ids; its proposals then condition on another token, which exactness allows: the
                 verifier only needs the distribution the draft really sampled from). None: every id is embeddable.
-            compiled: a compiled forward of `model` (`compiled.compiled_forward`), for a static cache only.
+            compiled: a compiled forward of `model` (`cache.compiled.compiled_forward`), for a static cache only.
             compiled_widths: forwards of at most this many positions use `compiled`; wider ones (the prompt) run
                 eagerly, as plain `generate()` runs its prefill.
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
-        unsupported = cache_rows.unsupported_layers(self.cache)
+        unsupported = row_ops.unsupported_layers(self.cache)
         if unsupported:
             raise ValueError(
                 f"`draft_model=` needs a DynamicCache of attention layers; this cache has {', '.join(unsupported)}. "
                 "Pass no `past_key_values` / `cache_implementation`, or generate without `draft_model=`."
             )
-        self.capacity = cache_rows.capacity(self.cache)  # None: a dynamic cache
+        self.capacity = row_ops.capacity(self.cache)  # None: a dynamic cache
         assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
         self.compiled, self.compiled_widths = compiled, compiled_widths
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers be rolled back after a forward
-        cached = cache_rows.total_slots(self.cache)
+        cached = row_ops.total_slots(self.cache)
         if cached_is_real is None:
             cached_is_real = torch.ones((batch, cached), dtype=torch.bool)
         self.slot_is_real = cached_is_real.bool().cpu()  # (batch, slots)
@@ -173,7 +173,7 @@ class CachedModel:
             input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
         logits = (self.compiled if compiled else self.model)(input_ids=input_ids, **kwargs).logits
         if padded:
-            cache_rows.crop(self.cache, 1)
+            row_ops.crop(self.cache, 1)
             logits = logits[:, :-1]
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
@@ -211,7 +211,7 @@ class CachedModel:
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = _positions_to_keep(2, 2, device, compiled=forward is self.compiled)
         forward(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
-        cache_rows.crop(self.cache, 2)
+        row_ops.crop(self.cache, 2)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
         """Roll back to what the committed tokens confirm, leaving every row the same distance behind its length.
@@ -253,7 +253,7 @@ class CachedModel:
         drops = [fed - kept for fed, kept in zip(self.fed, keep)]
         assert min(drops) >= 0, "cannot keep positions that were never fed"
         if len(set(drops)) == 1:  # uniform: a crop (which also trims sliding-window layers back to their window)
-            cache_rows.crop(self.cache, drops[0])
+            row_ops.crop(self.cache, drops[0])
             self.slot_is_real = self.slot_is_real[:, : self.slots - drops[0]]
             self.fed = list(keep)
             return
@@ -262,7 +262,7 @@ class CachedModel:
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
-        cache_rows.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
+        row_ops.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
         self.slot_is_real = self.slot_is_real[index]
         self.fed = [self.fed[row] for row in rows]
         if max(self.fed) < self.slots:  # the rows left share leading holes: drop them (no trim: see module doc)
@@ -273,7 +273,7 @@ class CachedModel:
         taken = CachedModel.__new__(CachedModel)
         taken.__dict__.update(self.__dict__)
         index = torch.tensor(list(rows), dtype=torch.long)
-        taken.cache = cache_rows.take_rows(self.cache, rows)
+        taken.cache = row_ops.take_rows(self.cache, rows)
         taken.slot_is_real = self.slot_is_real[index]
         taken.fed = [self.fed[row] for row in rows]
         taken.forward_passes = 0
@@ -286,11 +286,11 @@ class CachedModel:
         if self.slots > self.fed[0]:
             self._realign(self.fed, total=self.fed[0])
         else:
-            cache_rows.crop(self.cache, 0)  # trims sliding-window layers as a realign would
+            row_ops.crop(self.cache, 0)  # trims sliding-window layers as a realign would
 
     def stop_recording(self) -> None:
         """Trim sliding-window layers to their window and stop recording their past, as before this call."""
-        cache_rows.crop(self.cache, 0)
+        row_ops.crop(self.cache, 0)
         for layer, was_recording in zip(self.cache.layers, self._was_recording):
             if was_recording is not None:
                 layer.record_past = was_recording
@@ -299,7 +299,7 @@ class CachedModel:
         """Keep buffer positions ``0 .. keep[b] - 1`` of each row in its last `keep[b]` of `total` slots."""
         old_starts = [self.slots - fed for fed in self.fed]
         new_starts = [total - kept for kept in keep]
-        cache_rows.realign(self.cache, old_starts, new_starts, keep, total, trim=trim)
+        row_ops.realign(self.cache, old_starts, new_starts, keep, total, trim=trim)
         slots = torch.arange(total)[None, :]  # (1, total)
         new_starts_t = torch.tensor(new_starts)[:, None]
         source = (slots - new_starts_t + torch.tensor(old_starts)[:, None]).clamp(0, max(self.slots - 1, 0))

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from .options import Verification  # noqa: F401  (re-exported: the rules it names live here)
+from ..options import Verification  # noqa: F401  (re-exported: the rules it names live here)
 
 
 class Verdict(NamedTuple):
