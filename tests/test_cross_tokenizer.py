@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
 
-import hf_specsample.proposers.model as drafting
+import hf_specsample.proposers.draft_model as draft_model_module
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.proposers.cross_vocab import ABSENT, TokenForm, shared_vocabulary, token_form, vocabulary_contents
 from hf_specsample.verify.processing import probabilities
@@ -446,8 +446,8 @@ def _wrong_not_renormalised(scores):
 
 VARIANTS = {  # name -> (what is replaced, by what); None: the library as it is
     "correct": None,
-    "map_forgotten": (drafting.DraftModelProposer, "_full", _wrong_full_map_forgotten),
-    "not_renormalised": (drafting, "probabilities", _wrong_not_renormalised),
+    "map_forgotten": (draft_model_module.DraftModelProposer, "_full", _wrong_full_map_forgotten),
+    "not_renormalised": (draft_model_module, "probabilities", _wrong_not_renormalised),
 }
 
 

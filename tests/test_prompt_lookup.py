@@ -145,7 +145,7 @@ def test_lookup_width_adapts_and_a_round_without_a_continuation_is_a_plain_step(
 
 def test_every_drafter_implements_the_proposer_contract():
     from hf_specsample.proposers.base import Proposer
-    from hf_specsample.proposers.model import DraftModelProposer
+    from hf_specsample.proposers.draft_model import DraftModelProposer
     from hf_specsample.proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
 
     for drafter in (DraftModelProposer, PromptLookupProposer, LookupThenModelProposer):

@@ -17,7 +17,7 @@ from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, tiny_arch, tiny
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-import hf_specsample.cache.row_ops as cache_rows
+from hf_specsample.cache import row_ops
 
 VOCAB = 48
 STATIC = dict(cache_implementation="static", max_cache_len=64)  # room for a second chat turn
@@ -82,9 +82,9 @@ def test_eos_in_block_outputs_static_cache_and_next_turn(pair):
         torch.testing.assert_close(mine[unfinished], theirs[unfinished], rtol=1e-4, atol=1e-4)
 
     cache = speculative.past_key_values
-    assert isinstance(cache, StaticCache) and cache_rows.is_static(cache)
+    assert isinstance(cache, StaticCache) and row_ops.is_static(cache)
     length = plain.sequences.shape[1] - 1  # plain's cache holds every row's sequence minus its last token
-    assert cache_rows.total_slots(cache) == int(plain.past_key_values.get_seq_length()) == length
+    assert row_ops.total_slots(cache) == int(plain.past_key_values.get_seq_length()) == length
     seen = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1].bool()
     for index in range(len(cache.layers)):
         plain_keys, plain_values, first = visible_slots(plain.past_key_values, index, length)
@@ -120,7 +120,7 @@ def test_plain_static_cache_passed_in_for_a_second_turn():
         do_sample=False, draft_model=draft, num_lookahead=3,
     )  # fmt: skip
     assert mine.tolist() == reference.tolist()
-    assert cache_rows.is_static(first.past_key_values)  # the caller's object, now of full layers
+    assert row_ops.is_static(first.past_key_values)  # the caller's object, now of full layers
 
 
 @torch.no_grad()
@@ -133,7 +133,7 @@ def test_static_cache_smaller_than_needed_is_grown():
     mine = target.generate(prompt, past_key_values=small, max_new_tokens=12, pad_token_id=PAD, do_sample=False,
                            draft_model=draft, num_lookahead=3)  # fmt: skip
     assert mine.tolist() == plain.tolist()
-    assert cache_rows.capacity(small) >= 16
+    assert row_ops.capacity(small) >= 16
 
 
 def test_offloaded_static_cache_is_refused():
@@ -152,14 +152,14 @@ def test_full_static_cache_keeps_a_sliding_layers_slots_in_place():
     cache = StaticCache(config=config, max_cache_len=8)
     states = torch.arange(5, dtype=torch.float32).reshape(1, 1, 5, 1).expand(1, 1, 5, 4).contiguous()
     cache.update(states, states, 0)  # five positions through a window of 3
-    cache_rows.full_static_cache(cache, config, 8)
+    row_ops.full_static_cache(cache, config, 8)
     layer = cache.layers[0]
     assert type(layer) is StaticLayer and int(layer.cumulative_length) == 5
     assert layer.keys[0, 0, 2:5, 0].tolist() == [2.0, 3.0, 4.0]  # the window's slots, at positions 2..4
     assert layer.keys[0, 0, :2].abs().sum() == 0  # older positions are outside every later window
     dynamic = DynamicCache()
     dynamic.update(states, states, 0)
-    cache_rows.full_static_cache(dynamic, config, 8)
+    row_ops.full_static_cache(dynamic, config, 8)
     assert dynamic.layers[0].keys[0, 0, :5, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
@@ -186,14 +186,14 @@ def test_sampling_static_power_check(monkeypatch):
     """A rollback that forgets to move the pointer back (rejected drafts stay in the cache) is caught."""
     target = tiny_arch("llama", seed=0, vocab_size=VOCAB)
     draft = arch_draft(target, seed=1, scale=0.6)
-    original = cache_rows.crop
+    original = row_ops.crop
 
     def leaky_crop(cache, num_slots):
-        if cache_rows.is_static(cache):
+        if row_ops.is_static(cache):
             return  # rejected slots stay in front of the next forward's
         return original(cache, num_slots)
 
-    monkeypatch.setattr(cache_rows, "crop", leaky_crop)
+    monkeypatch.setattr(row_ops, "crop", leaky_crop)
     p_value = sampled_pvalue(
         target, PROMPT, 3, 8000, seed=3, settings=SAMPLING, draft_model=draft, num_lookahead=2, **STATIC
     )

@@ -7,8 +7,8 @@ is a point mass and travels as its id alone, never as a one-hot row over the voc
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
 drafts what it is told (`lookahead.RoundWidths`).
 
-Drafters: `proposers.model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer` (n-gram
-continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both).
+Drafters: `proposers.draft_model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer`
+(n-gram continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both).
 """
 
 from __future__ import annotations

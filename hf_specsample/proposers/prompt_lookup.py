@@ -23,7 +23,7 @@ import torch
 from ..lookahead import RoundWidths
 from ..sequences import Sequences
 from .base import Proposal, Proposer
-from .model import DraftModelProposer
+from .draft_model import DraftModelProposer
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
 
