@@ -10,7 +10,7 @@ holder of active-row state attaches to it, and every caller-row table is written
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -52,10 +52,6 @@ class RowBook:
     def callers(self, rows: Sequence[int] | None = None) -> list[int]:
         """The caller rows of the active `rows` (default: of every active row, in active order)."""
         return list(self.active) if rows is None else [self.active[row] for row in rows]
-
-    def pairs(self) -> Iterator[tuple[int, int]]:
-        """(active row, caller row) of every active row."""
-        return enumerate(list(self.active))
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` (indices into the active rows), here and in every member.

@@ -38,17 +38,25 @@ def test_importing_the_library_loads_no_tooling():
     assert completed.stdout.strip() == "[]"
 
 
+def every_import(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, in any form, leading dots dropped: `import a.b` gives a.b;
+    `from a import b` gives a and a.b (b may be a module); `from .. import b` gives b."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, node.module)] if node.module else []
+            found += [(node.lineno, f"{node.module or ''}.{alias.name}".lstrip(".")) for alias in node.names]
+    return found
+
+
 def test_the_library_never_imports_the_tooling():
     offenders = []
     for path in sorted(LIBRARY.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
-            offenders += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == TOOLING]
+        offenders += [
+            f"{path.name}:{line} {name}" for line, name in every_import(path) if name.split(".")[0] == TOOLING
+        ]
     assert offenders == []
 
 
@@ -181,19 +189,10 @@ def test_sub_packages_never_import_the_loop():
     top = {"decoding", "registration", "call_inputs"}
     offenders = []
     for path in sorted(LIBRARY.glob("*/*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                # `from ..decoding import x`, `from .. import decoding`, `from hf_specsample import registration`
-                modules = [f"{node.module or ''}.{alias.name}".lstrip(".") for alias in node.names]
-                if node.module:
-                    modules.append(node.module)
-            else:
-                continue
-            for module in modules:
-                parts = module.split(".")
-                parts = parts[1:] if parts[0] == "hf_specsample" else parts
-                if parts and parts[0] in top:
-                    offenders.append(f"{path.relative_to(LIBRARY)}:{node.lineno} {module}")
+        # `from ..decoding import x`, `from .. import decoding`, `from hf_specsample import registration`
+        for line, module in every_import(path):
+            parts = module.split(".")
+            parts = parts[1:] if parts[0] == "hf_specsample" else parts
+            if parts and parts[0] in top:
+                offenders.append(f"{path.relative_to(LIBRARY)}:{line} {module}")
     assert offenders == []
