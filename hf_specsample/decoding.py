@@ -182,12 +182,12 @@ class SpeculativeDecoder:
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0
         self.target = CachedModel(
-            model, batch, cache, cached_is_real=self.sequences.is_real(range(batch), cached), compiled=compiled,
+            model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
             compiled_widths=widest_round,
         )  # fmt: skip
         self._compile_seconds_before = compiled.compile_seconds if compiled is not None else None
         prompt_length = input_ids.shape[1]
-        prompt_ends_in_padding = not bool(self.sequences.is_real(range(batch), prompt_length)[:, -1].all())
+        prompt_ends_in_padding = not bool(self.sequences.is_real(prompt_length)[:, -1].all())
         self.lookahead = RoundLookahead.for_call(
             config, reproducible=generator is not None, batch_size=batch, max_length=self.max_length,
             prompt_ends_in_padding=prompt_ends_in_padding, lookup_tokens=lookup_tokens, lookup_only=draft is None,

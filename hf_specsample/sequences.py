@@ -87,9 +87,10 @@ class Sequences:
     def capacity(self) -> int:
         return self.tokens.shape[1]
 
-    def is_real(self, callers: Sequence[int], width: int) -> torch.Tensor:
-        """`(rows, width)` bool on the CPU: which of the first `width` columns of the caller's rows are not padding."""
-        return self._is_real[list(callers), :width]
+    def is_real(self, width: int) -> torch.Tensor:
+        """`(active rows, width)` bool on the CPU: which of the first `width` columns of each active row are not
+        padding."""
+        return self._is_real[self.rows.callers(), :width]
 
     def columns(self, starts: Sequence[int], width: int) -> Columns:
         """Columns ``starts[b] ..`` (`width` of them) of every active row."""
@@ -165,7 +166,7 @@ class Sequences:
         from 0, padding 0). Only for a buffer that no attached cache has been fed from (it would no longer match):
         `proposers.cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
         """
-        real = self.is_real(self.rows.callers(), self.capacity).to(self.tokens.device)  # (rows, capacity)
+        real = self.is_real(self.capacity).to(self.tokens.device)  # (rows, capacity)
         rows = [self.tokens[row, :length][real[row, :length]] for row, length in enumerate(self.lengths)]
         width = max(tokens.numel() for tokens in rows)
         mask = torch.zeros((self.num_active, width), dtype=torch.bool)

@@ -16,7 +16,7 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def real_tokens(sequences: Sequences, row: int, length: int) -> list[int]:
-    is_real = sequences.is_real([sequences.rows.caller(row)], length)[0].tolist()
+    is_real = sequences.is_real(length)[row].tolist()
     return [t for t, ok in zip(sequences.tokens[row, :length].tolist(), is_real) if ok]
 
 

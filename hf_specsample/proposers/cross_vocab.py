@@ -300,7 +300,7 @@ class DraftIdBuffer:
             bridge: translation through text for prompts and unshared tokens.
         """
         self.target, self.vocabulary, self.bridge = target, vocabulary, bridge
-        is_real = target.is_real(target.rows.callers(), target.prompt_length)  # (batch, prompt_length)
+        is_real = target.is_real(target.prompt_length)  # (batch, prompt_length)
         prompt = target.tokens[:, : target.prompt_length].cpu()
         rows = [bridge.prompt(prompt[row][is_real[row]].tolist()) for row in range(target.num_active)]
         width = max(len(row) for row in rows)

@@ -70,7 +70,7 @@ class PromptLookupProposer(Proposer):
     def continuations(self, sequences: Sequences, num_tokens: int) -> list[torch.Tensor]:
         """Per active row, its continuation of at most `num_tokens` tokens (possibly empty)."""
         tokens = sequences.tokens.cpu()
-        usable = sequences.is_real(sequences.rows.callers(), sequences.capacity)
+        usable = sequences.is_real(sequences.capacity)
         return [
             ngram_continuation(tokens[row, :length], usable[row, :length], self.max_ngram, num_tokens)
             for row, length in enumerate(sequences.lengths)
