@@ -4,17 +4,21 @@
     python benchmarks/compiled_verification.py --prompts 3 --new-tokens 96 --load-from gguf
 
 Prints, on the machine it runs on (`lscpu`'s model name and flags first):
-1. the target's forward over M = 1..9 positions on a static cache, eager and compiled
-   (`hf_specsample.cache.compiled.CompileSettings.for_device`), in ms and in one-position steps; compile seconds;
+1. the target's forward over M = 1..9 positions on a static cache, eager, compiled
+   (`hf_specsample.cache.compiled.CompileSettings.for_device`) and eager with the small-rows linear kernel
+   (`hf_specsample.kernels.small_rows`), in ms and in one-position steps; compile seconds;
 2. per mode (greedy; sampling T=0.7, top_p=0.95), tokens/s on held-out HumanEval prompts (problems 100..): plain
-   `generate()` eager; plain `generate()` with the same static cache and compilation; `assistant_model=`;
-   hf_specsample eager (default options); hf_specsample with `SpeculativeConfig(compile=True)`. Calls are interleaved
+   `generate()` eager; plain `generate()` with the small-rows kernel on every forward (`target + kernel`); plain
+   `generate()` with the same static cache and compilation; `assistant_model=`;
+   hf_specsample eager (default options: the small-rows kernel where it pays); hf_specsample eager without it
+   (`linear_kernel="off"`); hf_specsample with `SpeculativeConfig(compile=True)`. Calls are interleaved
    per prompt, after a warm-up call of every method (compilation stays out of the timings and is reported).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -25,6 +29,7 @@ import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.cache.cached_model import _positions_to_keep
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
+from hf_specsample.kernels import small_rows
 from hf_specsample_bench.measure import cpu_name
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
@@ -44,7 +49,8 @@ def median_ms(function, repeats: int) -> float:
 
 @torch.no_grad()  # as generate() runs: dynamo guards on the grad mode, so the loop reuses this graph
 def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 10)) -> None:
-    """The target's forward over M positions after the prompt, on a static cache, eager and compiled."""
+    """The target's forward over M positions after the prompt, on a static cache: eager, compiled, and eager with the
+    small-rows linear kernel (hf_specsample's default on CPU where it pays)."""
     capacity = 2 * prompt_ids.shape[1] + 64
     cache = StaticCache(config=target.config, max_cache_len=capacity)
     from hf_specsample.cache.row_ops import full_static_cache
@@ -87,24 +93,36 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     compilations = compiled.compilations
     prompt_fast = median_ms(forward(compiled, prompt_length, start=0, keep=1), 2)
     prompt_eager = median_ms(forward(target, prompt_length, start=0, keep=1), 1)  # leaves the prompt in the cache
+    kernel_problem = small_rows.load().problem
+
+    def kernel(**kwargs):  # eager, with the small-rows linear kernel (`SpeculativeConfig(linear_kernel=...)`)
+        with small_rows.SmallRowsLinear():
+            return target(**kwargs)
+
     rows = []
     for width in widths:
         eager = median_ms(forward(target, width), repeats)
         # The loop feeds one position as two through compiled code (one graph, one frozen weight copy).
         fast = median_ms(forward(compiled, max(width, 2)), repeats)
-        rows.append((width, eager, fast))
+        kernel_ms = median_ms(forward(kernel, width), repeats) if kernel_problem is None else float("nan")
+        rows.append((width, eager, fast, kernel_ms))
     eager_1, fast_1 = rows[0][1], rows[0][2]
     print(f"\nprompt ({prompt_length} tokens; eager as plain generate() encodes it): eager {prompt_eager:.0f} ms, "
           f"compiled {prompt_fast:.0f} ms ({prompt_eager / prompt_fast:.1f}x); recompilations after the warm-up: "
           f"{compiled.compilations - compilations}")  # fmt: skip
     print(f"\nforward over M positions (prompt of {prompt_length} tokens; median of {repeats}; compiled M=1 runs "
           "as M=2)")  # fmt: skip
+    if kernel_problem is not None:
+        print(f"small-rows kernel: {kernel_problem}")
+    kernel_1 = rows[0][3]
     print(
         f"{'M':>2} {'eager ms':>9} {'x eager M=1':>11} {'compiled ms':>12} {'x compiled M=1':>14} {'x eager M=1':>11}"
+        f" {'kernel ms':>10} {'x kernel M=1':>12} {'x eager M=1':>11}"
     )
-    for width, eager, fast in rows:
+    for width, eager, fast, kernel_ms in rows:
         print(f"{width:>2} {eager:>9.1f} {eager / eager_1:>11.2f} {fast:>12.1f} {fast / fast_1:>14.2f} "
-              f"{fast / eager_1:>11.2f}")  # fmt: skip
+              f"{fast / eager_1:>11.2f} {kernel_ms:>10.1f} {kernel_ms / kernel_1:>12.2f} "
+              f"{kernel_ms / eager_1:>11.2f}")  # fmt: skip
 
 
 def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, dict]:
@@ -114,9 +132,15 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
         # one cache size for every call: transformers allocates a larger static cache for a longer call, and its
         # frozen compiled code (inductor `freezing` freezes `mark_static_address` tensors) then indexes the old one
         # ("index out of bounds" in compiled code, measured here); our loop clears the mark (compiled._unmark_static)
+        # plain generate() with the same linear kernel (every forward of up to 1024 rows, the prompt included): what
+        # the kernel alone gives, so that the rest is speculation's
+        "target + kernel": dict(context=lambda: small_rows.SmallRowsLinear(small_rows.PROMPT_ROWS)),
         "target static+compiled": dict(cache_implementation="static", compile_config=compile_plain, max_cache_len=512),
         "assistant_model=": dict(assistant_model=draft),
-        "hf_specsample eager": dict(draft_model=prepared),
+        "hf_specsample eager": dict(draft_model=prepared),  # the default: the small-rows kernel where it pays
+        "hf_specsample no kernel": dict(
+            draft_model=prepared, speculative_config=SpeculativeConfig(linear_kernel="off")
+        ),
         "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),
     }
 
@@ -124,8 +148,10 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
 def run_method(target, inputs, kwargs: dict, settings: dict, new_tokens: int, pad: int):
     """(new tokens, seconds, stats) of one call; inductor's CPU options are on for plain compiled generate()."""
     options = dict(CompileSettings.for_device(torch.device("cpu")).inductor_options)
+    kwargs = dict(kwargs)
+    context = kwargs.pop("context", contextlib.nullcontext)
     start = time.perf_counter()
-    with torch._inductor.config.patch(options):
+    with torch._inductor.config.patch(options), context():
         out = target.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
                               return_dict_in_generate=True, **settings, **kwargs)  # fmt: skip
     seconds = time.perf_counter() - start

@@ -12,7 +12,7 @@ Outputs follow the target's own distribution exactly (greedy: token for token), 
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
-from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
+from .options import DraftQuantization, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
@@ -35,6 +35,7 @@ __all__ = [
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
     "Verification",
+    "LinearKernel",
     "is_registered",
     "register",
     "release_compiled",

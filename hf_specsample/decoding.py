@@ -18,6 +18,7 @@ from .cache import row_ops
 from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
+from .kernels.small_rows import KernelPlan
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -181,15 +182,18 @@ class SpeculativeDecoder:
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0
+        # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (compiled ones do not need it).
+        reproducible = generator is not None
+        kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible) if compiled is None else None
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
-            compiled_widths=widest_round,
+            compiled_widths=widest_round, kernel=kernel,
         )  # fmt: skip
         self._compile_seconds_before = compiled.compile_seconds if compiled is not None else None
         prompt_length = input_ids.shape[1]
         prompt_ends_in_padding = not bool(self.sequences.is_real(prompt_length)[:, -1].all())
         self.lookahead = RoundLookahead.for_call(
-            config, reproducible=generator is not None, batch_size=batch, max_length=self.max_length,
+            config, reproducible=reproducible, batch_size=batch, max_length=self.max_length,
             prompt_ends_in_padding=prompt_ends_in_padding, lookup_tokens=lookup_tokens, lookup_only=draft is None,
             cost_ratio=weight_bytes_ratio(draft.model, model) if draft is not None else 0.0,
             draft_step_seconds=draft.measured_step_seconds if draft is not None else None,
@@ -198,11 +202,14 @@ class SpeculativeDecoder:
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(call.max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
+        self.stats.linear_kernel = f"target {kernel.reason}" if kernel is not None else "target compiled"
         self.drafter: Proposer
         if draft is None:
             self.drafter = lookup
         else:
-            self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers)
+            draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible)
+            self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
+            self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
                 self.drafter = LookupThenModelProposer(self.drafter, lookup)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -216,14 +223,20 @@ class SpeculativeDecoder:
         self.timer = PhaseTimer(self.lookahead.needs_timing, devices)
 
     def draft_proposer(
-        self, draft: PreparedDraft, model: PreTrainedModel, vocab_size: int, other_tokenizers: tuple[Any, Any] | None
+        self,
+        draft: PreparedDraft,
+        model: PreTrainedModel,
+        vocab_size: int,
+        other_tokenizers: tuple[Any, Any] | None,
+        kernel: KernelPlan | None = None,
     ) -> DraftModelProposer:
         """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
         if other_tokenizers is None:
             draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
             return DraftModelProposer(
-                draft.model, self.sequences, self.processor, self.do_sample, self.generator, draft_ids, vocab_size
-            )
+                draft.model, self.sequences, self.processor, self.do_sample, self.generator, draft_ids, vocab_size,
+                kernel=kernel,
+            )  # fmt: skip
         target_tokenizer, draft_tokenizer = other_tokenizers
         if draft.shared_vocabulary is not None and _same_objects(other_tokenizers, draft.tokenizers):
             shared = draft.shared_vocabulary  # built by prepare_draft
@@ -239,7 +252,7 @@ class SpeculativeDecoder:
         inputs = DraftIdBuffer(self.sequences, shared, TextBridge(target_tokenizer, draft_tokenizer))
         return DraftModelProposer(
             draft.model, self.sequences, self.processor, self.do_sample, self.generator, shared.target_ids,
-            vocab_size, columns=shared.draft_columns, inputs=inputs,
+            vocab_size, columns=shared.draft_columns, inputs=inputs, kernel=kernel,
         )  # fmt: skip
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:

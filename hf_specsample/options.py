@@ -66,6 +66,15 @@ def _check_lookahead(name: str, value: int | None) -> None:
         )
 
 
+class LinearKernel(str, enum.Enum):
+    """Whether forwards of a few positions on a CPU bf16 model use hf_specsample's small-rows linear kernel
+    (`kernels/small_rows.py`: each weight loaded once for every row, so K+1 positions cost about one step)."""
+
+    AUTO = "auto"  # where it builds and a timing on the model's own weight shows it faster than eager F.linear
+    ON = "on"  # always for CPU bf16 models; refused before any work where it cannot run
+    OFF = "off"  # never: eager PyTorch
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Options of speculative sampling; `SpeculativeConfig()` is the recommended default.
@@ -97,6 +106,13 @@ class SpeculativeConfig:
             while the model lives and reused from inductor's disk cache by later processes; on CUDA, CUDA graphs).
             False (default): eager, or what `cache_implementation="static"` with `compile_config=` asks for, as
             plain `generate()` does it. Output stays exact either way (compiled logits differ by rounding only).
+        linear_kernel: "auto" (default), "on" or "off": eager forwards of at most 16 positions (times rows) of a CPU
+            model with bf16 weights run their linear layers on hf_specsample's small-rows kernel
+            (`kernels/small_rows.py`), which reads each weight once for all rows. "auto" builds it once per machine
+            (about 12 s with a C++ compiler; cached on disk), times it against eager `F.linear` on the model's own
+            largest weight (once per model) and uses it where it is faster; `SpeculativeStats.linear_kernel` says
+            what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
+            other rows. Compiled forwards (`compile=True`) do not use it.
     """
 
     num_lookahead: int | None = None
@@ -107,6 +123,7 @@ class SpeculativeConfig:
     fast_processors: bool = True
     verification: Verification | str = Verification.BLOCK
     compile: bool = False
+    linear_kernel: LinearKernel | str = LinearKernel.AUTO
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
@@ -121,6 +138,11 @@ class SpeculativeConfig:
         except ValueError:
             choices = ", ".join(repr(v.value) for v in Verification)
             raise ValueError(f"verification must be one of {choices}, got {self.verification!r}.") from None
+        try:
+            object.__setattr__(self, "linear_kernel", LinearKernel(self.linear_kernel))
+        except ValueError:
+            choices = ", ".join(repr(k.value) for k in LinearKernel)
+            raise ValueError(f"linear_kernel must be one of {choices}, got {self.linear_kernel!r}.") from None
         for name in ("fast_processors", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")

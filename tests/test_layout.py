@@ -149,6 +149,20 @@ def test_the_distribution_installs_the_two_packages_only():
     assert packages == ["hf_specsample", *subpackages, TOOLING]
 
 
+def test_the_distribution_ships_every_kernel_source():
+    """The kernels are built on the user's machine from their sources: every `.cpp` beside the library's modules is
+    declared package data (a wheel without it would leave `linear_kernel="auto"` eager on every install)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    from fnmatch import fnmatch
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted(LIBRARY.rglob("*.cpp"))
+    assert sources, "the small-rows kernel's source is missing"
+    for source in sources:
+        package = ".".join(("hf_specsample", *source.parent.relative_to(LIBRARY).parts))
+        assert any(fnmatch(source.name, pattern) for pattern in data.get(package, [])), source
+
+
 def test_every_example_is_listed_in_the_readme_and_run_by_the_tests():
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Examples") :]

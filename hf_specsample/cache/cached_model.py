@@ -12,7 +12,8 @@ A static cache (`StaticLayer`s of fixed size, `cache.row_ops`) keeps the same la
 count, a rollback moves the pointer back, a per-row move happens in place. Every forward then gets the attention
 mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
-a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt.
+a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt. Eager forwards
+run in the context of the model's `kernels.small_rows.KernelPlan`, if any (the small-rows linear kernel for rounds).
 
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
@@ -22,12 +23,14 @@ one, which is all the loop ever drops (rejected drafts, and at most the last dra
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
+from ..kernels.small_rows import KernelPlan
 from ..sequences import Columns, Sequences
 from . import row_ops
 from .compiled import CompiledForward
@@ -58,6 +61,7 @@ class CachedModel:
         slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
         compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
+        kernel: the small-rows kernel plan eager forwards run under (None: plain eager).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class CachedModel:
         embeddable: int | None = None,
         compiled: CompiledForward | None = None,
         compiled_widths: int = 0,
+        kernel: KernelPlan | None = None,
     ):
         """
         Args:
@@ -83,6 +88,7 @@ class CachedModel:
             compiled: a compiled forward of `model` (`cache.compiled.compiled_forward`), for a static cache only.
             compiled_widths: forwards of at most this many positions use `compiled`; wider ones (the prompt) run
                 eagerly, as plain `generate()` runs its prefill.
+            kernel: eager forwards over `rows * width` positions run in `kernel.applied(rows * width)`.
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -95,6 +101,7 @@ class CachedModel:
         self.capacity = row_ops.capacity(self.cache)  # None: a dynamic cache
         assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
         self.compiled, self.compiled_widths = compiled, compiled_widths
+        self.kernel = kernel
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers be rolled back after a forward
         cached = row_ops.total_slots(self.cache)
@@ -171,7 +178,11 @@ class CachedModel:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
         if compiled:
             input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
-        logits = (self.compiled if compiled else self.model)(input_ids=input_ids, **kwargs).logits
+        if compiled:
+            logits = self.compiled(input_ids=input_ids, **kwargs).logits
+        else:
+            with self.kernel.applied(rows * width) if self.kernel is not None else contextlib.nullcontext():
+                logits = self.model(input_ids=input_ids, **kwargs).logits
         if padded:
             row_ops.crop(self.cache, 1)
             logits = logits[:, :-1]

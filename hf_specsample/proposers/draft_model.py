@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..cache.cached_model import CachedModel
+from ..kernels.small_rows import KernelPlan
 from ..lookahead import RoundWidths
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
@@ -51,6 +52,7 @@ class DraftModelProposer(Proposer):
         vocab_size: int | None = None,
         columns: torch.Tensor | None = None,
         inputs: DraftIdBuffer | None = None,
+        kernel: KernelPlan | None = None,
     ):
         """
         Args:
@@ -63,6 +65,7 @@ class DraftModelProposer(Proposer):
             vocab_size: the target's logit width.
             columns: `(n,)` the draft's logit columns standing for `vocabulary`; None: the first n.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
+            kernel: the small-rows kernel plan the draft's forwards run under (None: plain eager).
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
@@ -74,7 +77,7 @@ class DraftModelProposer(Proposer):
         # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
         cache = DynamicCache() if inputs is not None else None
-        self.runner = CachedModel(draft_model, reads.num_active, cache=cache, embeddable=embeddable)
+        self.runner = CachedModel(draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel)
         reads.rows.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
         self.processor = processor

@@ -1,0 +1,237 @@
+"""The small-rows linear kernel (`kernels/small_rows.py`): correct, batch-invariant, routed only where eligible, and
+exact end to end (greedy identity, chi-square) when the loop's forwards run on it.
+
+The operator is built once per machine (about 12 s; torch's extension cache keeps it). Without a C++ compiler the
+kernel tests skip with the build's reason, and the tests of `linear_kernel="auto"`/"on" check the fallback instead.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from exact import chisquare_pvalue, continuations, exact_distribution
+from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+
+from hf_specsample import LinearKernel, SpeculativeConfig
+from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.small_rows import KernelPlan, SmallRowsLinear
+
+PROMPT = torch.tensor([[1, 5, 2, 5]])
+DRAFT_AS_GIVEN = dict(draft_quantization="none")
+
+
+@pytest.fixture(scope="module")
+def built():
+    build = small_rows.load()
+    if build.problem is not None:
+        pytest.skip(build.problem)
+    return build
+
+
+def bf16_pair(vocab_size=16, hidden=32):
+    target = tiny_lm(seed=0, vocab_size=vocab_size, layers=2, hidden=hidden).to(torch.bfloat16)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def reference(x, weight, bias=None):
+    """fp32 F.linear, rounded to bf16 as the kernel's output is."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("in_features", [8, 13, 64, 1533])
+@pytest.mark.parametrize("out_features", [1, 3, 17, 100])
+def test_kernel_matches_fp32_linear_up_to_bf16_rounding(built, in_features, out_features):
+    generator = torch.Generator().manual_seed(in_features * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    for rows in (1, 2, 3, 5, 6, 7, 9, 13, 16):
+        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+        for b in (None, bias):
+            out = small_rows.small_rows_linear(x, weight, b)
+            expected = reference(x, weight, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+            # one bf16 rounding of the output (2^-8 relative) plus fp32 accumulation-order differences
+            scale = (x.float().abs() @ weight.float().abs().T) + (0 if b is None else b.float().abs())
+            assert ((out.float() - expected.float()).abs() <= 2**-7 * scale + 1e-6).all(), (rows, b is None)
+
+
+def test_kernel_keeps_leading_dimensions(built):
+    weight = torch.randn(24, 40).to(torch.bfloat16)
+    x = torch.randn(2, 3, 40).to(torch.bfloat16)
+    out = small_rows.small_rows_linear(x, weight)
+    assert out.shape == (2, 3, 24)
+    assert torch.equal(out.reshape(6, 24), small_rows.small_rows_linear(x.reshape(6, 40), weight))
+
+
+def test_a_rows_output_never_depends_on_the_other_rows(built):
+    """Batch invariance: one position alone and among K+1 gives bit-identical outputs (row-tile sizes differ)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 203, generator=generator).to(torch.bfloat16)
+    x = torch.randn(16, 203, generator=generator).to(torch.bfloat16)
+    alone = torch.cat([small_rows.small_rows_linear(x[i : i + 1], weight) for i in range(16)])
+    for rows in range(1, 17):
+        assert torch.equal(small_rows.small_rows_linear(x[:rows], weight), alone[:rows]), rows
+
+
+def test_mode_routes_only_eligible_linears(built, monkeypatch):
+    calls = []
+    real = small_rows.small_rows_linear
+    monkeypatch.setattr(small_rows, "small_rows_linear", lambda *args: calls.append(args[0].shape) or real(*args))
+    weight = torch.randn(8, 16).to(torch.bfloat16)
+    few, many = torch.randn(4, 16).to(torch.bfloat16), torch.randn(17, 16).to(torch.bfloat16)
+    with SmallRowsLinear():
+        assert torch.equal(F.linear(few, weight), real(few, weight))  # routed
+        F.linear(many, weight)  # more than MAX_ROWS rows: eager GEMM
+        F.linear(few.float(), weight.float())  # fp32: eager
+        F.linear(few, weight.T.contiguous().T)  # a transposed weight (not row-major): eager
+        with torch.enable_grad():
+            F.linear(few, weight.clone().requires_grad_())  # autograd: eager
+        module = torch.nn.Linear(16, 8, bias=True).to(torch.bfloat16).requires_grad_(False)
+        module(few)  # nn.Linear goes through F.linear: routed, with its bias
+    F.linear(few, weight)  # outside the mode: eager
+    assert calls == [(4, 16), (4, 16)]
+    with SmallRowsLinear(max_rows=None):
+        F.linear(many, weight)
+    assert calls[-1] == (17, 16)
+
+
+def greedy(model, **kwargs):
+    return model.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, **kwargs)
+
+
+@torch.no_grad()
+def test_greedy_with_the_kernel_equals_plain(built):
+    target, draft = bf16_pair()
+    config = SpeculativeConfig(linear_kernel="on", **DRAFT_AS_GIVEN)
+    out = greedy(target, draft_model=draft, num_lookahead=3, speculative_config=config, return_dict_in_generate=True)
+    assert (
+        out.speculative_stats.linear_kernel.startswith("target on")
+        and "draft on" in out.speculative_stats.linear_kernel
+    )
+    with SmallRowsLinear():  # plain decoding with the kernel: the same per-row arithmetic (batch invariance)
+        assert out.sequences.tolist() == greedy(target).tolist()
+    assert out.sequences.tolist() == greedy(target).tolist()  # and here also plain eager's tokens
+
+
+@torch.no_grad()
+def test_ragged_batch_greedy_with_the_kernel_equals_plain(built):
+    target, draft = bf16_pair(vocab_size=24)
+    prompts = torch.tensor([[PAD, PAD, 1, 5, 2], [1, 7, 3, 9, 4]])
+    mask = (prompts != PAD).long()
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    config = SpeculativeConfig(linear_kernel="on", **DRAFT_AS_GIVEN)
+    out = target.generate(prompts, draft_model=draft, num_lookahead=2, speculative_config=config, **kwargs)
+    with SmallRowsLinear():
+        plain = target.generate(prompts, **kwargs)
+    assert out.tolist() == plain.tolist()
+
+
+def every_forward_on_the_kernel(monkeypatch):
+    """The loop's plan routes every forward, however many rows (a 4000-row sampling batch included)."""
+    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls(1, "on (test)")))
+    monkeypatch.setattr(KernelPlan, "applied", lambda self, rows: SmallRowsLinear(max_rows=None))
+
+
+SETTINGS = dict(temperature=0.9, top_k=5)
+NUM_TOKENS = 3
+
+
+def kernel_exact(target):
+    """The target's exact distribution of 3 tokens, as the kernel computes it."""
+    processors, _ = prepared_processors(target, PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, **SETTINGS)
+    with SmallRowsLinear(max_rows=None):
+        return exact_distribution(target, PROMPT, processors, NUM_TOKENS)
+
+
+def speculative_samples(target, draft, seed=5, rows=4000):
+    out = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=rows, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(seed), draft_model=draft, num_lookahead=2,
+        speculative_config=SpeculativeConfig(**DRAFT_AS_GIVEN), **SETTINGS,
+    )  # fmt: skip
+    return continuations(out, PROMPT.shape[1])
+
+
+@torch.no_grad()
+def test_sampling_on_the_kernel_is_exact(built, monkeypatch):
+    target, draft = bf16_pair()
+    every_forward_on_the_kernel(monkeypatch)
+    assert chisquare_pvalue(kernel_exact(target), speculative_samples(target, draft)) > 1e-3
+
+
+@torch.no_grad()
+def test_sampling_test_catches_a_wrong_kernel(built, monkeypatch):
+    """Power: a kernel whose head logits are off by a factor 1.3 in the loop fails the same test."""
+    target, draft = bf16_pair()
+    every_forward_on_the_kernel(monkeypatch)
+    exact = kernel_exact(target)
+    real = small_rows.small_rows_linear
+
+    def wrong(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out * 1.3 if weight.shape[0] == target.config.vocab_size else out
+
+    monkeypatch.setattr(small_rows, "small_rows_linear", wrong)
+    assert chisquare_pvalue(exact, speculative_samples(target, draft)) < 1e-3
+
+
+def test_auto_leaves_float32_models_alone():
+    target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert plan.from_rows is None and "float32" in plan.reason
+    assert plan.applied(3).__class__.__name__ == "nullcontext"
+
+
+def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
+    target, draft = bf16_pair()
+    fp32 = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
+    with pytest.raises(ValueError, match="linear_kernel='on' cannot be honoured: its weights are torch.float32"):
+        greedy(fp32, draft_model=draft.float(), speculative_config=SpeculativeConfig(linear_kernel="on"))
+    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(linear_kernel="on"))
+
+
+def test_auto_falls_back_to_eager_and_says_why_when_the_kernel_cannot_be_built(monkeypatch):
+    target, draft = bf16_pair()
+    plain = greedy(target)
+    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
+    assert "off: no C++ compiler (test)" in out.speculative_stats.linear_kernel
+    assert out.sequences.tolist() == plain.tolist()
+
+
+class _FailedLoad:
+    def __call__(self):
+        return small_rows.Build("no C++ compiler (test)", 0.0)
+
+    def cache_info(self):
+        return type("Info", (), {"currsize": 1})()
+
+
+def test_auto_times_the_kernel_once_per_model(built, monkeypatch):
+    target, _ = bf16_pair(hidden=64)
+    timed = []
+    real = small_rows._timed_plan
+    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: timed.append(weight.shape) or real(weight))
+    first = KernelPlan.for_model(target, LinearKernel.AUTO)
+    again = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert len(timed) == 1 and first.reason == again.reason and "timed" in first.reason
+    with torch.no_grad():
+        small_rows._largest_weight(target).mul_(1.0)  # the weights changed (version counter): timed again
+    KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert len(timed) == 2
+
+
+def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
+    target, _ = bf16_pair()
+    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: pytest.fail("a seeded call timed the kernel"))
+    plan = KernelPlan.for_model(copy.deepcopy(target), LinearKernel.AUTO, clock_free=True)
+    assert "without the clock" in plan.reason
+
+
+def test_config_checks_linear_kernel():
+    assert SpeculativeConfig(linear_kernel="off").linear_kernel is LinearKernel.OFF
+    with pytest.raises(ValueError, match="linear_kernel must be one of 'auto', 'on', 'off'"):
+        SpeculativeConfig(linear_kernel="fast")
