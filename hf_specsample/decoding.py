@@ -184,7 +184,7 @@ class SpeculativeDecoder:
         cached = row_ops.total_slots(cache) if cache is not None else 0
         # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (compiled ones do not need it).
         reproducible = generator is not None
-        kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible) if compiled is None else None
+        kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target") if compiled is None else None
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
             compiled_widths=widest_round, kernel=kernel,
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         if draft is None:
             self.drafter = lookup
         else:
-            draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible)
+            draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
             self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere

@@ -89,11 +89,31 @@ def test_mode_routes_only_eligible_linears(built, monkeypatch):
             F.linear(few, weight.clone().requires_grad_())  # autograd: eager
         module = torch.nn.Linear(16, 8, bias=True).to(torch.bfloat16).requires_grad_(False)
         module(few)  # nn.Linear goes through F.linear: routed, with its bias
+        F.linear(input=few, weight=weight)  # keywords, as F.linear accepts them: routed
+        with torch.enable_grad():  # a frozen weight with a trainable bias (bias-only fine-tuning): eager
+            F.linear(few, weight, torch.zeros(8, dtype=torch.bfloat16, requires_grad=True))
     F.linear(few, weight)  # outside the mode: eager
-    assert calls == [(4, 16), (4, 16)]
+    assert calls == [(4, 16), (4, 16), (4, 16)]
     with SmallRowsLinear(max_rows=None):
         F.linear(many, weight)
     assert calls[-1] == (17, 16)
+
+
+def test_forward_mode_autodiff_stays_eager(built):
+    """The operator has no derivative: dual tensors and torch.func transforms get eager F.linear's tangents."""
+    import torch.autograd.forward_ad as forward_ad
+
+    generator = torch.Generator().manual_seed(4)
+    weight, x, tangent = (
+        torch.randn(*shape, generator=generator).to(torch.bfloat16) for shape in ((8, 16), (3, 16), (3, 16))
+    )
+    expected = F.linear(tangent, weight)
+    with SmallRowsLinear():
+        with forward_ad.dual_level():
+            assert torch.equal(
+                forward_ad.unpack_dual(F.linear(forward_ad.make_dual(x, tangent), weight)).tangent, expected
+            )
+        assert torch.equal(torch.func.jvp(lambda x: F.linear(x, weight), (x,), (tangent,))[1], expected)
 
 
 def greedy(model, **kwargs):
@@ -186,7 +206,9 @@ def test_auto_leaves_float32_models_alone():
 def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
     target, draft = bf16_pair()
     fp32 = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
-    with pytest.raises(ValueError, match="linear_kernel='on' cannot be honoured: its weights are torch.float32"):
+    with pytest.raises(
+        ValueError, match="linear_kernel='on' cannot be honoured: the target's weights are torch.float32"
+    ):
         greedy(fp32, draft_model=draft.float(), speculative_config=SpeculativeConfig(linear_kernel="on"))
     monkeypatch.setattr(small_rows, "load", _FailedLoad())
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):

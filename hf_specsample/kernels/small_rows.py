@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -100,7 +101,8 @@ def small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether `F.linear(x, weight, bias)` may go to the kernel: plain CPU bf16 tensors, at most `max_rows` rows
-    (None: any), no autograd."""
+    (None: any), no autograd of any kind (the operator has no derivative: reverse mode with a tensor that requires
+    grad, forward-mode dual levels and torch.func transforms all stay with eager `F.linear`)."""
     return (
         type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized or distributed tensor subclass
         and type(x) is torch.Tensor
@@ -114,7 +116,12 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m
         and (max_rows is None or x.numel() <= max_rows * weight.shape[1])
         and x.shape[-1] == weight.shape[1]
         and (bias is None or (type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dtype == torch.bfloat16))
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
+        and forward_ad._current_level < 0  # no forward-mode dual level is open
+        and torch._C._functorch.maybe_current_level() is None  # no vmap / jvp / grad transform is active
     )
 
 
@@ -142,7 +149,8 @@ class SmallRowsLinear(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if eligible(x, weight, bias, self.max_rows):
                 return small_rows_linear(x, weight, bias)
@@ -195,13 +203,16 @@ class KernelPlan:
         return cls(None, reason)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, choice: LinearKernel, clock_free: bool = False) -> "KernelPlan":
+    def for_model(
+        cls, model: torch.nn.Module, choice: LinearKernel, clock_free: bool = False, role: str = "model"
+    ) -> "KernelPlan":
         """The plan for `model` under `choice` (AUTO's timing is done once per model and weight set).
 
         Args:
             clock_free: the output must not depend on the clock (a seeded call): AUTO then decides without timing,
                 using the kernel wherever its vector path was built (AVX2 and FMA), since a timing that flips
                 between processes would change the logits' rounding and so a seeded sample.
+            role: what the model is to the call ("target", "draft"), for messages.
 
         Raises:
             ValueError: `LinearKernel.ON` where the kernel cannot serve the model (not a CPU bf16 model, or the
@@ -210,7 +221,7 @@ class KernelPlan:
         if choice is LinearKernel.OFF:
             return cls.off("off (linear_kernel='off')")
         weight = _largest_weight(model)
-        problem = _model_problem(weight)
+        problem = _model_problem(weight, role)
         built_now = load.cache_info().currsize == 0
         build = load() if problem is None else Build(None, 0.0)
         problem = problem or build.problem
@@ -236,13 +247,13 @@ class KernelPlan:
         return cls(plan.from_rows, plan.reason + built, plan.max_rows)
 
 
-def _model_problem(weight: torch.Tensor | None) -> str | None:
+def _model_problem(weight: torch.Tensor | None, role: str) -> str | None:
     if weight is None:
-        return "the model has no plain nn.Linear weights"
+        return f"the {role} has no plain nn.Linear weights"
     if weight.device.type != "cpu":
-        return f"its weights are on {weight.device.type}, the kernel runs on the CPU"
+        return f"the {role}'s weights are on {weight.device.type}, the kernel runs on the CPU"
     if weight.dtype != torch.bfloat16:
-        return f"its weights are {weight.dtype}, the kernel reads bf16"
+        return f"the {role}'s weights are {weight.dtype}, the kernel reads bf16"
     return None
 
 
