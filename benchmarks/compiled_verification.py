@@ -30,21 +30,12 @@ from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.cache.cached_model import _positions_to_keep
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample.kernels import small_rows
-from hf_specsample_bench.measure import cpu_name
+from hf_specsample_bench.measure import cpu_name, median_ms
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
 from hf_specsample_bench.prompts import PromptSet, load_prompts
 
 HELD_OUT = 100  # HumanEval problems from here on were never looked at while tuning
-
-
-def median_ms(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 @torch.no_grad()  # as generate() runs: dynamo guards on the grad mode, so the loop reuses this graph

@@ -12,27 +12,14 @@ asserted.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 import torch.utils.mkldnn as mkldnn
 
-from hf_specsample_bench.measure import cpu_name
+from hf_specsample_bench.measure import cpu_name, median_ms
 
 IN_FEATURES, OUT_FEATURES = 1536, 8960
 ROWS = (1, 2, 5, 9)
-
-
-def median_ms(function, repeats: int = 30, warm_up: int = 5) -> float:
-    for _ in range(warm_up):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def forms() -> dict[str, tuple[torch.nn.Module, torch.dtype, bool]]:
@@ -65,7 +52,7 @@ def main() -> None:
                 x = torch.randn(rows, IN_FEATURES).to(dtype)
                 x = x.to_mkldnn() if onednn_input else x
                 try:
-                    ms = median_ms(functools.partial(module, x))
+                    ms = median_ms(functools.partial(module, x), repeats=30, warm_up=5)
                 except RuntimeError as error:
                     cells.append(f"M={rows}: {str(error).splitlines()[-1][:90]}")
                     break

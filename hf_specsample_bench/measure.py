@@ -12,6 +12,18 @@ from typing import Any
 import torch
 
 
+def median_ms(function, repeats: int, warm_up: int = 0) -> float:
+    """Median wall time of `repeats` calls of `function`, in ms, after `warm_up` untimed calls."""
+    for _ in range(warm_up):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 class ForwardCounter:
     """Counts forward calls of a model through a forward hook (works for every generate() path)."""
 
