@@ -232,7 +232,7 @@ class KernelPlan:
                     "runs and pays, eager elsewhere) or 'off'."
                 )
             return cls.off(f"off: {problem}")
-        built = f"; operator built or loaded in {build.seconds:.1f} s" if built_now and problem is None else ""
+        built = f"; operator built or loaded in {build.seconds:.1f} s" if built_now else ""
         if choice is LinearKernel.ON:
             return cls(1, f"on for 1-{MAX_ROWS} rows (linear_kernel='on'){built}")
         if clock_free:
