@@ -30,6 +30,7 @@ from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.cache.cached_model import _positions_to_keep
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample.kernels import small_rows
+from hf_specsample.transformers_api import cache_kwargs
 from hf_specsample_bench.measure import cpu_name, median_ms
 from hf_specsample_bench.methods import Mode, sampling_kwargs
 from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
@@ -66,7 +67,7 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
             # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph;
             # compiled code gets the kept positions as a tensor, as the loop passes them (an int is specialised)
             to_keep = _positions_to_keep(width, keep, torch.device("cpu"), compiled=function is compiled)
-            kwargs = dict(past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=positions)
+            kwargs = dict(**cache_kwargs(target, cache), use_cache=True, attention_mask=mask, position_ids=positions)
             function(input_ids=ids, **kwargs, logits_to_keep=to_keep)
             for layer in cache.layers:  # roll back: the next call writes the same slots
                 layer.cumulative_length.fill_(prompt_length)

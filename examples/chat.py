@@ -4,8 +4,10 @@
     python examples/chat.py --target ./target --draft ./draft --greedy "Hi!" "And then?"
 
 generate() runs in a thread and a TextIteratorStreamer hands its text to this one. With return_dict_in_generate=True
-the output carries the cache (out.past_key_values): the next turn passes it back with the whole conversation as
-input, so only the new turn's tokens are computed. Streaming takes one row at a time.
+the output carries the cache: the next turn passes it back with the whole conversation as input, so only the new
+turn's tokens are computed. transformers 5.24 renamed the cache argument and output field from `past_key_values` to
+`cache`; `hf_specsample.CACHE` is the installed version's name, so this script runs on both. Streaming takes one row
+at a time.
 """
 
 import argparse
@@ -13,7 +15,7 @@ from threading import Thread
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
-import hf_specsample  # noqa: F401  (adds draft_model= to generate())
+import hf_specsample  # adds draft_model= to generate()
 
 parser = argparse.ArgumentParser(description="A streamed two-turn chat with a draft model.")
 parser.add_argument("questions", nargs="*", default=["Write a Python function that reverses a string.",
@@ -47,8 +49,9 @@ for question in args.questions:
         reused = int((start == held[: len(start)]).cumprod(0).sum())
         cache.crop(reused - len(held))  # crop(-n) drops the last n
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(**inputs, past_key_values=cache, draft_model=draft, streamer=streamer,
-                  max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **sampling)  # fmt: skip
+    kwargs = dict(**inputs, draft_model=draft, streamer=streamer, max_new_tokens=args.max_new_tokens,
+                  return_dict_in_generate=True, **sampling)  # fmt: skip
+    kwargs[hf_specsample.CACHE] = cache  # cache= (transformers >= 5.24) or past_key_values= (5.23)
     result = {}
     thread = Thread(target=generate_into, args=(result,), kwargs=kwargs)
     thread.start()
@@ -57,7 +60,7 @@ for question in args.questions:
         print(text, end="", flush=True)
     thread.join()
     out = result["out"]
-    cache = out.past_key_values  # holds the conversation minus its last token
+    cache = getattr(out, hf_specsample.CACHE)  # out.cache (5.24) / out.past_key_values: all but the last token
     held = out.sequences[0, : cache.get_seq_length()]
     answer = tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     messages.append({"role": "assistant", "content": answer})

@@ -9,6 +9,10 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
+from .transformers_api import CACHE, check_installed
+
+check_installed()  # before anything else: an unsupported transformers is refused here, with what to do
+
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
@@ -22,6 +26,7 @@ from .stats import SpeculativeStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "CACHE",
     "AdaptiveLookahead",
     "DEFAULT_MAX_LOOKAHEAD",
     "DraftQuantization",

@@ -29,12 +29,13 @@ class CallInputs:
         draft_model: the draft as the caller named it: a model, a `PreparedDraft`, or a `NamedDraft`.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
         model_kwargs: what `generate()` prepared for the model: `attention_mask` `(batch, prompt_length)`,
-            `position_ids`, `past_key_values` (empty, or holding an earlier turn), `use_cache`, ...
+            `position_ids`, the cache under `transformers_api.CACHE` (empty, or holding an earlier turn),
+            `use_cache`, ...
         logits_processor / stopping_criteria / generation_config: as `generate()` built them.
         config: the resolved `SpeculativeConfig` (`num_lookahead=` merged in).
         generator: the caller's `torch.Generator`, or None.
         streamer: where committed tokens go (the caller's `streamer=`), or None.
-        caller_cache: the caller passed `past_key_values` (left holding what plain `generate()` leaves in it).
+        caller_cache: the caller passed a cache (left holding what plain `generate()` leaves in it).
         lookup_tokens: transformers' `prompt_lookup_num_tokens` (n-gram tokens per lookup round), or None.
         max_ngram: transformers' `max_matching_ngram_size` (the longest n-gram looked up), or None.
         other_tokenizers: (target tokenizer, draft tokenizer) when the draft reads another vocabulary, else None.

@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.streamers import BaseStreamer
 
-from . import distributed, validation
+from . import distributed, transformers_api, validation
 from .cache import row_ops
 from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
@@ -85,7 +85,8 @@ def speculative_generate(
         speculative_tokenizers: (target tokenizer, draft tokenizer), set by the registered `generate()` from
             `tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`. When their vocabularies differ, the draft
             reads its own ids and drafts over the tokens both share (`proposers/cross_vocab.py`).
-        speculative_caller_cache: set by the registered `generate()` when the caller passed `past_key_values`:
+        speculative_caller_cache: set by the registered `generate()` when the caller passed a cache (`cache=`, or
+            `past_key_values=` where transformers still takes it):
             that object is then left holding what plain `generate()` leaves in it, even without
             `return_dict_in_generate` (a non-empty cache is taken to be the caller's in any case).
         speculative_prompt_lookup_num_tokens / speculative_max_matching_ngram_size: transformers'
@@ -93,12 +94,14 @@ def speculative_generate(
             n-gram drafter's tokens per lookup round and longest n-gram (see `proposers/prompt_lookup.py`). With a model
             draft, n-gram continuations are drafted first where a row has one.
         **model_kwargs: `attention_mask` `(batch, prompt_length)`, `position_ids` `(batch, prompt_length)`, the
-            prepared `past_key_values` (empty, or holding the first tokens of `input_ids` from an earlier turn), and
+            prepared cache under `transformers_api.CACHE` (empty, or holding the first tokens of `input_ids` from an
+            earlier turn), and
             the flags `generate()` sets (`use_cache`, `logits_to_keep`).
 
     Returns:
         `(batch, sequence_length)` long sequences, or a `SpeculativeDecoderOnlyOutput` (with `speculative_stats`)
-        when `return_dict_in_generate=True`; its `past_key_values` hold what plain `generate()`'s would hold.
+        when `return_dict_in_generate=True`; its cache (`out.cache`, or `out.past_key_values` before transformers
+        5.24) holds what plain `generate()`'s would hold.
     """
     if draft_model is None:
         raise ValueError(
@@ -145,7 +148,7 @@ class SpeculativeDecoder:
         lookup_tokens, other_tokenizers = call.lookup_tokens, call.other_tokenizers
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
-        self.pad_token_id = _as_int(generation_config._pad_token_tensor)
+        self.pad_token_id = _as_int(transformers_api.pad_token_id(generation_config))
         self.stopping_criteria = call.stopping_criteria
         self.streamer = call.streamer
         self.processor = PositionwiseProcessor(
@@ -178,7 +181,7 @@ class SpeculativeDecoder:
         position_ids = model_kwargs.get("position_ids")
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(transformers_api.CACHE)
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0
@@ -399,8 +402,8 @@ def _target_cache(
 ) -> tuple[Any, CompiledForward | None]:
     """The target's cache, and its compiled forward if this call compiles (else None).
 
-    A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed as
-    `past_key_values`) or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full
+    A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
+    or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full
     `StaticLayer`s of at least `max_length` slots (`cache.row_ops.full_static_cache`, converting the caller's cache in
     place). The forward is compiled as plain `generate()` would compile it for this static cache (`compile_config`,
     on CPU only with its `_compile_all_devices`), or with `CompileSettings.for_device` under `compile=True`.
@@ -427,8 +430,8 @@ def _target_cache(
     cache = row_ops.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
     if config.compile:
         settings = CompileSettings.for_device(input_device(model))
-    elif problem is None and model._valid_auto_compile_criteria({"past_key_values": cache}, generation_config):
-        compile_config = generation_config.compile_config or model._default_compile_config()
+    elif problem is None and transformers_api.valid_auto_compile(model, cache, generation_config):
+        compile_config = generation_config.compile_config or transformers_api.default_compile_config(model)
         settings = CompileSettings.from_compile_config(compile_config)
     else:
         return cache, None

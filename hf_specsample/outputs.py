@@ -9,12 +9,16 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import transformers_api
 from .stats import SpeculativeStats
 
 
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` (sequences, scores, logits, past_key_values) plus `speculative_stats`.
+    """`GenerateDecoderOnlyOutput` (sequences, scores, logits, the cache) plus `speculative_stats`.
+
+    The cache is under the name plain `generate()` returns it under with the installed transformers
+    (`transformers_api.CACHE`: `out.cache` from 5.24 on, `out.past_key_values` before).
 
     `scores[i]` / `logits[i]` are `(batch, vocab)`: the target's processed scores / raw logits for generated token
     `i`, as plain sampling returns them. Rows that had already finished at step `i` hold `-inf` there (plain
@@ -63,8 +67,8 @@ class OutputRecorder:
             sequences=sequences,
             scores=_per_step(self.scores) if self.keep_scores else None,
             logits=_per_step(self.logits) if self.keep_logits else None,
-            past_key_values=cache,
             speculative_stats=stats,
+            **{transformers_api.CACHE: cache},
         )
 
 

@@ -1,10 +1,12 @@
 """Registers `draft_model=` / `num_lookahead=` on every model's `generate()`.
 
 `register()` wraps `GenerationMixin.generate` once. A call without `draft_model=` goes straight to the original
-`generate()`, untouched. A call with it is routed through transformers' own `custom_generate` callable hook to
-`speculative_generate`, so `generate()` still prepares inputs, processors and stopping criteria itself. A call that
-names another `custom_generate` method (a callable or a repository) is that method's: it goes to the original
-`generate()` untouched.
+`generate()`, untouched but for one thing: a cache passed under a name the installed transformers deprecated
+(`past_key_values=` from 5.24 on) is renamed as `generate()` would rename it, with the same deprecation message, at
+the caller's line (`transformers_api.take_caller_cache`). A call with `draft_model=` is routed through
+transformers' own `custom_generate` callable hook to `speculative_generate`, so `generate()` still prepares inputs,
+processors and stopping criteria itself. A call that names another `custom_generate` method (a callable or a
+repository) is that method's: it goes to the original `generate()` (renamed cache aside) untouched.
 
 Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
 parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
@@ -23,6 +25,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from . import transformers_api
 from .decoding import speculative_generate
 
 _ORIGINAL_GENERATE = GenerationMixin.generate
@@ -56,7 +59,7 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
                 "as `tokenizer=` too."
             )
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
-    if kwargs.get("past_key_values") is not None:  # the caller holds this object: leave it as plain would
+    if kwargs.get(transformers_api.CACHE) is not None:  # the caller holds this object: leave it as plain would
         kwargs["speculative_caller_cache"] = True
     # transformers' prompt-lookup arguments would switch generate() to its own assisted mode (which refuses
     # num_return_sequences > 1 and batches): with draft_model= they configure our n-gram drafter instead.
@@ -78,13 +81,23 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
         criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
-        kwargs["stop_strings"] = None  # built above; stops generate() from asking for the dropped tokenizer
+        # Built above; generate() must not build them again (it would ask for the tokenizer, which it drops). A
+        # passed config is copied without them: `stop_strings=None` beside `generation_config=` is deprecated.
+        config = kwargs.get("generation_config")
+        if config is None or "stop_strings" in kwargs:
+            kwargs["stop_strings"] = None
+        else:
+            config = kwargs["generation_config"] = copy.deepcopy(config)
+            config.stop_strings = None
     return kwargs
 
 
 @functools.wraps(_ORIGINAL_GENERATE)
 def generate(self, *args, **kwargs):
     """`GenerationMixin.generate` with hf_specsample's `draft_model=` / `num_lookahead=` arguments."""
+    # A cache under a name transformers deprecated is renamed here, as `generate()` renames it, so that its
+    # deprecation message points at the caller's line rather than at this wrapper.
+    transformers_api.take_caller_cache(kwargs, stacklevel=2)
     custom_generate = kwargs.get("custom_generate")
     if custom_generate is not None and custom_generate is not speculative_generate:
         # Another decoding method (a callable, or a Hub / local `custom_generate` folder such as this repository's):

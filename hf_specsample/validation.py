@@ -10,11 +10,14 @@ from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, 
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
+from . import transformers_api
 from .cache import row_ops
 from .options import NamedDraft
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
-KNOWN_MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"})
+KNOWN_MODEL_KWARGS = frozenset(
+    {"attention_mask", "position_ids", transformers_api.CACHE, "use_cache", "logits_to_keep"}
+)
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
@@ -156,7 +159,7 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
             f"Model inputs {unknown} are not supported with `draft_model=` (text-only decoder LMs: input_ids and "
             "attention_mask). Generate without `draft_model=` for these inputs."
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(transformers_api.CACHE)
     if cache is not None:
         unsupported = row_ops.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
         if isinstance(cache, StaticCache) and row_ops.is_static(cache):
@@ -169,12 +172,12 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
         if unsupported:
             raise ValueError(
                 f"`draft_model=` needs a DynamicCache (the default) or a StaticCache to roll back rejected tokens; got "
-                f"a cache with {', '.join(unsupported)}. Pass no `past_key_values` and no quantized/offloaded "
+                f"a cache with {', '.join(unsupported)}. Pass no `{transformers_api.CACHE}` and no quantized/offloaded "
                 "`cache_implementation`, or a DynamicCache / StaticCache from an earlier generate() call."
             )
         if row_ops.total_slots(cache) >= input_ids.shape[1]:
             raise ValueError(
-                f"`past_key_values` already covers {row_ops.total_slots(cache)} tokens but input_ids has "
+                f"`{transformers_api.CACHE}` already covers {row_ops.total_slots(cache)} tokens but input_ids has "
                 f"{input_ids.shape[1]}: pass the whole conversation as input_ids (the cached turns plus the new one), "
                 "as for plain generate()."
             )

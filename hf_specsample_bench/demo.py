@@ -23,6 +23,7 @@ import torch
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 from hf_specsample import LinearKernel, SpeculativeConfig
 from hf_specsample.kernels.small_rows import KernelPlan
+from hf_specsample.transformers_api import cache_kwargs, output_cache
 
 from .measure import cpu_name
 from .methods import Mode, sampling_kwargs
@@ -84,12 +85,12 @@ def eager_verification_cost(target, input_ids: torch.Tensor, prefix: int = 16, r
     kernel = KernelPlan.for_model(target, LinearKernel.AUTO)
     print(f"linear kernel: {kernel.reason}")
     with torch.no_grad():
-        cache = target(ids, use_cache=True).past_key_values
+        cache = output_cache(target(ids, use_cache=True))
         for _ in range(repeats):
             for width in times:
                 start = time.perf_counter()
                 with kernel.applied(width):
-                    target(ids[:, -width:], past_key_values=cache, use_cache=True)
+                    target(ids[:, -width:], **cache_kwargs(target, cache), use_cache=True)
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)  # transformers 5.23: a negative count removes that many
     return statistics.median(times[3]) / statistics.median(times[1])

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from hf_specsample.transformers_api import cache_kwargs, output_cache
+
 
 def median_ms(function, repeats: int, warm_up: int = 0) -> float:
     """Median wall time of `repeats` calls of `function`, in ms, after `warm_up` untimed calls."""
@@ -77,13 +79,13 @@ def timed_generate(target, draft, inputs: dict, generate_kwargs: dict) -> tuple[
 def forward_seconds(model, input_ids: torch.Tensor, new_tokens: int = 1, repeats: int = 5) -> float:
     """Median seconds of one cached forward over `new_tokens` tokens after the prompt `input_ids` `(1, length)`."""
     device = model.get_input_embeddings().weight.device
-    cache = model(input_ids=input_ids.to(device), use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=input_ids.to(device), use_cache=True))
     step = input_ids[:, -new_tokens:].to(device)
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         _synchronize()
         start = time.perf_counter()
-        model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=new_tokens)
+        model(input_ids=step, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=new_tokens)
         _synchronize()
         times.append(time.perf_counter() - start)
         cache.crop(-new_tokens)

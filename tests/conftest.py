@@ -1,5 +1,7 @@
+import logging
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -7,6 +9,100 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # lets tests import the shared `tiny` / `exact` helpers
 
 import hf_specsample  # noqa: E402,F401  (registers draft_model= on generate())
+from hf_specsample import registration  # noqa: E402
+
+# --- The deprecation guard -------------------------------------------------------------------------------------------
+# A deprecation message from transformers caused by the project's own calls (the library, the benchmark package, the
+# examples and benchmarks) fails the test at the call: the next rename is caught the day its transformers is
+# installed, not by a user. A test's own deliberate use of an old name is left alone. "Caused by" is decided on the
+# stack: the innermost frame of this repository, outside transformers, torch and the standard library, is the caller.
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TESTS = os.path.join(_REPO, "tests") + os.sep
+
+
+class OwnDeprecation(AssertionError):
+    """transformers deprecated something that the project's own code called."""
+
+
+def _ours(filename: str) -> bool | None:
+    """True: the project's code; False: a test; None: neither (a library, the standard library)."""
+    path = os.path.abspath(filename)
+    if not path.startswith(_REPO):
+        return None
+    return not path.startswith(_TESTS)
+
+
+def _blame(frame) -> str | None:
+    """`file:line` of the project's call that led to `frame` (the frame that emitted a message), or None.
+
+    The registered `generate()` wrapper is every model's `generate`: where transformers calls `generate` itself (an
+    assistant model's, inside assisted decoding), the wrapper only passes transformers' own call on, so it is not
+    the culprit.
+    """
+    while frame is not None:
+        verdict = _ours(frame.f_code.co_filename)
+        if verdict is not None:
+            wrapper = frame.f_code is registration.generate.__code__
+            passed_on = wrapper and _ours(frame.f_back.f_code.co_filename) is None
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}" if verdict and not passed_on else None
+        frame = frame.f_back
+    return None
+
+
+def _from_transformers(frame) -> bool:
+    return f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename
+
+
+def _emitter(frame):
+    """The first frame outside this file and the `warnings` / `logging` modules: whoever emitted the message."""
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_globals.get("__name__") in ("warnings", "logging")
+    ):
+        frame = frame.f_back
+    return frame
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """`warnings.showwarning` while a test runs: raise for transformers' deprecations of our own calls."""
+    emitter = _emitter(sys._getframe(1))
+    if (
+        issubclass(category, (FutureWarning, DeprecationWarning))
+        and emitter is not None
+        and _from_transformers(emitter)
+    ):
+        culprit = f"{filename}:{lineno}" if _ours(filename) else _blame(emitter)
+        if culprit is not None:
+            raise OwnDeprecation(f"transformers deprecation caused by {culprit}: {message}")
+    warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+
+class _DeprecationLog(logging.Handler):
+    """On transformers' logger: raise for a logged deprecation (`past_key_values` is deprecated...) of our calls."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < logging.WARNING or "deprecat" not in record.getMessage().lower():
+            return
+        culprit = _blame(_emitter(sys._getframe(1)))
+        if culprit is not None:
+            raise OwnDeprecation(f"transformers deprecation caused by {culprit}: {record.getMessage()}")
+
+
+@pytest.fixture(autouse=True)
+def _deprecation_guard():
+    """Every test runs under the guard; `warning_once` forgets what it said, so each test hears it again."""
+    handler = _DeprecationLog()
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    once = getattr(logging.Logger.warning_once, "cache_clear", None)
+    if once is not None:
+        once()
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+        transformers_logger.removeHandler(handler)
 
 
 @pytest.fixture(autouse=True)

@@ -3,13 +3,13 @@
 For each architecture (sliding-window variants with a window of 4 slots, so every text here runs past it):
 - greedy: one prompt, a ragged left-padded batch, and right-padded prompts give plain greedy's tokens;
 - EOS inside an accepted block, rows stopping at different steps: sequences, `scores`, `logits` and the returned
-  `past_key_values` equal plain's, and a second chat turn on that cache equals plain's second turn;
+  cache equal plain's, and a second chat turn on that cache equals plain's second turn;
 - sampling never leaves the target's top-k, checked against a cache-free forward over every sampled text.
 """
 
 import pytest
 import torch
-from tiny import ARCHITECTURES, PAD, arch_draft, tiny_arch
+from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, tiny_arch, with_cache
 
 VOCAB = 48
 NEW_TOKENS = 14
@@ -90,16 +90,16 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
         unfinished = ~(plain.sequences[:, ids.shape[1] : ids.shape[1] + step] == eos).any(dim=1)
         torch.testing.assert_close(mine[unfinished], theirs[unfinished], rtol=1e-4, atol=1e-4)
     cached_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1]
-    assert_same_cache(plain.past_key_values, speculative.past_key_values, cached_mask)
+    assert_same_cache(cache_of(plain), cache_of(speculative), cached_mask)
 
     # A second chat turn reusing each call's cache (the whole conversation as input ids, as plain generate() wants).
     turn = torch.tensor([[11, 12, 13]] * ids.shape[0])
     second_ids = torch.cat([plain.sequences, turn], dim=1)
     second_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :]), torch.ones_like(turn)], 1)
     kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain_2 = target.generate(second_ids, attention_mask=second_mask, past_key_values=plain.past_key_values, **kwargs)
+    plain_2 = target.generate(second_ids, attention_mask=second_mask, **with_cache(cache_of(plain)), **kwargs)
     speculative_2 = target.generate(
-        second_ids, attention_mask=second_mask, past_key_values=speculative.past_key_values, draft_model=draft,
+        second_ids, attention_mask=second_mask, **with_cache(cache_of(speculative)), draft_model=draft,
         num_lookahead=3, **kwargs,
     )  # fmt: skip
     assert speculative_2.tolist() == plain_2.tolist()

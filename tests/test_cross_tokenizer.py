@@ -16,7 +16,7 @@ import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
 from test_architectures import assert_same_cache
-from tiny import PAD, char_tokenizer, perturbed_copy, prepared_processors, tiny_arch, tiny_lm
+from tiny import PAD, cache_of, char_tokenizer, perturbed_copy, prepared_processors, tiny_arch, tiny_lm, with_cache
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
@@ -255,7 +255,7 @@ def test_greedy_identical_with_eos_inside_blocks(target, drafts, tokenizers, twi
         for step, (ours, theirs) in enumerate(zip(mine.scores, plain.scores)):
             unfinished = ~(plain.sequences[:, width : width + step] == EOS).any(dim=1)
             torch.testing.assert_close(ours[unfinished], theirs[unfinished], rtol=1e-4, atol=1e-4)
-        assert_same_cache(plain.past_key_values, mine.past_key_values, seen)
+        assert_same_cache(cache_of(plain), cache_of(mine), seen)
     assert mine.speculative_stats.shared_vocabulary == len(SHARED)
 
 
@@ -324,11 +324,11 @@ def test_chat_second_turn_on_the_returned_cache(target, drafts, tokenizers):
     mine = greedy(target, prompt, **cross(tokenizers, drafts["close"], num_lookahead=3), **kwargs)
     assert torch.equal(mine.sequences, plain.sequences)
     conversation = torch.cat([plain.sequences, torch.tensor([[4, 5, 3]])], dim=1)
-    plain_2 = greedy(target, conversation, past_key_values=plain.past_key_values, **kwargs)
-    mine_2 = greedy(target, conversation, past_key_values=mine.past_key_values,
+    plain_2 = greedy(target, conversation, **with_cache(cache_of(plain)), **kwargs)
+    mine_2 = greedy(target, conversation, **with_cache(cache_of(mine)),
                     **cross(tokenizers, drafts["close"], num_lookahead=3), **kwargs)  # fmt: skip
     assert torch.equal(mine_2.sequences, plain_2.sequences)
-    for theirs, ours in zip(plain_2.past_key_values.layers, mine_2.past_key_values.layers):
+    for theirs, ours in zip(cache_of(plain_2).layers, cache_of(mine_2).layers):
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
 
 

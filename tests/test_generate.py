@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import PAD, char_tokenizer, perturbed_copy
+from tiny import PAD, cache_of, char_tokenizer, perturbed_copy
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
@@ -170,7 +170,7 @@ def test_output_object_matches_plain_generate(target, draft):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     for mine, theirs in zip(spec.logits, plain.logits):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    assert spec.past_key_values.get_seq_length() == spec.sequences.shape[1] - 1
+    assert cache_of(spec).get_seq_length() == spec.sequences.shape[1] - 1
 
 
 def test_statistics_add_up(target, draft):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from exact import sampled_pvalue
-from tiny import PAD, perturbed_copy, tiny_lm
+from tiny import PAD, cache_of, perturbed_copy, tiny_lm, with_cache
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 pytest.importorskip("bitsandbytes")
@@ -42,9 +42,9 @@ def neighbour_dependence(model) -> float:
     """Max |logit difference| for the same tokens decoded one at a time vs in one forward."""
     full = model(PROMPT).logits[0, 3:].float()
     out = model(PROMPT[:, :4], use_cache=True)
-    cache, steps = out.past_key_values, [out.logits[0, -1]]
+    cache, steps = cache_of(out), [out.logits[0, -1]]
     for t in range(4, PROMPT.shape[1]):
-        steps.append(model(PROMPT[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+        steps.append(model(PROMPT[:, t : t + 1], **with_cache(cache), use_cache=True).logits[0, -1])
     return (full - torch.stack(steps).float()).abs().max().item()
 
 

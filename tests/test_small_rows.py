@@ -144,7 +144,64 @@ def test_ragged_batch_greedy_with_the_kernel_equals_plain(built):
     out = target.generate(prompts, draft_model=draft, num_lookahead=2, speculative_config=config, **kwargs)
     with SmallRowsLinear():
         plain = target.generate(prompts, **kwargs)
-    assert out.tolist() == plain.tolist()
+    assert_same_greedy_up_to_bf16_ties(target, out, plain, mask)
+
+
+@torch.no_grad()
+def test_ragged_greedy_check_catches_a_kernel_that_is_not_batch_invariant(built, monkeypatch):
+    """Power: a kernel that adds 0.5 to one token's head logit in forwards of 4-8 rows (the loop's 2 rows x 3
+    verified positions; plain decodes 2 rows per step) makes the speculative tokens leave plain's path at no tie."""
+    target, draft = bf16_pair(vocab_size=24)
+    prompts = torch.tensor([[PAD, PAD, 1, 5, 2], [1, 7, 3, 9, 4]])
+    mask = (prompts != PAD).long()
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    with SmallRowsLinear():
+        plain = target.generate(prompts, **kwargs)
+    real = small_rows.small_rows_linear
+
+    def wrong(x, weight, bias=None):
+        out = real(x, weight, bias)
+        if weight.shape[0] == target.config.vocab_size and 4 <= out.numel() // out.shape[-1] <= 8:
+            out = out.clone()
+            out[..., 3] += 0.5
+        return out
+
+    monkeypatch.setattr(small_rows, "small_rows_linear", wrong)
+    config = SpeculativeConfig(linear_kernel="on", **DRAFT_AS_GIVEN)
+    out = target.generate(prompts, draft_model=draft, num_lookahead=2, speculative_config=config, **kwargs)
+    with pytest.raises(AssertionError, match="not a bf16 tie"):
+        assert_same_greedy_up_to_bf16_ties(target, out, plain, mask)
+
+
+def assert_same_greedy_up_to_bf16_ties(model, ours, plain, prompt_mask, steps: int = 2):
+    """Each row of `ours` equals plain's, except that a row may leave plain's path at a bf16 tie.
+
+    The kernel is batch-invariant, but attention is not invariant to where a row's slots sit: SDPA's vector
+    reductions group the terms by slot, and the speculative cache holds a ragged row's slots after masked holes
+    (plain's after its left padding). So logits can differ by a rounding step, and an exact bf16 tie (seen on an
+    AVX-512 Xeon: two tokens at 3.53125) resolves either way. Where a row first differs, both tokens must score
+    within `steps` bf16 steps of the best one in a forward over that prefix; anything else is a wrong result.
+
+    Args:
+        ours, plain: `(batch, length)` greedy sequences; prompt_mask: `(batch, prompt_length)` 1 for real tokens.
+    """
+    prompt_length = prompt_mask.shape[1]
+    for row in range(ours.shape[0]):
+        differ = (ours[row] != plain[row]).nonzero()
+        if differ.numel() == 0:
+            continue
+        first = int(differ[0])
+        assert first >= prompt_length, "the prompts differ"
+        prefix = ours[row, int(prompt_mask[row].argmax()) : first][None, :]
+        with torch.no_grad():
+            logits = model(prefix).logits[0, -1].float()
+        best = logits.max()
+        step = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)  # one bf16 rounding step at this magnitude
+        for token in (int(ours[row, first]), int(plain[row, first])):
+            assert best - logits[token] <= steps * step, (
+                f"row {row} leaves plain's path at token {first}: {token} scores {float(logits[token])}, the best "
+                f"{float(best)}: not a bf16 tie"
+            )
 
 
 def every_forward_on_the_kernel(monkeypatch):

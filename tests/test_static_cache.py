@@ -13,7 +13,7 @@ import pytest
 import torch
 from exact import sampled_pvalue
 from test_architectures import NEW_TOKENS, PROMPTS, batch
-from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, tiny_arch, tiny_lm
+from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, perturbed_copy, tiny_arch, tiny_lm, with_cache
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -81,13 +81,13 @@ def test_eos_in_block_outputs_static_cache_and_next_turn(pair):
         unfinished = ~(plain.sequences[:, ids.shape[1] : ids.shape[1] + step] == eos).any(dim=1)
         torch.testing.assert_close(mine[unfinished], theirs[unfinished], rtol=1e-4, atol=1e-4)
 
-    cache = speculative.past_key_values
+    cache = cache_of(speculative)
     assert isinstance(cache, StaticCache) and row_ops.is_static(cache)
     length = plain.sequences.shape[1] - 1  # plain's cache holds every row's sequence minus its last token
-    assert row_ops.total_slots(cache) == int(plain.past_key_values.get_seq_length()) == length
+    assert row_ops.total_slots(cache) == int(cache_of(plain).get_seq_length()) == length
     seen = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1].bool()
     for index in range(len(cache.layers)):
-        plain_keys, plain_values, first = visible_slots(plain.past_key_values, index, length)
+        plain_keys, plain_values, first = visible_slots(cache_of(plain), index, length)
         keys, values = cache.layers[index].keys[:, :, first:length], cache.layers[index].values[:, :, first:length]
         attended = seen[:, first:length][:, None, :, None].expand_as(keys)
         torch.testing.assert_close(keys[attended], plain_keys[attended], rtol=1e-4, atol=1e-4)
@@ -97,9 +97,9 @@ def test_eos_in_block_outputs_static_cache_and_next_turn(pair):
     second_ids = torch.cat([plain.sequences, turn], dim=1)
     second_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :]), torch.ones_like(turn)], 1)
     kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain_2 = target.generate(second_ids, attention_mask=second_mask, past_key_values=plain.past_key_values, **kwargs)
+    plain_2 = target.generate(second_ids, attention_mask=second_mask, **with_cache(cache_of(plain)), **kwargs)
     speculative_2 = target.generate(
-        second_ids, attention_mask=second_mask, past_key_values=speculative.past_key_values, draft_model=draft,
+        second_ids, attention_mask=second_mask, **with_cache(cache_of(speculative)), draft_model=draft,
         num_lookahead=3, **kwargs,
     )  # fmt: skip
     assert speculative_2.tolist() == plain_2.tolist()
@@ -116,11 +116,11 @@ def test_plain_static_cache_passed_in_for_a_second_turn():
     second_ids = torch.cat([first.sequences, torch.tensor([[11, 12, 13]])], dim=1)
     reference = target.generate(second_ids, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
     mine = target.generate(
-        second_ids, past_key_values=first.past_key_values, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+        second_ids, **with_cache(cache_of(first)), max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
         do_sample=False, draft_model=draft, num_lookahead=3,
     )  # fmt: skip
     assert mine.tolist() == reference.tolist()
-    assert row_ops.is_static(first.past_key_values)  # the caller's object, now of full layers
+    assert row_ops.is_static(cache_of(first))  # the caller's object, now of full layers
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ def test_static_cache_smaller_than_needed_is_grown():
     prompt = torch.tensor([[1, 5, 2, 5]])
     small = StaticCache(config=target.config, max_cache_len=6)
     plain = target.generate(prompt, max_new_tokens=12, pad_token_id=PAD, do_sample=False)
-    mine = target.generate(prompt, past_key_values=small, max_new_tokens=12, pad_token_id=PAD, do_sample=False,
+    mine = target.generate(prompt, **with_cache(small), max_new_tokens=12, pad_token_id=PAD, do_sample=False,
                            draft_model=draft, num_lookahead=3)  # fmt: skip
     assert mine.tolist() == plain.tolist()
     assert row_ops.capacity(small) >= 16

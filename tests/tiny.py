@@ -7,9 +7,20 @@ import copy
 import torch
 from transformers import LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
 
+from hf_specsample.transformers_api import CACHE
 from hf_specsample_bench.tiny import BOS_ID as BOS
 from hf_specsample_bench.tiny import PAD_ID as PAD
 from hf_specsample_bench.tiny import char_tokenizer, tiny_llama  # noqa: F401  (re-exported for the tests)
+
+
+def cache_of(output):
+    """The cache an output object carries (`out.cache` from transformers 5.24 on, `out.past_key_values` before)."""
+    return getattr(output, CACHE)
+
+
+def with_cache(cache) -> dict:
+    """The keyword argument that passes `cache` to `generate()` or a forward on the installed transformers."""
+    return {CACHE: cache}
 
 
 def tiny_lm(

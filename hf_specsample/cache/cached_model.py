@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
+from .. import transformers_api
 from ..kernels.small_rows import KernelPlan
 from ..sequences import Columns, Sequences
 from . import row_ops
@@ -96,7 +97,7 @@ class CachedModel:
         if unsupported:
             raise ValueError(
                 f"`draft_model=` needs a DynamicCache of attention layers; this cache has {', '.join(unsupported)}. "
-                "Pass no `past_key_values` / `cache_implementation`, or generate without `draft_model=`."
+                f"Pass no `{transformers_api.CACHE}` / `cache_implementation`, or generate without `draft_model=`."
             )
         self.capacity = row_ops.capacity(self.cache)  # None: a dynamic cache
         assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
@@ -112,6 +113,7 @@ class CachedModel:
         self.forward_passes = 0
         self.embeddable = embeddable
         signature = inspect.signature(model.forward).parameters
+        self._cache_name = transformers_api.forward_cache_name(model) or transformers_api.CACHE
         self._takes_position_ids = "position_ids" in signature
         self._takes_logits_to_keep = "logits_to_keep" in signature
 
@@ -160,7 +162,7 @@ class CachedModel:
         if padded:
             input_ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
-        kwargs = {"past_key_values": self.cache, "use_cache": True}
+        kwargs = {self._cache_name: self.cache, "use_cache": True}
         if self.capacity is not None:  # a static cache: the mask covers every slot (one shape for compiled code)
             assert self.slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {self.slots}"
             mask = torch.zeros((rows, self.capacity), dtype=torch.long)
@@ -214,7 +216,7 @@ class CachedModel:
         mask = torch.zeros((rows, self.capacity), dtype=torch.long)
         mask[:, :pointer] = self.slot_is_real
         mask[:, pointer : pointer + 2] = 1
-        kwargs = {"past_key_values": self.cache, "use_cache": True, "attention_mask": mask.to(device)}
+        kwargs = {self._cache_name: self.cache, "use_cache": True, "attention_mask": mask.to(device)}
         if self._takes_position_ids:
             # contiguous, as the rounds' position ids are: dynamo guards on strides (an expanded tensor would
             # compile, and freeze the weights, a second time)

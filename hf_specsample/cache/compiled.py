@@ -143,7 +143,8 @@ class CompiledForward:
         if self._stale(model):
             self._fresh(model)
         if self.settings.freezes:
-            _unmark_static(kwargs.get("past_key_values"))
+            for value in kwargs.values():  # the cache, under whichever name the model's forward takes it
+                _unmark_static(value)
         graphs = _captured_graphs()
         start = time.perf_counter()
         with torch._inductor.config.patch(dict(self.settings.inductor_options)), _no_duck_shapes(self.symbolic_widths):

@@ -28,6 +28,8 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
 
+from .. import transformers_api
+
 SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
 
 
@@ -48,15 +50,16 @@ def unsupported_layers(cache: Cache) -> list[str]:
 def model_cache_problem(model: PreTrainedModel) -> str | None:
     """Why this model's KV cache cannot be rolled back per row, or None if it can.
 
-    A model qualifies when its forward takes `past_key_values` and the `DynamicCache` built from its config holds
-    only attention layers (full or sliding window). State-space and hybrid models (Mamba, Jamba, ...) keep a
-    recurrent state that cannot be rolled back to an earlier token.
+    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config holds only
+    attention layers (full or sliding window). State-space and hybrid models (Mamba, Jamba, ...) keep a recurrent
+    state that cannot be rolled back to an earlier token (before transformers 5.24 their forward took it as
+    `cache_params`; from 5.24 on their `DynamicCache` holds linear-attention layers).
     """
-    import inspect
-
-    parameters = inspect.signature(model.forward).parameters
-    if "past_key_values" not in parameters or "cache_params" in parameters:
-        return f"{type(model).__name__} keeps a recurrent state (`cache_params`), not a KV cache"
+    name = transformers_api.forward_cache_name(model)
+    if name is None:
+        return f"{type(model).__name__}'s forward takes no cache"
+    if name == transformers_api.RECURRENT_STATE:
+        return f"{type(model).__name__} keeps a recurrent state (`{name}`), not a KV cache"
     supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
     if supports_dynamic is not None and not supports_dynamic():
         return f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers says so itself)"

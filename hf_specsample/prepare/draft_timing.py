@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .. import transformers_api
+
 TIMED_STEPS = 3  # single-token forwards timed per form (after one untimed warm-up step); the minimum counts
 TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to
 
@@ -50,6 +52,6 @@ def decode_step_seconds(
 def _forward(model: PreTrainedModel, ids: torch.Tensor, cache):
     """The cache after feeding `ids` `(1, n)`, or None where the forward raised a RuntimeError."""
     try:
-        return model(ids, past_key_values=cache, use_cache=True).past_key_values
+        return transformers_api.output_cache(model(ids, **transformers_api.cache_kwargs(model, cache), use_cache=True))
     except RuntimeError:
         return None

@@ -1,0 +1,165 @@
+"""What hf_specsample borrows from transformers: names and private hooks, decided by what the installed version offers.
+
+transformers 5.24 renamed the cache argument, the `model_kwargs` key and the output field from `past_key_values`
+(and `cache_params`, for state-space models) to `cache`, and deprecated the old names. Every module that spelled the
+old name broke at once. So the library spells none of them: it asks this module.
+
+- `CACHE`: the name `generate()` uses for the cache in the keyword arguments it hands a decoding method and in the
+  output objects it returns, read off `GenerateDecoderOnlyOutput`'s fields (not off a version string).
+- `forward_cache_name(model)`: the name a model's own `forward` takes it under, read off its signature (a model
+  with remote code may still take `past_key_values` on a transformers that renamed it).
+- `CALLER_CACHE_NAMES` / `take_caller_cache`: the names `generate()` accepts from a caller, and the renaming it
+  does itself (with its deprecation message) for the old ones.
+- the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
+
+`check_installed()` runs at `import hf_specsample`: an older transformers than `OLDEST_SUPPORTED` is refused with a
+message naming the floor; a newer one than CI has tested gets a warning naming the tested range; a missing hook is
+refused at import, never as a crash deep in a forward. `docs/ARCHITECTURE.md` lists every transformers internal the
+library relies on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import transformers
+from packaging.version import Version
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import utils as generation_utils
+
+# The range CI runs the suite on (`.ci/run`): the floor is also `pyproject.toml`'s, the ceiling its upper bound's
+# last release (a test keeps the three in step).
+OLDEST_SUPPORTED = "5.23.0"
+NEWEST_TESTED = "5.24.0"
+
+# Cache names across the versions we know, newest first: 5.24's `cache`, then the names it deprecated.
+_KNOWN_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+RECURRENT_STATE = "cache_params"
+"""The name under which state-space models of transformers < 5.24 take their recurrent state (never a KV cache)."""
+
+
+def _output_cache_field() -> str:
+    fields = getattr(generation_utils.GenerateDecoderOnlyOutput, "__dataclass_fields__", {})
+    for name in _KNOWN_CACHE_NAMES:
+        if name in fields:
+            return name
+    raise ImportError(
+        f"hf_specsample cannot find the cache field of transformers {transformers.__version__}'s "
+        f"GenerateDecoderOnlyOutput (looked for {', '.join(_KNOWN_CACHE_NAMES)}). {_WHAT_TO_DO}"
+    )
+
+
+_WHAT_TO_DO = (
+    f"hf_specsample is tested with transformers {OLDEST_SUPPORTED} to {NEWEST_TESTED}: "
+    f"`pip install 'transformers>={OLDEST_SUPPORTED},<={NEWEST_TESTED}'`, or upgrade hf_specsample."
+)
+
+CACHE: str = _output_cache_field()
+"""The cache's name in `generate()`'s model kwargs and output objects: "cache" (5.24 on) or "past_key_values"."""
+
+CALLER_CACHE_NAMES: tuple[str, ...] = (CACHE,) + (
+    tuple(name for name in _KNOWN_CACHE_NAMES if name != CACHE) if CACHE == "cache" else ()
+)
+"""Every name under which `generate()` takes a caller's cache: the current one, then the deprecated ones it renames
+(5.24: `cache`, `past_key_values`, `cache_params`; before: `past_key_values` only)."""
+
+
+def take_caller_cache(kwargs: dict[str, Any], stacklevel: int) -> bool:
+    """Move a cache the caller passed under a deprecated name to `CACHE` in `kwargs`, as `generate()` would.
+
+    `generate()` renames a deprecated name itself, with a `FutureWarning` at the caller's line; the registered
+    wrapper does it before calling the original, so the message still points at the caller's line, not at ours.
+
+    Args:
+        kwargs: the `generate()` keyword arguments (changed in place).
+        stacklevel: the caller's frame, counted from this function (as for `warnings.warn`).
+
+    Returns:
+        Whether the caller passed a cache (under any accepted name).
+    """
+    for name in CALLER_CACHE_NAMES[1:]:
+        if name not in kwargs:
+            continue
+        if CACHE in kwargs:
+            raise ValueError(f"Pass the cache once: `{CACHE}=` (not also `{name}=`).")
+        warnings.warn(
+            f"`{name}` is deprecated in transformers {transformers.__version__} for `generate`: use `{CACHE}` "
+            "instead (transformers' own rename; hf_specsample passes it on under the new name).",
+            FutureWarning,
+            stacklevel=stacklevel + 1,
+        )
+        kwargs[CACHE] = kwargs.pop(name)
+    return kwargs.get(CACHE) is not None
+
+
+def forward_cache_name(model: PreTrainedModel) -> str | None:
+    """The keyword under which `model.forward` takes its cache (None: it takes none).
+
+    Read off the signature: a model with remote code may still take `past_key_values` where transformers renamed
+    it, and a state-space model of transformers < 5.24 takes `cache_params`.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in _KNOWN_CACHE_NAMES if name in parameters), None)
+
+
+def cache_kwargs(model: PreTrainedModel, cache: Any) -> dict[str, Any]:
+    """`{name: cache}` for `model.forward(**...)`, under the name its forward takes (`forward_cache_name`)."""
+    return {forward_cache_name(model) or CACHE: cache}
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's forward (or `generate()`) returned, from its output object."""
+    return output[CACHE] if CACHE in output else getattr(output, CACHE, None)
+
+
+def valid_auto_compile(model: PreTrainedModel, cache: Any, generation_config: GenerationConfig) -> bool:
+    """Whether plain `generate()` would compile this model's decoding forward with this cache and config."""
+    return bool(model._valid_auto_compile_criteria({CACHE: cache}, generation_config))
+
+
+def default_compile_config(model: PreTrainedModel):
+    """The `CompileConfig` plain `generate()` compiles with when the generation config names none."""
+    return model._default_compile_config()
+
+
+def pad_token_id(generation_config: GenerationConfig) -> Any:
+    """The pad token `generate()` resolved for this call (a tensor, an int or None)."""
+    return generation_config._pad_token_tensor
+
+
+# Private hooks the library calls (above), by the class that holds them.
+_REQUIRED_HOOKS = (
+    (generation_utils.GenerationMixin, "_valid_auto_compile_criteria"),
+    (PreTrainedModel, "_default_compile_config"),
+)
+
+
+def check_installed(version: str | None = None) -> None:
+    """Refuse a transformers older than the floor; warn about one newer than CI has tested; refuse missing hooks.
+
+    Args:
+        version: the version to judge (default: the installed one); for tests.
+
+    Raises:
+        ImportError: below `OLDEST_SUPPORTED`, or a hook the library calls is missing.
+    """
+    installed = Version(version or transformers.__version__)
+    if installed < Version(OLDEST_SUPPORTED):
+        raise ImportError(
+            f"hf_specsample needs transformers >= {OLDEST_SUPPORTED}; transformers {installed} is installed. "
+            f"Run `pip install 'transformers>={OLDEST_SUPPORTED},<={NEWEST_TESTED}'`."
+        )
+    missing = [f"{owner.__name__}.{name}" for owner, name in _REQUIRED_HOOKS if not hasattr(owner, name)]
+    if missing:
+        names = ", ".join(missing)
+        raise ImportError(f"transformers {installed} lacks {names}, which hf_specsample calls. {_WHAT_TO_DO}")
+    if installed.release[:2] > Version(NEWEST_TESTED).release[:2]:
+        warnings.warn(
+            f"hf_specsample was tested with transformers {OLDEST_SUPPORTED} to {NEWEST_TESTED}; {installed} is "
+            f"installed. The names and hooks it borrows were found, so it should work; if a call fails or looks "
+            f"wrong, `pip install 'transformers<={NEWEST_TESTED}'` and report it.",
+            UserWarning,
+            stacklevel=3,
+        )
