@@ -118,6 +118,7 @@ def speculative_generate(
     else:
         draft_width = draft_model.width if prepared else None
         other_tokenizer = validation.check_tokenizers(model, running, tokenizers, draft_width)
+    validation.check_hybrid_draft(running, other_tokenizer)
     lookup_tokens, max_ngram = speculative_prompt_lookup_num_tokens, speculative_max_matching_ngram_size
     if lookup_tokens is None:  # called as custom_generate= directly: transformers' own fields
         lookup_tokens = generation_config.prompt_lookup_num_tokens
@@ -190,7 +191,7 @@ class SpeculativeDecoder:
         kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target") if compiled is None else None
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
-            compiled_widths=widest_round, kernel=kernel,
+            compiled_widths=widest_round, kernel=kernel, source=self.sequences,
         )  # fmt: skip
         self._compile_seconds_before = compiled.compile_seconds if compiled is not None else None
         prompt_length = input_ids.shape[1]
@@ -267,6 +268,7 @@ class SpeculativeDecoder:
         if self.streamer is not None:
             self.streamer.end()
         self.stats.target_forward_passes = self.target.forward_passes
+        self.stats.target_refeed_passes = self.target.refeed_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
         if self.target.compiled is not None:
             self.stats.compile_seconds = self.target.compiled.compile_seconds - self._compile_seconds_before

@@ -15,6 +15,9 @@ class SpeculativeStats:
 
     rounds: int = 0  # draft-then-verify rounds
     target_forward_passes: int = 0  # target forward calls, the prefill included
+    # Of those, forwards that re-fed kept positions to restore a hybrid target's recurrent states after a rejection
+    # (`cache.checkpoints`); 0 for attention-only and convolution-only targets.
+    target_refeed_passes: int = 0
     draft_forward_passes: int = 0  # draft forward calls
     lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens asked for in each round
     row_draft_tokens: list[int] = field(default_factory=list)  # draft tokens proposed to each row

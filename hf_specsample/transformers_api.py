@@ -11,6 +11,8 @@ old name broke at once. So the library spells none of them: it asks this module.
 - `CALLER_CACHE_NAMES` / `take_caller_cache`: the names `generate()` accepts from a caller, and the renaming it
   does itself (with its deprecation message) for the old ones.
 - the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
+- `scan_restarts_from_zero(model)`: whether a model's recurrent layers can continue a multi-token forward from a
+  cached state, read off the installed modeling module's scan function.
 
 `check_installed()` runs at `import hf_specsample`: an older transformers than `OLDEST_SUPPORTED` is refused with a
 message naming the floor; a newer one than CI has tested gets a warning naming the tested range; a missing hook is
@@ -21,6 +23,7 @@ library relies on.
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from typing import Any
 
@@ -36,8 +39,7 @@ NEWEST_TESTED = "5.24.0"
 
 # Cache names across the versions we know, newest first: 5.24's `cache`, then the names it deprecated.
 _KNOWN_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
-RECURRENT_STATE = "cache_params"
-"""The name under which state-space models of transformers < 5.24 take their recurrent state (never a KV cache)."""
+# (the state-space models of transformers < 5.24 take their `DynamicCache` as `cache_params`)
 
 
 def _output_cache_field() -> str:
@@ -110,8 +112,35 @@ def cache_kwargs(model: PreTrainedModel, cache: Any) -> dict[str, Any]:
 
 
 def output_cache(output: Any) -> Any:
-    """The cache a model's forward (or `generate()`) returned, from its output object."""
-    return output[CACHE] if CACHE in output else getattr(output, CACHE, None)
+    """The cache a model's forward (or `generate()`) returned, from its output object (a state-space model of
+    transformers < 5.24 returns it as `cache_params`)."""
+    for name in (CACHE,) + tuple(name for name in _KNOWN_CACHE_NAMES if name != CACHE):
+        if name in output:
+            return output[name]
+    return getattr(output, CACHE, None)
+
+
+# The scan function of transformers' Mamba-1 modeling modules (mamba, falcon_mamba, jamba, zamba), and the names an
+# argument carrying the state to start from would have.
+_SELECTIVE_SCAN = "mamba_selective_scan"
+_INITIAL_STATE_ARGUMENTS = ("initial_state", "initial_states", "ssm_state", "prev_state", "recurrent_state")
+
+
+def scan_restarts_from_zero(model: PreTrainedModel) -> bool:
+    """Whether the model's recurrent layers start every forward of several tokens from a zero state.
+
+    transformers' Mamba-1 mixers (Mamba, FalconMamba, Jamba, Zamba) run a prompt through `mamba_selective_scan`,
+    whose reference implementation takes no initial state ("not supported by the kernel path"), and only a single
+    token from the cached state. So a forward over K+1 positions on a cache computes them as if nothing came
+    before. Read off the model's own modeling module: a scan function of that name without an initial-state
+    argument.
+    """
+    module = sys.modules.get(type(model).__module__)
+    scan = getattr(module, _SELECTIVE_SCAN, None)
+    if scan is None:
+        return False
+    parameters = inspect.signature(scan).parameters
+    return not any(name in parameters for name in _INITIAL_STATE_ARGUMENTS)
 
 
 def valid_auto_compile(model: PreTrainedModel, cache: Any, generation_config: GenerationConfig) -> bool:

@@ -31,7 +31,8 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 
 def check_models(target: PreTrainedModel, draft: Any) -> None:
-    """The draft must be a decoder-only LM (or "auto" / "prompt_lookup"), target and draft with a rollable KV cache.
+    """The draft must be a decoder-only LM (or "auto" / "prompt_lookup"), target and draft with a cache that can be
+    rolled back per row (attention, convolution and recurrent state layers: `cache.row_ops.model_cache_problem`).
 
     Which token ids the draft reads is `check_tokenizers`' question.
     """
@@ -49,15 +50,32 @@ def check_models(target: PreTrainedModel, draft: Any) -> None:
                 f"The {role} model is encoder-decoder ({type(model).__name__}); hf_specsample drafts for decoder-only "
                 "causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
-        problem = row_ops.model_cache_problem(model)
+        problem = row_ops.model_cache_problem(model, verifies=role == "target")
         if problem is not None:
             raise ValueError(
                 f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls each "
-                "row's cache back to its last accepted token every round, which needs a DynamicCache of plain "
-                f"attention layers (full or sliding window). Use such a {role}"
-                + (" (a small transformer sharing the target's tokenizer)" if role == "draft" else "")
+                "row's cache back to its last accepted token every round, which needs a DynamicCache of attention "
+                "layers (full or sliding window) and transformers' convolution / recurrent state layers. Use such a "
+                + role
+                + (" (a small model sharing the target's tokenizer)" if role == "draft" else "")
                 + ", or generate without `draft_model=`."
             )
+
+
+def check_hybrid_draft(draft: Any, other_tokenizer: bool) -> None:
+    """A draft with another tokenizer must keep no convolution or recurrent state.
+
+    Such a draft re-reads the committed text in its own ids every round, which may roll its cache back past
+    positions of earlier rounds (`proposers.cross_vocab`); a convolution or recurrent state only goes back to the
+    start of the current round.
+    """
+    model = getattr(draft, "model", draft)  # a PreparedDraft's model
+    if other_tokenizer and isinstance(model, PreTrainedModel) and row_ops.keeps_state(model):
+        raise ValueError(
+            f"The draft ({type(model).__name__}) keeps convolution or recurrent states, which hf_specsample rolls back "
+            "only within a round, and a draft with another tokenizer may have to roll back further (its ids for the "
+            "committed text change). Use a draft sharing the target's tokenizer, or an attention-only draft."
+        )
 
 
 # Padding a vocabulary to a multiple of 64..256 rows (Qwen2.5-7B: 152064 logit rows, its 0.5B sibling 151936; Phi-3:
@@ -167,13 +185,19 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
             unsupported = []
             if getattr(cache, "offloading", False):
                 unsupported = ["offloaded static layers"]
-        elif not unsupported and not cache.is_croppable:
+        elif not unsupported and not cache.is_croppable and not row_ops.keeps_state_layers(cache):
             unsupported = ["layers that cannot be cropped"]
         if unsupported:
             raise ValueError(
                 f"`draft_model=` needs a DynamicCache (the default) or a StaticCache to roll back rejected tokens; got "
                 f"a cache with {', '.join(unsupported)}. Pass no `{transformers_api.CACHE}` and no quantized/offloaded "
                 "`cache_implementation`, or a DynamicCache / StaticCache from an earlier generate() call."
+            )
+        if not row_ops.attention_layers(cache) and row_ops.keeps_state_layers(cache, initialized=True):
+            raise ValueError(
+                f"This `{transformers_api.CACHE}` holds only recurrent / convolution states, which do not say how many "
+                "tokens they cover, so `draft_model=` cannot tell where to continue. Pass the whole conversation as "
+                "input_ids without the cache (it is encoded again), or generate without `draft_model=`."
             )
         if row_ops.total_slots(cache) >= input_ids.shape[1]:
             raise ValueError(

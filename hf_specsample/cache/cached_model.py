@@ -19,6 +19,15 @@ Sliding-window layers record their past (`activate_past_recording`) so that a fo
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
 one, which is all the loop ever drops (rejected drafts, and at most the last draft-fed position to even rows out);
 `cache.row_ops` raises rather than compute with slots it no longer has.
+
+Hybrid and state-space models' convolution and recurrent states have no slots: row ``b``'s states are those after
+its ``fed[b]`` positions. Convolution windows are rolled back by slicing their recorded history
+(`cache.linear_states`); recurrent states from a snapshot taken before each forward, re-feeding the kept positions
+after it where a row keeps fewer than a forward fed (`cache.checkpoints`). Two forward shapes keep that cheap and
+exact: a forward that would also feed many already committed positions (a prompt) feeds them in a forward of their
+own first, so that a rollback never re-feeds them; and a model whose recurrent layers cannot continue a forward of
+several tokens from a cached state (transformers' Mamba-1, `transformers_api.scan_restarts_from_zero`) is fed one
+position per forward once it holds a state (allowed for drafts only: `row_ops.model_cache_problem`).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from .. import transformers_api
 from ..kernels.small_rows import KernelPlan
 from ..sequences import Columns, Sequences
-from . import row_ops
+from . import linear_states, row_ops
+from .checkpoints import StateCheckpoints
 from .compiled import CompiledForward
 
 
@@ -57,8 +67,11 @@ class CachedModel:
     """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
     Attributes:
-        cache: the `Cache` (a `DynamicCache` of attention layers, or a static cache of full `StaticLayer`s).
-        fed: per row, the number of leading buffer positions whose keys/values are in the cache.
+        cache: the `Cache` (a `DynamicCache` of `row_ops.SUPPORTED_LAYERS`, or a static cache whose attention is held
+            in full `StaticLayer`s).
+        fed: per row, the number of leading buffer positions whose keys/values (and states) are in the cache.
+        states: the owner of the cache's convolution and recurrent states' rollback (None: attention only).
+        refeed_passes: forwards run to re-feed kept positions on recurrent states (also counted in forward_passes).
         slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
         compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
@@ -75,6 +88,8 @@ class CachedModel:
         compiled: CompiledForward | None = None,
         compiled_widths: int = 0,
         kernel: KernelPlan | None = None,
+        source: Sequences | None = None,
+        single_step: bool = False,
     ):
         """
         Args:
@@ -90,13 +105,18 @@ class CachedModel:
             compiled_widths: forwards of at most this many positions use `compiled`; wider ones (the prompt) run
                 eagerly, as plain `generate()` runs its prefill.
             kernel: eager forwards over `rows * width` positions run in `kernel.applied(rows * width)`.
+            source: the token buffer this model is fed from (its rows are this cache's rows): a rollback of
+                recurrent states re-feeds kept positions from it. Needed for models with recurrent states only.
+            single_step: feed one position per forward once the cache holds a state (a draft whose recurrent
+                layers cannot continue a multi-token forward from it: `transformers_api.scan_restarts_from_zero`).
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
         unsupported = row_ops.unsupported_layers(self.cache)
         if unsupported:
             raise ValueError(
-                f"`draft_model=` needs a DynamicCache of attention layers; this cache has {', '.join(unsupported)}. "
+                f"`draft_model=` needs a DynamicCache of attention, convolution and recurrent state layers; this cache "
+                f"has {', '.join(unsupported)}. "
                 f"Pass no `{transformers_api.CACHE}` / `cache_implementation`, or generate without `draft_model=`."
             )
         self.capacity = row_ops.capacity(self.cache)  # None: a dynamic cache
@@ -104,7 +124,12 @@ class CachedModel:
         self.compiled, self.compiled_widths = compiled, compiled_widths
         self.kernel = kernel
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
-        self.cache.activate_past_recording()  # lets sliding-window layers be rolled back after a forward
+        self.cache.activate_past_recording()  # lets sliding-window layers (and convolution windows) be rolled back
+        hybrid = any(True for _ in linear_states.linear_layers(self.cache))
+        assert compiled is None or not hybrid, "hybrid models run eagerly (their convolution history grows)"
+        self.states = StateCheckpoints(self.cache) if hybrid else None
+        self.source, self.single_step = source, single_step
+        self.refeed_passes = 0
         cached = row_ops.total_slots(self.cache)
         if cached_is_real is None:
             cached_is_real = torch.ones((batch, cached), dtype=torch.bool)
@@ -144,34 +169,88 @@ class CachedModel:
         """
         width = columns.input_ids.shape[1]
         assert width >= num_logits, "every row must feed at least num_logits positions"
+        if self.states is None:
+            return self._feed_part(columns, num_logits)
+        logits = []
+        for start, end in self._parts(width, num_logits, columns.is_real):
+            part = Columns(*(tensor[:, start:end] for tensor in columns))
+            wanted = max(0, end - max(start, width - num_logits))  # of the last num_logits positions
+            part_logits = self._feed_part(part, max(wanted, 1))
+            if wanted:
+                logits.append(part_logits[:, -wanted:])
+        return torch.cat(logits, dim=1) if len(logits) > 1 else logits[0]
+
+    def _parts(self, width: int, num_logits: int, is_real: torch.Tensor) -> list[tuple[int, int]]:
+        """The forwards (column ranges) that feed `width` positions to a cache with linear-attention layers.
+
+        Positions before the last `num_logits` are committed: no rollback drops them. Where they outnumber the last
+        ones (a prompt, a chat turn) and a recurrent layer may be involved, they get a forward of their own, so that
+        a snapshot sits right before the positions a rollback may drop. Not where the last ones hold padding (a
+        prompt padded on the right, whose first round drafts nothing, so nothing is rolled back): the logits of a
+        padding position come from attention rows with every key masked, which eager attention fills from all the
+        keys of the forward, and transformers masks padding out of linear-attention layers only in forwards of
+        several positions; plain `generate()` encodes such a prompt in one forward, and so does this. A
+        `single_step` model (a draft) holding a state is fed one position per forward.
+
+        Args:
+            is_real: `(rows, width)` bool, False for prompt padding.
+        """
+        cut = width - num_logits
+        split = cut > num_logits and self.states.may_recur and bool(is_real[:, cut:].all())
+        parts = [(0, cut), (cut, width)] if split else [(0, width)]
+        if not self.single_step:
+            return parts
+        held = max(self.fed) > 0
+        singles = []
+        for start, end in parts:
+            if held or start > 0:
+                singles += [(position, position + 1) for position in range(start, end)]
+            else:
+                singles.append((start, end))  # from the empty state: a scan from zero is what the model computes
+            held = True
+        return singles
+
+    def _feed_part(self, columns: Columns, num_logits: int) -> torch.Tensor:
+        """One forward over `columns` (see `feed`)."""
+        width = columns.input_ids.shape[1]
+        if self.states is not None:
+            self.states.before_forward(self.fed)
         self.slot_is_real = torch.cat([self.slot_is_real, columns.is_real], dim=1)
         self.fed = [fed + width for fed in self.fed]
+        logits = self._forward(self.cache, self.slot_is_real, columns, num_logits)
+        if self.states is not None:
+            self.states.after_forward()
+        return logits
 
+    def _forward(self, cache: Cache, slot_is_real: torch.Tensor, columns: Columns, num_logits: int) -> torch.Tensor:
+        """The model's forward over `columns` with `cache`, whose slots (these columns' included) `slot_is_real`
+        masks; returns the last `num_logits` logits as `feed` does."""
+        width = columns.input_ids.shape[1]
+        slots = slot_is_real.shape[1]
         device = self.input_device
-        rows = self.slot_is_real.shape[0]
+        rows = slot_is_real.shape[0]
         compiled = (
             self.compiled is not None
+            and cache is self.cache
             and (width <= self.compiled_widths or self.compiled.symbolic_widths)  # one graph also serves the prompt
             and self.compiled.ready_for(rows)
-            and all(layer.is_initialized for layer in self.cache.layers)  # a first forward allocates the cache eagerly
+            and all(layer.is_initialized for layer in cache.layers)  # a first forward allocates the cache eagerly
         )
         # One position is fed as two under symbolic widths (one compiled graph, one frozen weight copy): the extra
         # position repeats the last token one slot further, its logits are dropped and its slot is rolled back.
-        padded = int(compiled and width == 1 and self.compiled.symbolic_widths and self.slots < self.capacity)
+        padded = int(compiled and width == 1 and self.compiled.symbolic_widths and slots < self.capacity)
         input_ids, position_ids = columns.input_ids.to(device), columns.position_ids
         if padded:
             input_ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
-        kwargs = {self._cache_name: self.cache, "use_cache": True}
+        kwargs = {self._cache_name: cache, "use_cache": True}
         if self.capacity is not None:  # a static cache: the mask covers every slot (one shape for compiled code)
-            assert self.slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {self.slots}"
+            assert slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
             mask = torch.zeros((rows, self.capacity), dtype=torch.long)
-            mask[:, : self.slots + padded] = torch.cat(
-                [self.slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1
-            )
+            mask[:, : slots + padded] = torch.cat([slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1)
             kwargs["attention_mask"] = mask.to(device)
-        elif not bool(self.slot_is_real.all()):
-            kwargs["attention_mask"] = self.slot_is_real.to(device=device, dtype=torch.long)
+        elif not bool(slot_is_real.all()):
+            kwargs["attention_mask"] = slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids.to(device)
         if self._takes_logits_to_keep:
@@ -186,7 +265,7 @@ class CachedModel:
             with self.kernel.applied(rows * width) if self.kernel is not None else contextlib.nullcontext():
                 logits = self.model(input_ids=input_ids, **kwargs).logits
         if padded:
-            row_ops.crop(self.cache, 1)
+            row_ops.crop(cache, 1)
             logits = logits[:, :-1]
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
@@ -265,6 +344,10 @@ class CachedModel:
         """
         drops = [fed - kept for fed, kept in zip(self.fed, keep)]
         assert min(drops) >= 0, "cannot keep positions that were never fed"
+        if self.states is not None:  # before the attention part moves: a re-feed crops a copy of it
+            before = self.forward_passes
+            self.states.restore(self.fed, keep, self._refeed_runner())
+            self.refeed_passes += self.forward_passes - before
         if len(set(drops)) == 1:  # uniform: a crop (which also trims sliding-window layers back to their window)
             row_ops.crop(self.cache, drops[0])
             self.slot_is_real = self.slot_is_real[:, : self.slots - drops[0]]
@@ -276,6 +359,8 @@ class CachedModel:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
         row_ops.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
+        if self.states is not None:
+            self.states.select_rows(index)
         self.slot_is_real = self.slot_is_real[index]
         self.fed = [self.fed[row] for row in rows]
         if max(self.fed) < self.slots:  # the rows left share leading holes: drop them (no trim: see module doc)
@@ -289,13 +374,17 @@ class CachedModel:
         taken.cache = row_ops.take_rows(self.cache, rows)
         taken.slot_is_real = self.slot_is_real[index]
         taken.fed = [self.fed[row] for row in rows]
-        taken.forward_passes = 0
+        taken.forward_passes = taken.refeed_passes = 0
         taken.compiled = None  # its few last forwards (a finished row's padding) would compile a new batch size
+        taken.states = StateCheckpoints(taken.cache) if self.states is not None else None
+        taken.source = None  # its rows are no longer the buffer's: it is only fed forward, never rolled back
         return taken
 
     def left_align(self) -> None:
         """Drop every row's leading holes (all rows must hold the same number of positions): plain's layout."""
         assert len(set(self.fed)) == 1, "rows of a left-aligned cache hold the same positions"
+        if self.states is not None:  # nothing to move: trims convolution histories to their windows
+            self.states.restore(self.fed, self.fed, None)
         if self.slots > self.fed[0]:
             self._realign(self.fed, total=self.fed[0])
         else:
@@ -304,9 +393,29 @@ class CachedModel:
     def stop_recording(self) -> None:
         """Trim sliding-window layers to their window and stop recording their past, as before this call."""
         row_ops.crop(self.cache, 0)
+        linear_states.stop_recording(self.cache, self._was_recording)
         for layer, was_recording in zip(self.cache.layers, self._was_recording):
             if was_recording is not None:
                 layer.record_past = was_recording
+
+    def _refeed_runner(self):
+        """The `cache.checkpoints.Runner` of this model: feeds a shadow cache from the token buffer, its slot mask
+        growing from this cache's slots as they were when the shadow's snapshot was taken."""
+        masks: dict[int, torch.Tensor] = {}
+
+        def run(cache: Cache, starts: Sequence[int], width: int) -> None:
+            assert self.source is not None, "hf_specsample internal error: a re-feed without a token buffer"
+            mask = masks.get(id(cache))
+            if mask is None:  # the shadow's slots: those before the snapshot's positions
+                mask = self.slot_is_real[:, : self.slots - (self.fed[0] - starts[0])]
+            steps = [(offset, 1) for offset in range(width)] if self.single_step else [(0, width)]
+            for offset, step in steps:
+                columns = self.source.columns([start + offset for start in starts], step)
+                mask = torch.cat([mask, columns.is_real], dim=1)
+                self._forward(cache, mask, columns, num_logits=1)
+            masks[id(cache)] = mask
+
+        return run
 
     def _realign(self, keep: Sequence[int], total: int, trim: bool = True) -> None:
         """Keep buffer positions ``0 .. keep[b] - 1`` of each row in its last `keep[b]` of `total` slots."""

@@ -38,6 +38,7 @@ from torch.fx.experimental import _config as fx_config
 from transformers import PreTrainedModel
 
 from .. import distributed
+from . import row_ops
 
 # Inductor options that make small-M GEMM fast on CPU: weights frozen and prepacked once, and the C++ GEMM template
 # autotuned against ATen's. Needs `torch.no_grad`/`inference_mode` (generate() runs under no_grad).
@@ -241,8 +242,12 @@ def compile_problem(model: PreTrainedModel) -> str | None:
     """Why `model`'s forward cannot be compiled here, or None.
 
     As plain `generate()` decides (`_valid_auto_compile_criteria`): a quantizer that is not compileable, CPU or disk
-    offload (accelerate hooks move weights during the forward). Tensor-parallel models are left eager too.
+    offload (accelerate hooks move weights during the forward). Tensor-parallel models are left eager too, and so
+    are hybrid and state-space models (their convolution histories grow between rollbacks, and their recurrent
+    states are swapped for snapshots: `cache.checkpoints`).
     """
+    if row_ops.keeps_state(model):
+        return "it keeps convolution / recurrent states, which hf_specsample rolls back in eager forwards only"
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         return f"its quantization ({type(quantizer).__name__}) cannot be compiled"

@@ -17,6 +17,11 @@ visible keys (the model's mask still applies the window, by slot distance, as fo
 Slots are numbered over the whole cache: a cache of `total` slots holds slots ``0 .. total - 1`` of every row. A
 full layer stores all of them; a sliding-window layer stores only the last `stored` (``min(total, window - 1)``
 after a crop, more while it records its past between a forward and the next crop).
+
+Hybrid models' layers may hold convolution and recurrent states beside (or instead of) keys and values
+(`LinearAttentionLayer`, `LinearAttentionAndFullAttentionLayer`, ...; `DummyLayer` holds nothing). Everything here
+that moves slots moves a layer's *attention part* only (`attention_part` names its class); `cache.linear_states`
+moves the other part, and `take_rows` / `stack_rows_into` / `select_rows` move both.
 """
 
 from __future__ import annotations
@@ -26,40 +31,87 @@ from collections.abc import Sequence
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+    StaticCache,
+    StaticLayer,
+)
 
 from .. import transformers_api
+from . import linear_states
 
-SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
+# Every layer type this module and `cache.linear_states` move row by row -> the class of its attention part (None:
+# no keys and values).
+ATTENTION_PART: dict[type, type | None] = {
+    DynamicLayer: DynamicLayer,
+    DynamicSlidingWindowLayer: DynamicSlidingWindowLayer,
+    StaticLayer: StaticLayer,
+    LinearAttentionLayer: None,
+    LinearAttentionAndFullAttentionLayer: DynamicLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer: DynamicSlidingWindowLayer,
+    LinearAttentionAndStaticFullAttentionLayer: StaticLayer,
+    DummyLayer: None,
+}
+SUPPORTED_LAYERS = tuple(ATTENTION_PART)
+
+
+def attention_part(layer) -> type | None:
+    """The class of the layer's attention part (`DynamicLayer`, `DynamicSlidingWindowLayer`, `StaticLayer`), or None."""
+    return ATTENTION_PART.get(type(layer))
+
+
+def attention_layers(cache: Cache) -> list:
+    """The layers of `cache` that hold keys and values (fused with a linear-attention part or not)."""
+    return [layer for layer in getattr(cache, "layers", ()) if attention_part(layer) is not None]
+
+
+def _holds_keys(layer) -> bool:
+    return layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0
 
 
 def is_static(cache: Cache | None) -> bool:
-    """Whether `cache` is made of fixed-size `StaticLayer`s (or will be, once `full_static_cache` converted it)."""
-    layers = getattr(cache, "layers", None)
+    """Whether `cache`'s attention is held in fixed-size `StaticLayer`s (or will be, once `full_static_cache`
+    converted it); linear-attention and dummy layers have no slots and do not count."""
+    layers = [layer for layer in getattr(cache, "layers", None) or () if not _slotless(layer)]
     return bool(layers) and all(isinstance(layer, StaticLayer) for layer in layers)
 
 
+def _slotless(layer) -> bool:
+    """A layer without keys and values: a linear-attention layer alone, or a dummy (shared-KV / MLP-only) layer."""
+    return type(layer) in (LinearAttentionLayer, DummyLayer)
+
+
 def unsupported_layers(cache: Cache) -> list[str]:
-    """Names of the cache's layer types that `realign` cannot move row by row (empty if all are supported)."""
+    """Names of the cache's layer types that cannot be moved row by row (empty if all are supported)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return [type(cache).__name__]
     return sorted({type(layer).__name__ for layer in layers if type(layer) not in SUPPORTED_LAYERS})
 
 
-def model_cache_problem(model: PreTrainedModel) -> str | None:
-    """Why this model's KV cache cannot be rolled back per row, or None if it can.
+def model_cache_problem(model: PreTrainedModel, verifies: bool = True) -> str | None:
+    """Why this model's cache cannot be rolled back per row, or None if it can.
 
-    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config holds only
-    attention layers (full or sliding window). State-space and hybrid models (Mamba, Jamba, ...) keep a recurrent
-    state that cannot be rolled back to an earlier token (before transformers 5.24 their forward took it as
-    `cache_params`; from 5.24 on their `DynamicCache` holds linear-attention layers).
+    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config holds attention
+    layers (full or sliding window) and transformers' convolution / recurrent state layers (`cache.linear_states`),
+    in any mix: hybrids (Jamba, Qwen3.5, LFM2, ...) and state-space models (Mamba-2, ...). A target also verifies
+    several drafts in one forward from its cached state: transformers' Mamba-1 layers cannot (their selective scan
+    starts every multi-token forward from a zero state, `transformers_api.scan_restarts_from_zero`), so such a model
+    is refused as a target, not as a draft (which is fed one token per forward).
+
+    Args:
+        verifies: the model is the target (it scores several positions per forward from a cached state).
     """
     name = transformers_api.forward_cache_name(model)
     if name is None:
         return f"{type(model).__name__}'s forward takes no cache"
-    if name == transformers_api.RECURRENT_STATE:
-        return f"{type(model).__name__} keeps a recurrent state (`{name}`), not a KV cache"
     supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
     if supports_dynamic is not None and not supports_dynamic():
         return f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers says so itself)"
@@ -70,26 +122,49 @@ def model_cache_problem(model: PreTrainedModel) -> str | None:
     unsupported = unsupported_layers(cache)
     if unsupported:
         return (
-            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (a recurrent state, or keys "
-            "and values shared with other layers), which hf_specsample cannot roll back row by row"
+            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (keys and values shared with "
+            "other layers, or a sparse-attention indexer), which hf_specsample cannot roll back row by row"
+        )
+    if verifies and transformers_api.scan_restarts_from_zero(model):
+        return (
+            f"{type(model).__name__}'s Mamba-1 layers cannot continue a forward of several tokens from a cached "
+            "state (transformers' selective scan starts each such forward from a zero state), so the target cannot "
+            "verify drafts in one forward. It can still serve as the draft of another target"
         )
     return None
 
 
+def keeps_state_layers(cache: Cache, initialized: bool = False) -> bool:
+    """Whether `cache` has linear-attention layers (convolution / recurrent states), initialised ones if asked."""
+    return any(
+        not initialized or linear_states.is_initialized(layer) for _, layer in linear_states.linear_layers(cache)
+    )
+
+
+def keeps_state(model: PreTrainedModel) -> bool:
+    """Whether the model's cache holds convolution or recurrent states (a hybrid or state-space model)."""
+    try:
+        return keeps_state_layers(DynamicCache(config=model.config))
+    except Exception:  # noqa: BLE001 (no cache can be built: `model_cache_problem` says why)
+        return False
+
+
 def total_slots(cache: Cache) -> int:
-    """Slots in the cache (the same in every layer): `get_seq_length()` of any initialised layer."""
-    return max((_slots(layer) for layer in cache.layers if layer.is_initialized), default=0)
+    """Slots in the cache (the same in every attention layer): `get_seq_length()` of any initialised one; 0 for a
+    cache without attention (a state-space model's), which has no slots."""
+    return max((_slots(layer) for layer in attention_layers(cache) if layer.is_initialized), default=0)
 
 
 def _slots(layer) -> int:
-    if type(layer) is StaticLayer:
+    part = attention_part(layer)
+    if part is StaticLayer:
         return int(layer.cumulative_length)
-    return int(layer.get_seq_length())
+    return int(part.get_seq_length(layer))
 
 
 def capacity(cache: Cache) -> int | None:
     """Most slots a static cache can hold (None: a dynamic cache grows)."""
-    return min(layer.max_cache_len for layer in cache.layers) if is_static(cache) else None
+    return min(layer.max_cache_len for layer in attention_layers(cache)) if is_static(cache) else None
 
 
 def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
@@ -98,7 +173,8 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
     `cache` may be None (a new `StaticCache` is made), transformers' `StaticCache` (its sliding-window layers keep
     only the last `window` slots, in order: those are copied to their slots of a full layer, zeros before them, which
     the window's mask never lets a query see), or a cache of full layers already (kept where large enough). The
-    caller's object keeps its identity: only its layers are replaced.
+    caller's object keeps its identity: only its layers are replaced. Linear-attention and dummy layers stay as they
+    are; a linear-attention layer fused with static attention keeps its states in the new full layer.
 
     Args:
         config: the model's config (for a new cache).
@@ -107,14 +183,23 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
     if cache is None:
         cache = StaticCache(config=config.get_text_config(decoder=True), max_cache_len=capacity)
     for index, layer in enumerate(cache.layers):
-        if type(layer) is StaticLayer and layer.max_cache_len >= capacity:
+        if _slotless(layer) or (attention_part(layer) is StaticLayer and layer.max_cache_len >= capacity):
             continue
         size = max(capacity, getattr(layer, "max_cache_len", 0))
-        new = StaticLayer(max_cache_len=size)
-        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+        fused = isinstance(layer, linear_states.LinearLayer)
+        if fused:
+            new = LinearAttentionAndStaticFullAttentionLayer(max_cache_len=size, number_of_states=layer.number_of_states)
+            linear = linear_states.copy_states(layer)
+            for name in ("conv_states", "recurrent_states", "is_conv_states_initialized",
+                         "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size", "record_past"):  # fmt: skip
+                setattr(new, name, getattr(linear, name))
+            new.dtype, new.device = layer.dtype, layer.device
+        else:
+            new = StaticLayer(max_cache_len=size)
+        if _holds_keys(layer):
             held = _slots(layer)  # positions fed so far
             stored = min(held, layer.keys.shape[-2])  # the last `stored` of them are kept, in order
-            new.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+            StaticLayer.lazy_initialization(new, layer.keys[:, :, :0], layer.values[:, :, :0])
             new.keys[:, :, held - stored : held] = layer.keys[:, :, :stored]
             new.values[:, :, held - stored : held] = layer.values[:, :, :stored]
             new.cumulative_length.fill_(held)
@@ -124,13 +209,14 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
 
 def _stored_after(layer, total: int) -> int:
     """How many slots `layer` stores once trimmed, in a cache of `total` slots."""
-    if isinstance(layer, DynamicSlidingWindowLayer):
+    if attention_part(layer) is DynamicSlidingWindowLayer:
         return min(total, layer.sliding_window - 1)
     return total
 
 
 def crop(cache: Cache, num_slots: int) -> None:
-    """`cache.crop(-num_slots)` (0: only trim sliding-window layers), refusing to drop what a layer no longer stores.
+    """`Cache.crop(-num_slots)` of every attention part (0: only trim sliding-window layers), refusing to drop what a
+    layer no longer stores. Linear-attention parts are `cache.linear_states`' (a `Cache.crop` would crop them too).
 
     A sliding-window layer that has trimmed itself to ``window - 1`` slots cannot give back older ones; `Cache.crop`
     would silently keep too few slots there.
@@ -138,18 +224,20 @@ def crop(cache: Cache, num_slots: int) -> None:
     total = total_slots(cache)
     if total == 0:  # nothing fed yet (transformers' sliding layers cannot even crop(0) before their first update)
         return
+    layers = attention_layers(cache)
     if is_static(cache):  # the pointer moves back; the next forward overwrites the dropped slots
-        for layer in cache.layers:
+        for layer in layers:
             layer.cumulative_length.fill_(total - num_slots)
         return
-    for layer in cache.layers:
-        if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized and layer.keys is not None:
+    for layer in layers:
+        if attention_part(layer) is DynamicSlidingWindowLayer and _holds_keys(layer):
             if layer.keys.shape[-2] < _stored_after(layer, total - num_slots) + num_slots:
                 raise RuntimeError(
                     "hf_specsample internal error: a rollback would drop KV slots a sliding-window layer no longer "
                     "stores. Please report this with the model's config."
                 )
-    cache.crop(-num_slots)
+    for layer in layers:
+        attention_part(layer).crop(layer, -num_slots)
 
 
 def realign(
@@ -166,18 +254,19 @@ def realign(
     With `trim`, sliding-window layers are trimmed as `crop` trims them; without, they keep every slot
     they store (so that a later rollback can still drop slots fed since the last trim). The moved range must still
     be stored in every layer (a sliding-window layer keeps the slots fed since its last trim, plus ``window - 1``).
+    Only attention parts move (linear-attention states have no slots: `cache.linear_states`).
 
     Args:
-        cache: a cache of `DynamicLayer` / `DynamicSlidingWindowLayer` layers (see `unsupported_layers`).
+        cache: a cache of `SUPPORTED_LAYERS`.
         old_starts, new_starts, lengths: per row, where its slots begin now, where they begin after, how many.
         total: the number of slots after the move (``new_starts[b] + lengths[b] <= total``).
     """
     old_total = total_slots(cache)
     assert all(start + length <= total for start, length in zip(new_starts, lengths)), "rows must fit in the cache"
-    for layer in cache.layers:
-        if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+    for layer in attention_layers(cache):
+        if not _holds_keys(layer):
             continue
-        if type(layer) is StaticLayer:  # in place: the tensors keep their (compiled, CUDA-graph) addresses
+        if attention_part(layer) is StaticLayer:  # in place: the tensors keep their (compiled, CUDA-graph) addresses
             for states in (layer.keys, layer.values):
                 states[:, :, :total] = _moved(states[:, :, :old_total], old_starts, new_starts, lengths, 0, 0, total)
             layer.cumulative_length.fill_(total)
@@ -188,7 +277,7 @@ def realign(
         layer.values = _moved(
             layer.values, old_starts, new_starts, lengths, old_total - stored, total - new_stored, total
         )
-        if isinstance(layer, DynamicSlidingWindowLayer):
+        if attention_part(layer) is DynamicSlidingWindowLayer:
             layer.cumulative_length = total
 
 
@@ -227,16 +316,20 @@ def _moved(
 
 
 def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
-    """A new cache object holding copies of `rows` (indices into the batch); `cache` is unchanged."""
+    """A new cache object holding copies of `rows` (indices into the batch), every part of every layer; `cache` is
+    unchanged."""
     index = torch.tensor(list(rows), dtype=torch.long)
     taken = copy.copy(cache)
     taken.layers = []
     for layer in cache.layers:
-        clone = copy.copy(layer)
-        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+        if isinstance(layer, DummyLayer):
+            taken.layers.append(layer)
+            continue
+        clone = linear_states.take_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
+        if attention_part(layer) is not None and _holds_keys(layer):
             clone.keys = layer.keys[index.to(layer.keys.device)]
             clone.values = layer.values[index.to(layer.values.device)]
-        if type(layer) is StaticLayer:
+        if attention_part(layer) is StaticLayer:
             clone.cumulative_length = layer.cumulative_length.clone()
             clone.batch_size = len(rows)
         taken.layers.append(clone)
@@ -250,26 +343,32 @@ def stack_rows_into(target: Cache, parts: Sequence[Cache]) -> None:
     """
     for index, layer in enumerate(target.layers):
         sources = [part.layers[index] for part in parts]
-        if not all(source.is_initialized and source.keys is not None for source in sources):
+        if isinstance(layer, linear_states.LinearLayer):
+            linear_states.stack_rows(layer, sources)
+        part = attention_part(layer)
+        if part is None or not all(source.is_initialized and source.keys is not None for source in sources):
             continue
         layer.keys = torch.cat([source.keys for source in sources], dim=0)
         layer.values = torch.cat([source.values for source in sources], dim=0)
         if not layer.is_initialized:
             layer.dtype, layer.device, layer.is_initialized = layer.keys.dtype, layer.keys.device, True
-        if isinstance(layer, DynamicSlidingWindowLayer):
+        if part is DynamicSlidingWindowLayer:
             layer.cumulative_length = sources[0].cumulative_length
-        if type(layer) is StaticLayer:
+        if part is StaticLayer:
             layer.cumulative_length.copy_(sources[0].cumulative_length)
             layer.batch_size = layer.keys.shape[0]
 
 
 def select_rows(cache: Cache, index: torch.Tensor) -> None:
-    """Keep the rows `index` (a CPU long tensor) of every layer: `Cache.batch_select_indices`, static layers too."""
-    if not is_static(cache):
-        cache.batch_select_indices(index)
-        return
+    """Keep the rows `index` (a CPU long tensor) of every part of every layer (`Cache.batch_select_indices` does not
+    reach static or linear-attention layers)."""
     for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys = layer.keys[index.to(layer.keys.device)]
-            layer.values = layer.values[index.to(layer.values.device)]
+        if isinstance(layer, linear_states.LinearLayer):
+            linear_states.select_rows(layer, index)
+        part = attention_part(layer)
+        if part is None or not _holds_keys(layer):
+            continue
+        layer.keys = layer.keys[index.to(layer.keys.device)]
+        layer.values = layer.values[index.to(layer.values.device)]
+        if part is StaticLayer:
             layer.batch_size = layer.keys.shape[0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import warnings
@@ -330,10 +331,32 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
     embedding = model.get_input_embeddings()
     memo = {id(embedding): SharedFloat32Embedding(embedding)} if type(embedding) is torch.nn.Embedding else {}
     quantized = copy.deepcopy(model, memo).to(torch.float32).eval()  # not .float(): refused for GGUF-loaded models
+    linears = {
+        name for name, module in quantized.named_modules() if type(module) is torch.nn.Linear and name
+    } - _weights_read(quantized)
+    spec = dict.fromkeys(sorted(linears), torch.ao.quantization.default_dynamic_qconfig)
     with _quantized_engine(engine), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(deprecated|quantize_per_tensor).*")
-        torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        torch.ao.quantization.quantize_dynamic(quantized, spec, dtype=torch.qint8, inplace=True)
     return quantized
+
+
+def _weights_read(model: torch.nn.Module) -> set[str]:
+    """Names of the `nn.Linear` modules whose weight tensor their parent's forward reads (`self.lm_head.weight.dtype`
+    in Mamba-2's head, `self.down_proj.weight.dtype` in an Inkling MLP): an int8 module's `weight` is a method, so
+    those stay float."""
+    read = set()
+    for parent_name, parent in model.named_modules():
+        children = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+        if not children:
+            continue
+        try:
+            source = inspect.getsource(type(parent).forward)
+        except (OSError, TypeError):  # a forward without source (a builtin, a compiled wrapper): none read
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        read |= {prefix + name for name in children if f"self.{name}.weight" in source}
+    return read
 
 
 def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreTrainedModel:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .. import transformers_api
 from ..cache.cached_model import CachedModel
 from ..kernels.small_rows import KernelPlan
 from ..lookahead import RoundWidths
@@ -77,7 +78,10 @@ class DraftModelProposer(Proposer):
         # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
         cache = DynamicCache() if inputs is not None else None
-        self.runner = CachedModel(draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel)
+        self.runner = CachedModel(
+            draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel, source=reads,
+            single_step=transformers_api.scan_restarts_from_zero(draft_model),
+        )  # fmt: skip
         reads.rows.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
         self.processor = processor
