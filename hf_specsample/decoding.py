@@ -127,6 +127,7 @@ def speculative_generate(
     validation.check_generation_config(generation_config)
     validation.check_prompt_lookup(lookup_tokens, max_ngram)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
+    validation.check_cache_plan(model, model_kwargs.get(transformers_api.CACHE), generation_config, config)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
     decoder = SpeculativeDecoder(
         CallInputs(

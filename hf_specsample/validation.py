@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, StoppingCriteriaList
-from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
 from . import transformers_api
 from .cache import row_ops
-from .options import NamedDraft
+from .cache.compiled import compile_problem
+from .options import NamedDraft, SpeculativeConfig
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset(
@@ -227,3 +228,29 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
             "tokenizer.eos_token_id; rows are then padded after they stop, as plain generate() does), or generate "
             "one row per call."
         )
+
+
+def check_cache_plan(
+    model: PreTrainedModel, cache: Any, generation_config: GenerationConfig, config: SpeculativeConfig
+) -> None:
+    """Refuse a static or compiled target cache the loop cannot run, before any work (`decoding._target_cache` then
+    builds it): an offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of
+    convolutions fused with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
+    """
+    implementation = generation_config.cache_implementation
+    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
+        return
+    if implementation == "offloaded_static" or getattr(cache, "offloading", False):
+        raise ValueError(
+            "`draft_model=` does not run offloaded caches (each round rolls rejected slots back on the device). Use "
+            "cache_implementation='static' (or the default dynamic cache)."
+        )
+    problem = compile_problem(model)
+    if config.compile and problem is not None:
+        raise ValueError(
+            f"SpeculativeConfig(compile=True) cannot compile this target: {problem}. Drop compile=True (the target "
+            "then runs eagerly), or load the target without that setting."
+        )
+    problem = row_ops.static_cache_problem(cache if row_ops.is_static(cache) else None, model.config)
+    if problem is not None:
+        raise ValueError(problem)

@@ -45,7 +45,8 @@ def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaFor
     with torch.no_grad():
         for parameter in copied.parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            parameter.add_(scale * parameter.std() * noise)
+            spread = parameter.std() if parameter.numel() > 1 else parameter.abs()  # a scalar has no std
+            parameter.add_(scale * spread * noise)
     return copied
 
 

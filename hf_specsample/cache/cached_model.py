@@ -244,12 +244,15 @@ class CachedModel:
             input_ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
         kwargs = {self._cache_name: cache, "use_cache": True}
-        if self.capacity is not None:  # a static cache: the mask covers every slot (one shape for compiled code)
+        if self.capacity is not None and self.states is None:  # static: the mask covers every slot (one shape for
+            # compiled code). Not for hybrids, which run eagerly: their linear-attention layers read the mask's last
+            # `width` columns as the new positions' padding (`create_recurrent_attention_mask`).
             assert slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
             mask = torch.zeros((rows, self.capacity), dtype=torch.long)
             mask[:, : slots + padded] = torch.cat([slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1)
             kwargs["attention_mask"] = mask.to(device)
-        elif not bool(slot_is_real.all()):
+        elif self.capacity is not None or not bool(slot_is_real.all()):
+            assert self.capacity is None or slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
             kwargs["attention_mask"] = slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids.to(device)

@@ -57,7 +57,7 @@ ATTENTION_PART: dict[type, type | None] = {
     LinearAttentionAndFullAttentionLayer: DynamicLayer,
     LinearAttentionAndSlidingWindowAttentionLayer: DynamicSlidingWindowLayer,
     LinearAttentionAndStaticFullAttentionLayer: StaticLayer,
-    DummyLayer: None,
+    DummyLayer: None,  # a layer without attention (MLP / MoE only); KV-sharing models are refused by their config
 }
 SUPPORTED_LAYERS = tuple(ATTENTION_PART)
 
@@ -119,11 +119,16 @@ def model_cache_problem(model: PreTrainedModel, verifies: bool = True) -> str | 
         cache = DynamicCache(config=model.config)
     except Exception as error:  # noqa: BLE001 (any config this cannot build a cache for is refused)
         return f"no DynamicCache can be built for {type(model).__name__} ({error})"
+    if "reuse" in (getattr(model.config.get_text_config(decoder=True), "kv_sharing_modes", None) or ()):
+        return (
+            f"{type(model).__name__}'s layers reuse keys and values shared with other layers (KV sharing), which "
+            "hf_specsample cannot roll back row by row"
+        )
     unsupported = unsupported_layers(cache)
     if unsupported:
         return (
-            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (keys and values shared with "
-            "other layers, or a sparse-attention indexer), which hf_specsample cannot roll back row by row"
+            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (for instance a sparse-"
+            "attention indexer), which hf_specsample cannot roll back row by row"
         )
     if verifies and transformers_api.scan_restarts_from_zero(model):
         return (
@@ -159,6 +164,8 @@ def _slots(layer) -> int:
     part = attention_part(layer)
     if part is StaticLayer:
         return int(layer.cumulative_length)
+    if part is None:  # a layer `full_static_cache` is converting (transformers' static sliding-window layers)
+        return int(layer.get_seq_length())
     return int(part.get_seq_length(layer))
 
 
@@ -174,14 +181,21 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
     only the last `window` slots, in order: those are copied to their slots of a full layer, zeros before them, which
     the window's mask never lets a query see), or a cache of full layers already (kept where large enough). The
     caller's object keeps its identity: only its layers are replaced. Linear-attention and dummy layers stay as they
-    are; a linear-attention layer fused with static attention keeps its states in the new full layer.
+    are; a linear-attention layer fused with full static attention keeps its states in a larger layer.
 
     Args:
         config: the model's config (for a new cache).
         capacity: slots needed (e.g. `max_length`). New layers are allocated by their first (eager) forward.
+
+    Raises:
+        ValueError: a linear-attention layer fused with sliding-window static attention (Inkling's), for which
+            transformers' own static decoding fails.
     """
     if cache is None:
         cache = StaticCache(config=config.get_text_config(decoder=True), max_cache_len=capacity)
+    problem = static_cache_problem(cache, config)
+    if problem is not None:
+        raise ValueError(problem)
     for index, layer in enumerate(cache.layers):
         if _slotless(layer) or (attention_part(layer) is StaticLayer and layer.max_cache_len >= capacity):
             continue
@@ -205,6 +219,28 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
             new.cumulative_length.fill_(held)
         cache.layers[index] = new
     return cache
+
+
+def static_cache_problem(cache: Cache | None, config) -> str | None:
+    """Why a static cache of this model (`cache`, or one built from `config`) cannot be used, or None.
+
+    Convolutions fused with sliding-window static attention (Inkling's layers) are refused: transformers' own static
+    decoding fails on them, so there is no plain result to be exact against.
+    """
+    if cache is None:
+        cache = StaticCache(config=config.get_text_config(decoder=True), max_cache_len=1)  # allocates nothing yet
+    fused_sliding = sorted({type(layer).__name__ for layer in cache.layers if _fused_sliding(layer)})
+    if not fused_sliding:
+        return None
+    return (
+        f"A static cache of this model holds {', '.join(fused_sliding)} layers (convolutions fused with "
+        "sliding-window attention), which transformers' own static decoding cannot run either. Use the default "
+        "dynamic cache (no `cache_implementation`), with which `draft_model=` is exact for this model."
+    )
+
+
+def _fused_sliding(layer) -> bool:
+    return isinstance(layer, (LinearAttentionAndStaticSlidingWindowAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer))
 
 
 def _stored_after(layer, total: int) -> int:
