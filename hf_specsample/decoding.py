@@ -127,7 +127,7 @@ def speculative_generate(
     validation.check_generation_config(generation_config)
     validation.check_prompt_lookup(lookup_tokens, max_ngram)
     validation.check_inputs(input_ids, model_kwargs, speculative_streamer)
-    validation.check_cache_plan(model, model_kwargs.get(transformers_api.CACHE), generation_config, config)
+    validation.check_cache_plan(model, transformers_api.generate_cache(model_kwargs), generation_config, config)
     validation.check_stopping(stopping_criteria, input_ids.shape[0])
     decoder = SpeculativeDecoder(
         CallInputs(
@@ -183,7 +183,7 @@ class SpeculativeDecoder:
         position_ids = model_kwargs.get("position_ids")
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
-        cache = model_kwargs.get(transformers_api.CACHE)
+        cache = transformers_api.generate_cache(model_kwargs)
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0

@@ -68,6 +68,17 @@ CALLER_CACHE_NAMES: tuple[str, ...] = (CACHE,) + (
 (5.24: `cache`, `past_key_values`, `cache_params`; before: `past_key_values` only)."""
 
 
+GENERATE_CACHE_NAMES: tuple[str, ...] = _KNOWN_CACHE_NAMES
+"""Every key under which `generate()` may hand a decoding method the cache: `CACHE`, and on transformers < 5.24
+`cache_params` for models whose class name contains "mamba" (Mamba, Mamba2, FalconMamba)."""
+
+
+def generate_cache(model_kwargs: dict[str, Any]) -> Any:
+    """The cache `generate()` handed a decoding method in its model kwargs (under `CACHE`, or `cache_params` where
+    transformers < 5.24 passes a Mamba model's cache under that name), or None."""
+    return next((model_kwargs[name] for name in GENERATE_CACHE_NAMES if model_kwargs.get(name) is not None), None)
+
+
 def take_caller_cache(kwargs: dict[str, Any], stacklevel: int) -> bool:
     """Move a cache the caller passed under a deprecated name to `CACHE` in `kwargs`, as `generate()` would.
 

@@ -17,7 +17,7 @@ from .options import NamedDraft, SpeculativeConfig
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset(
-    {"attention_mask", "position_ids", transformers_api.CACHE, "use_cache", "logits_to_keep"}
+    {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *transformers_api.GENERATE_CACHE_NAMES}
 )
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
@@ -178,7 +178,7 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
             f"Model inputs {unknown} are not supported with `draft_model=` (text-only decoder LMs: input_ids and "
             "attention_mask). Generate without `draft_model=` for these inputs."
         )
-    cache = model_kwargs.get(transformers_api.CACHE)
+    cache = transformers_api.generate_cache(model_kwargs)
     if cache is not None:
         unsupported = row_ops.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
         if isinstance(cache, StaticCache) and row_ops.is_static(cache):

@@ -20,7 +20,7 @@ from exact import chisquare_pvalue, continuations, exact_distribution, sampled_p
 from test_architectures import NEW_TOKENS, PROMPTS, batch
 from tiny import PAD, cache_of, perturbed_copy, prepared_processors, tiny_arch, with_cache
 
-from hf_specsample import SpeculativeConfig
+from hf_specsample import SpeculativeConfig, transformers_api
 from hf_specsample.cache import checkpoints, linear_states
 from hf_specsample_bench.hybrids import HYBRID_FAMILIES, Kind, Status, available, tiny_hybrid, transformers_families
 
@@ -345,9 +345,10 @@ def test_refusals_before_any_work():
     state_space = tiny_hybrid("mamba2", seed=0, vocab_size=VOCAB)
     first = state_space.generate(prompt, return_dict_in_generate=True, **kwargs)
     with pytest.raises(ValueError, match="holds only recurrent / convolution states.*without the cache"):
-        state_space.generate(
-            torch.cat([first.sequences, prompt], 1), **with_cache(cache_of(first)), draft_model=qwen, **kwargs
-        )
+        state_space.generate(  # under the name its forward takes (transformers < 5.24: not `generate()`'s own)
+            torch.cat([first.sequences, prompt], 1), **transformers_api.cache_kwargs(state_space, cache_of(first)),
+            draft_model=qwen, **kwargs,
+        )  # fmt: skip
     inkling = tiny_hybrid("inkling2", seed=0, vocab_size=VOCAB) if available("inkling2") else None
     if inkling is not None:
         with pytest.raises(ValueError, match="fused with sliding-window attention.*default dynamic cache"):
