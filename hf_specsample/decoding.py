@@ -280,6 +280,7 @@ class SpeculativeDecoder:
     def round(self, widths: RoundWidths) -> None:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
         compilations = self._compilations()
+        refeeds = self.target.refeed_passes
         self.timer.start()
         proposal = self.drafter.get_candidates(self.sequences, widths)
         self.timer.mark()
@@ -294,7 +295,10 @@ class SpeculativeDecoder:
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
-        record = RoundRecord(width, sum(num_accepted), tested, *durations, prefill=prefill)
+        record = RoundRecord(
+            width, sum(num_accepted), tested, *durations, prefill=prefill,
+            refeed_forwards=self.target.refeed_passes - refeeds,
+        )  # fmt: skip
         self.lookahead.observe(record, proposal.model_steps)
 
     def _compilations(self) -> int:

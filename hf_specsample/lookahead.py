@@ -7,7 +7,9 @@ keeps up to date while generating:
 - d, the cost of one draft step (seconds per drafted token), starting from the draft's step time measured before
   the call where `draft_quantization="auto"` timed it (`MeasuredCosts`' prior);
 - v(K), the cost of everything else in a round that verifies K draft tokens: the target forward over K+1
-  positions, logits processing, acceptance and bookkeeping. It grows with K where verification is compute-bound
+  positions, logits processing, acceptance and bookkeeping, and for a hybrid target the forwards that restore its
+  recurrent states after a rejection (`cache.checkpoints`: timed as part of the round, or counted by
+  `StaticCosts`). It grows with K where verification is compute-bound
   (large batches, bitsandbytes 4-bit, eager bf16 on AVX2 CPUs), often convexly (compiled: flat up to a few
   positions, then steep), so it is kept per K observed and interpolated between them; K grows by at most one
   beyond the largest K observed.
@@ -55,8 +57,9 @@ class RoundRecord:
     accepted: int  # draft tokens accepted, all rows
     tested: int  # draft tokens tested: accepted + one per row that saw a rejection
     draft_seconds: float
-    verify_seconds: float  # everything in the round but drafting
+    verify_seconds: float  # everything in the round but drafting (a hybrid target's re-feeds after a rejection too)
     prefill: bool = False  # the first round also encodes the prompt: its costs say nothing about later rounds
+    refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
 
 
 class LookaheadPolicy(ABC):
@@ -184,27 +187,42 @@ def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float
 
 
 class StaticCosts:
-    """Costs fixed in advance, in units of one target step: d = c, v(K) = 1 + slope K. No clock, so the choice of
-    K depends only on the tokens drawn: runs with the same generator repeat exactly, and tensor-parallel ranks agree.
+    """Costs in units of one target step, without a clock: d = c, v(K) = 1 + slope K + r(K), where r(K) is the
+    number of forwards a hybrid target re-feeds per round to restore its recurrent states after rejections
+    (`cache.checkpoints`; each costs about one target step: it reads every weight once), counted from the rounds
+    themselves: a decayed mean per K observed, the nearest K's for others, 0 before any round and for models
+    without recurrent states. The choice of K then depends only on the tokens drawn: runs with the same generator
+    repeat exactly, and tensor-parallel ranks agree.
 
     Args:
         cost_ratio: c, the draft step's cost in target steps (`weight_bytes_ratio`).
         verify_slope: v(K)'s growth per draft token (`STATIC_VERIFY_SLOPE` per row verified together).
+        decay: per round, how much earlier re-feed counts still count.
     """
 
     ready = True
 
-    def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE):
-        self.cost_ratio, self.verify_slope = cost_ratio, verify_slope
+    def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE, decay: float = 0.85):
+        self.cost_ratio, self.verify_slope, self.decay = cost_ratio, verify_slope, decay
+        self.refeeds: dict[int, _DecayedMean] = {}  # K -> decayed mean of re-feed forwards per round
 
     def observe(self, record: RoundRecord) -> None:
-        pass
+        if record.lookahead > 0 and not record.prefill:
+            mean = self.refeeds.setdefault(record.lookahead, _DecayedMean(0.0, 0.0, self.decay))
+            mean.add(record.refeed_forwards)
 
     def draft_seconds(self) -> float:
         return self.cost_ratio
 
     def verify_seconds(self, lookahead: int) -> float:
-        return 1.0 + self.verify_slope * lookahead
+        return 1.0 + self.verify_slope * lookahead + self.refeed_steps(lookahead)
+
+    def refeed_steps(self, lookahead: int) -> float:
+        """r(K): re-feed forwards per round with K drafts (see the class doc)."""
+        if lookahead == 0 or not self.refeeds:
+            return 0.0
+        nearest = min(self.refeeds, key=lambda observed: (abs(observed - lookahead), observed))
+        return self.refeeds[nearest].value
 
     def largest_lookahead(self, max_lookahead: int) -> int:
         """Every K up to `max_lookahead` (the costs are fixed in advance, none is a guess)."""

@@ -76,172 +76,462 @@ _INDEXED_REASON = (
 HYBRID_FAMILIES: dict[str, Family] = {
     # convolutions beside attention
     "lfm2": Family(
-        ("Lfm2Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                            block_auto_adjust_ff_dim=False)),
+        (
+            "Lfm2Config",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                layer_types=["conv", "full_attention"],
+                block_auto_adjust_ff_dim=False,
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     "lfm2_moe": Family(
-        ("Lfm2MoeConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                               num_dense_layers=1, num_experts=4, num_experts_per_tok=2)),
+        (
+            "Lfm2MoeConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                layer_types=["conv", "full_attention"],
+                num_dense_layers=1,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     "lfm3": Family(
-        ("Lfm3Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, sliding_window=SLIDING_WINDOW,
-                            layer_types=["conv", "sliding_attention", "full_attention"])),
+        (
+            "Lfm3Config",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=["conv", "sliding_attention", "full_attention"],
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     "inkling": Family(
-        ("InklingTextConfig", dict(_INKLING, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
-                                   mlp_layer_types=["dense", "sparse"], intermediate_size=64, n_shared_experts=1)),
+        (
+            "InklingTextConfig",
+            dict(
+                _INKLING,
+                num_hidden_layers=2,
+                layer_types=["hybrid_sliding", "hybrid"],
+                mlp_layer_types=["dense", "sparse"],
+                intermediate_size=64,
+                n_shared_experts=1,
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     "inkling2": Family(
-        ("Inkling2TextConfig", dict(_INKLING, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
-                                    n_layers_per_attn_res_block=1, unpadded_vocab_size=None)),
+        (
+            "Inkling2TextConfig",
+            dict(
+                _INKLING,
+                num_hidden_layers=2,
+                layer_types=["hybrid_sliding", "hybrid"],
+                n_layers_per_attn_res_block=1,
+                unpadded_vocab_size=None,
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     "inkling2_loop": Family(
-        ("Inkling2LoopTextConfig", dict(_INKLING, num_hidden_layers=3,
-                                        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
-                                        n_layers_per_attn_res_block=1, unpadded_vocab_size=None,
-                                        loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
-                                        loop_gate_rank=4)),
+        (
+            "Inkling2LoopTextConfig",
+            dict(
+                _INKLING,
+                num_hidden_layers=3,
+                layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                n_layers_per_attn_res_block=1,
+                unpadded_vocab_size=None,
+                loop_layer_index_start=1,
+                loop_layer_index_end=2,
+                loop_num_passes=2,
+                loop_gate_rank=4,
+            ),
+        ),
         Kind.CONVOLUTION,
     ),  # fmt: skip
     # Mamba-2 (SSD) beside attention, or alone
     "mamba2": Family(
-        ("Mamba2Config", dict(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2, n_groups=1,
-                              chunk_size=8, expand=2)),
+        (
+            "Mamba2Config",
+            dict(
+                num_heads=4,
+                head_dim=16,
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                n_groups=1,
+                chunk_size=8,
+                expand=2,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "bamba": Family(
-        ("BambaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, attn_layer_indices=[1], mamba_expand=2, **_MAMBA2)),
+        (
+            "BambaConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                attn_layer_indices=[1],
+                mamba_expand=2,
+                **_MAMBA2,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "falcon_h1": Family(
-        ("FalconH1Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, mamba_d_ssm=64, **_MAMBA2)),
+        (
+            "FalconH1Config",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                mamba_d_ssm=64,
+                **_MAMBA2,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "granitemoehybrid": Family(
-        ("GraniteMoeHybridConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        layer_types=["linear_attention", "full_attention"], num_local_experts=4,
-                                        num_experts_per_tok=2, shared_intermediate_size=32, **_MAMBA2)),
+        (
+            "GraniteMoeHybridConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                layer_types=["linear_attention", "full_attention"],
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                shared_intermediate_size=32,
+                **_MAMBA2,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "nemotron_h": Family(
-        ("NemotronHConfig", dict(hidden_size=32, layers_block_type=["linear_attention", "full_attention", "mlp"],
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                                 ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, chunk_size=8)),
+        (
+            "NemotronHConfig",
+            dict(
+                hidden_size=32,
+                layers_block_type=["linear_attention", "full_attention", "mlp"],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                intermediate_size=64,
+                ssm_state_size=8,
+                mamba_num_heads=4,
+                mamba_head_dim=16,
+                n_groups=1,
+                chunk_size=8,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "zamba2": Family(
-        ("Zamba2Config", dict(hidden_size=32, num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"],
-                              mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16, chunk_size=8, intermediate_size=64,
-                              num_attention_heads=4, num_key_value_heads=4)),
+        (
+            "Zamba2Config",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                layers_block_type=["linear_attention", "hybrid"],
+                mamba_d_state=8,
+                n_mamba_heads=4,
+                mamba_headdim=16,
+                chunk_size=8,
+                intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     # gated delta nets and other linear attention beside attention
     "qwen3_next": Family(
-        ("Qwen3NextConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 layer_types=["linear_attention", "full_attention"], **_GATED_DELTA, **_MOE,
-                                 **_ATTENTION)),
+        (
+            "Qwen3NextConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+                **_GATED_DELTA,
+                **_MOE,
+                **_ATTENTION,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "qwen3_5": Family(
-        ("Qwen3_5TextConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   layer_types=["linear_attention", "full_attention"], **_GATED_DELTA, **_ATTENTION)),
+        (
+            "Qwen3_5TextConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+                **_GATED_DELTA,
+                **_ATTENTION,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "qwen3_5_moe": Family(
-        ("Qwen3_5MoeTextConfig", dict(hidden_size=32, num_hidden_layers=2,
-                                      layer_types=["linear_attention", "full_attention"], **_GATED_DELTA, **_MOE,
-                                      **_ATTENTION)),
+        (
+            "Qwen3_5MoeTextConfig",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"],
+                **_GATED_DELTA,
+                **_MOE,
+                **_ATTENTION,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "olmo_hybrid": Family(
-        ("OlmoHybridConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, layer_types=["linear_attention", "full_attention"],
-                                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                                  linear_value_head_dim=16)),
+        (
+            "OlmoHybridConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2,
+                linear_num_value_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=16,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "lara_mini": Family(
-        ("LaraMiniConfig", dict(hidden_size=32, num_hidden_layers=3, sliding_window=SLIDING_WINDOW,
-                                layer_types=["linear_attention", "sliding_attention", "full_attention"],
-                                **_GATED_DELTA, **_MOE, **_ATTENTION)),
+        (
+            "LaraMiniConfig",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=3,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                **_GATED_DELTA,
+                **_MOE,
+                **_ATTENTION,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "kimi_linear": Family(
-        ("KimiLinearConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=2, qk_rope_head_dim=8, v_head_dim=8,
-                                  qk_nope_head_dim=8, num_experts=4, num_experts_per_token=2,
-                                  mlp_layer_types=["dense", "sparse"],
-                                  layer_types=["linear_attention", "full_attention"], linear_head_dim=8,
-                                  linear_num_heads=2, head_dim=8, kv_lora_rank=16, q_lora_rank=None)),
+        (
+            "KimiLinearConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                qk_rope_head_dim=8,
+                v_head_dim=8,
+                qk_nope_head_dim=8,
+                num_experts=4,
+                num_experts_per_token=2,
+                mlp_layer_types=["dense", "sparse"],
+                layer_types=["linear_attention", "full_attention"],
+                linear_head_dim=8,
+                linear_num_heads=2,
+                head_dim=8,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "bailing_hybrid": Family(
-        ("BailingHybridConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                     qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_experts=4,
-                                     num_experts_per_token=2, num_expert_group=1, topk_group=1,
-                                     mlp_layer_types=["dense", "sparse"],
-                                     layer_types=["linear_attention", "full_attention"], linear_head_dim=8,
-                                     linear_num_heads=2, head_dim=8, kv_lora_rank=16, q_lora_rank=None)),
+        (
+            "BailingHybridConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                qk_rope_head_dim=8,
+                v_head_dim=8,
+                qk_nope_head_dim=8,
+                num_experts=4,
+                num_experts_per_token=2,
+                num_expert_group=1,
+                topk_group=1,
+                mlp_layer_types=["dense", "sparse"],
+                layer_types=["linear_attention", "full_attention"],
+                linear_head_dim=8,
+                linear_num_heads=2,
+                head_dim=8,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     "zaya": Family(
-        ("ZayaConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1,
-                            router_hidden_size=16)),
+        (
+            "ZayaConfig",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=1,
+                router_hidden_size=16,
+            ),
+        ),
         Kind.RECURRENT,
     ),  # fmt: skip
     # Mamba-1 (selective scan): exact as drafts; as targets refused
     "mamba": Family(
         ("MambaConfig", dict(hidden_size=32, state_size=8, num_hidden_layers=2, intermediate_size=64, conv_kernel=4)),
-        Kind.RECURRENT, Status.DRAFT_ONLY, _MAMBA1_REASON,
+        Kind.RECURRENT,
+        Status.DRAFT_ONLY,
+        _MAMBA1_REASON,
     ),  # fmt: skip
     "falcon_mamba": Family(
-        ("FalconMambaConfig", dict(hidden_size=32, state_size=8, num_hidden_layers=2, intermediate_size=64,
-                                   conv_kernel=4)),
-        Kind.RECURRENT, Status.DRAFT_ONLY, _MAMBA1_REASON,
+        (
+            "FalconMambaConfig",
+            dict(hidden_size=32, state_size=8, num_hidden_layers=2, intermediate_size=64, conv_kernel=4),
+        ),
+        Kind.RECURRENT,
+        Status.DRAFT_ONLY,
+        _MAMBA1_REASON,
     ),  # fmt: skip
     "jamba": Family(
-        ("JambaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                             expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_dt_rank=4)),
-        Kind.RECURRENT, Status.DRAFT_ONLY, _MAMBA1_REASON,
+        (
+            "JambaConfig",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                num_experts=2,
+                mamba_d_state=8,
+                mamba_dt_rank=4,
+            ),
+        ),
+        Kind.RECURRENT,
+        Status.DRAFT_ONLY,
+        _MAMBA1_REASON,
     ),  # fmt: skip
     "zamba": Family(
-        ("ZambaConfig", dict(layers_block_type=["linear_attention", "hybrid"], hidden_size=32,
-                             attention_hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, attention_head_dim=16, num_key_value_heads=4, n_mamba_heads=2,
-                             mamba_d_state=8, mamba_dt_rank=4, attn_layer_period=2, attn_layer_offset=1)),
-        Kind.RECURRENT, Status.DRAFT_ONLY, _MAMBA1_REASON,
+        (
+            "ZambaConfig",
+            dict(
+                layers_block_type=["linear_attention", "hybrid"],
+                hidden_size=32,
+                attention_hidden_size=64,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                attention_head_dim=16,
+                num_key_value_heads=4,
+                n_mamba_heads=2,
+                mamba_d_state=8,
+                mamba_dt_rank=4,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+            ),
+        ),
+        Kind.RECURRENT,
+        Status.DRAFT_ONLY,
+        _MAMBA1_REASON,
     ),  # fmt: skip
     # sparse (indexed) attention beside gated delta nets
     "qwen4_exp": Family(
-        ("Qwen4ExpTextConfig", dict(hidden_size=32, num_hidden_layers=2,
-                                    layer_types=["linear_attention", "indexed_attention"], hc_count=2, hc_lowrank=8,
-                                    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
-                                    indexer_compress_ratio=2, **_GATED_DELTA, **_MOE, **_ATTENTION)),
-        Kind.RECURRENT, Status.REFUSED, _INDEXED_REASON,
+        (
+            "Qwen4ExpTextConfig",
+            dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                layer_types=["linear_attention", "indexed_attention"],
+                hc_count=2,
+                hc_lowrank=8,
+                indexer_n_heads=2,
+                indexer_kv_heads=1,
+                indexer_head_dim=8,
+                indexer_budget=4,
+                indexer_compress_ratio=2,
+                **_GATED_DELTA,
+                **_MOE,
+                **_ATTENTION,
+            ),
+        ),
+        Kind.RECURRENT,
+        Status.REFUSED,
+        _INDEXED_REASON,
     ),  # fmt: skip
     "glm5_next": Family(
-        ("Glm5NextConfig", dict(text_config=dict(
-            hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, v_head_dim=8, qk_nope_head_dim=8, n_routed_experts=4,
-            num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"],
-            layer_types=["linear_attention", "indexed_attention"], linear_head_dim=8, linear_num_heads=2,
-            index_head_dim=8, index_n_heads=2), vision_config=dict(num_hidden_layers=1, hidden_size=16,
-            num_attention_heads=2, intermediate_size=32))),
-        Kind.RECURRENT, Status.REFUSED, _INDEXED_REASON + " (and it ships as a multimodal model only)",
+        (
+            "Glm5NextConfig",
+            dict(
+                text_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    moe_intermediate_size=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    v_head_dim=8,
+                    qk_nope_head_dim=8,
+                    n_routed_experts=4,
+                    num_experts_per_tok=2,
+                    mlp_layer_types=["dense", "sparse"],
+                    layer_types=["linear_attention", "indexed_attention"],
+                    linear_head_dim=8,
+                    linear_num_heads=2,
+                    index_head_dim=8,
+                    index_n_heads=2,
+                ),
+                vision_config=dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32),
+            ),
+        ),
+        Kind.RECURRENT,
+        Status.REFUSED,
+        _INDEXED_REASON + " (and it ships as a multimodal model only)",
         causal_lm="Glm5NextForConditionalGeneration",
     ),  # fmt: skip
 }
@@ -268,12 +558,13 @@ def available(name: str) -> bool:
     return hasattr(transformers, HYBRID_FAMILIES[name].config[0])
 
 
-def tiny_config(name: str, vocab_size: int = 48):
-    """The tiny config of family `name`: PAD 0, BOS 1, no EOS, untied head, peaked initial weights."""
+def tiny_config(name: str, vocab_size: int = 48, **overrides):
+    """The tiny config of family `name` (`overrides` replace its arguments): PAD 0, BOS 1, no EOS, untied head,
+    peaked initial weights."""
     import transformers
 
     class_name, arguments = HYBRID_FAMILIES[name].config
-    arguments = dict(arguments)
+    arguments = dict(arguments, **overrides)
     config = getattr(transformers, class_name)(**_with_vocabulary(arguments, vocab_size))
     for target in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
         for key, value in dict(bos_token_id=BOS_ID, eos_token_id=None, pad_token_id=PAD_ID).items():
@@ -293,11 +584,12 @@ def _with_vocabulary(arguments: dict, vocab_size: int) -> dict:
     return dict(arguments, vocab_size=vocab_size)
 
 
-def tiny_hybrid(name: str, seed: int, vocab_size: int = 48, dtype: torch.dtype = torch.float32):
-    """A tiny randomly initialised model of family `name` (see `HYBRID_FAMILIES`), the same for the same seed."""
+def tiny_hybrid(name: str, seed: int, vocab_size: int = 48, dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny randomly initialised model of family `name` (see `HYBRID_FAMILIES`; `overrides` replace config
+    arguments), the same for the same seed."""
     import transformers
 
-    config = tiny_config(name, vocab_size)
+    config = tiny_config(name, vocab_size, **overrides)
     family = HYBRID_FAMILIES[name]
     torch.manual_seed(seed)
     if family.causal_lm is not None:

@@ -18,7 +18,7 @@ from hf_specsample import SpeculativeConfig, decoding, sequences
 FIXED = SpeculativeConfig(num_lookahead=3, draft_quantization="none")
 # Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design) and
 # the n-gram search, which runs on the host copy of the token buffer.
-HOST_ONLY = {("cached_model.py", "feed"), ("prompt_lookup.py", "ngram_continuation")}
+HOST_ONLY = {("cached_model.py", "_forward"), ("cached_model.py", "_parts"), ("prompt_lookup.py", "ngram_continuation")}
 
 
 @pytest.fixture(scope="module")

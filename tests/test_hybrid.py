@@ -93,7 +93,9 @@ def assert_same_states(plain_cache, speculative_cache):
     plain, mine = linear_states_of(plain_cache), linear_states_of(speculative_cache)
     assert mine.keys() == plain.keys()
     for key in plain:
-        torch.testing.assert_close(mine[key], plain[key], rtol=1e-2, atol=1e-2, msg=lambda text, key=key: f"{key}: {text}")
+        torch.testing.assert_close(
+            mine[key], plain[key], rtol=1e-2, atol=1e-2, msg=lambda text, key=key: f"{key}: {text}"
+        )
     for _, layer in linear_states.linear_layers(speculative_cache):
         assert not layer.record_past
 
@@ -214,11 +216,14 @@ def off_by_one_recurrent(monkeypatch):
 def off_by_one_convolution(monkeypatch):
     """A wrong rollback: every convolution window keeps one position it should have dropped (where it has one)."""
     original = linear_states.trim_positional
-    monkeypatch.setattr(linear_states, "trim_positional", lambda cache, drops: original(cache, [max(0, d - 1) for d in drops]))
+    monkeypatch.setattr(
+        linear_states, "trim_positional", lambda cache, drops: original(cache, [max(0, d - 1) for d in drops])
+    )
 
 
 @pytest.mark.parametrize(
-    "name, wrong", [("lfm2", off_by_one_convolution), ("bamba", off_by_one_recurrent), ("qwen3_5", off_by_one_recurrent)]
+    "name, wrong",
+    [("lfm2", off_by_one_convolution), ("bamba", off_by_one_recurrent), ("qwen3_5", off_by_one_recurrent)],
 )
 @torch.no_grad()
 def test_an_off_by_one_rollback_fails_the_tests(monkeypatch, name, wrong):
@@ -340,7 +345,9 @@ def test_refusals_before_any_work():
         if available(name):
             with pytest.raises(ValueError, match="indexed sparse attention|DynamicIndexedLayer"):
                 tiny_hybrid(name, seed=0, vocab_size=VOCAB).generate(prompt, draft_model=qwen, **kwargs)
-    with pytest.raises(ValueError, match=r"compile=True\) cannot compile this target: it keeps convolution / recurrent"):
+    with pytest.raises(
+        ValueError, match=r"compile=True\) cannot compile this target: it keeps convolution / recurrent"
+    ):
         qwen.generate(prompt, draft_model=qwen, speculative_config=SpeculativeConfig(compile=True), **kwargs)
     state_space = tiny_hybrid("mamba2", seed=0, vocab_size=VOCAB)
     first = state_space.generate(prompt, return_dict_in_generate=True, **kwargs)
@@ -366,3 +373,46 @@ def test_a_hybrid_draft_with_another_tokenizer_is_refused():
             torch.tensor([PROMPTS[0]]), draft_model=draft, tokenizer=char_tokenizer(VOCAB),
             draft_tokenizer=char_tokenizer(40), max_new_tokens=4, pad_token_id=PAD,
         )  # fmt: skip
+
+
+def test_the_lookahead_policy_sees_each_rounds_refeeds():
+    """Every round's record carries the forwards its rollback re-fed (the clock-free costs count them; measured costs
+    time them as part of the round), and they add up to the call's statistics."""
+    from hf_specsample.lookahead import FixedLookahead
+
+    policies = []
+
+    class Recording(FixedLookahead):
+        def __init__(self):
+            super().__init__(3)
+            self.records = []
+            policies.append(self)
+
+        def observe(self, record):
+            self.records.append(record)
+
+    target = tiny_hybrid("qwen3_5", seed=0, vocab_size=VOCAB)
+    ids, mask = batch(PROMPTS, "left")
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False,
+        draft_model=perturbed_copy(target, seed=1, scale=CLOSE), return_dict_in_generate=True,
+        speculative_config=SpeculativeConfig(lookahead_policy=Recording),
+    )  # fmt: skip
+    refeeds = [record.refeed_forwards for record in policies[0].records]
+    assert sum(refeeds) == out.speculative_stats.target_refeed_passes > 0
+
+
+@torch.no_grad()
+def test_a_static_cache_smaller_than_needed_is_grown_with_its_states():
+    """Falcon-H1's layers fuse Mamba-2 states with static attention: a too-small caller cache grows, states kept."""
+    from transformers import StaticCache
+
+    target = tiny_hybrid("falcon_h1", seed=0, vocab_size=VOCAB)
+    draft = perturbed_copy(target, seed=1, scale=CLOSE)
+    prompt = torch.tensor([PROMPTS[0]])
+    small = StaticCache(config=target.config, max_cache_len=6)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    plain = target.generate(prompt, **kwargs)
+    mine = target.generate(prompt, **with_cache(small), draft_model=draft, num_lookahead=3, **kwargs)
+    assert mine.tolist() == plain.tolist()
+    assert min(layer.max_cache_len for layer in attention_of(small)) >= prompt.shape[1] + NEW_TOKENS

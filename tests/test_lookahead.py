@@ -118,6 +118,20 @@ def test_static_costs_draft_less_for_large_batches():
     assert batch.choose() < single.choose()
 
 
+def test_static_costs_count_a_hybrid_targets_refeeds():
+    """A hybrid target's rollback re-feeds (`cache.checkpoints`) cost about a target step each: counted per K from the
+    rounds, they make wide rounds dearer, so the policy drafts fewer tokens than for a target without them."""
+    plain, hybrid = AdaptiveLookahead(costs=StaticCosts(0.1)), AdaptiveLookahead(costs=StaticCosts(0.1))
+    for policy, refeeds in ((plain, 0), (hybrid, 1)):
+        for k in (1, 2, 3, 4, 5, 6):  # every K rejected at its second draft; a re-feed per round for the hybrid
+            policy.observe(RoundRecord(k, min(k, 1), min(k, 2), 0.0, 0.0, refeed_forwards=refeeds * int(k > 1)))
+    assert hybrid.costs.refeed_steps(4) == pytest.approx(1.0) and hybrid.costs.refeed_steps(1) == 0.0
+    assert hybrid.costs.refeed_steps(8) == pytest.approx(1.0)  # an unobserved K: the nearest observed one's
+    assert plain.costs.refeed_steps(4) == 0.0
+    assert hybrid.costs.verify_seconds(4) == pytest.approx(plain.costs.verify_seconds(4) + 1.0)
+    assert hybrid.choose() < plain.choose()
+
+
 def test_static_costs_need_no_clock():
     policy = AdaptiveLookahead(costs=StaticCosts(0.3))
     assert not policy.needs_timing and policy.choose() > 0

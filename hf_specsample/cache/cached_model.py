@@ -252,7 +252,9 @@ class CachedModel:
             mask[:, : slots + padded] = torch.cat([slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1)
             kwargs["attention_mask"] = mask.to(device)
         elif self.capacity is not None or not bool(slot_is_real.all()):
-            assert self.capacity is None or slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
+            assert self.capacity is None or slots <= self.capacity, (
+                f"a static cache of {self.capacity} slots cannot hold {slots}"
+            )
             kwargs["attention_mask"] = slot_is_real.to(device=device, dtype=torch.long)
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids.to(device)

@@ -66,7 +66,7 @@ class StateCheckpoints:
 
     @property
     def may_recur(self) -> bool:
-        """Whether some linear-attention layer holds a recurrent state, or has not said yet (before its first forward)."""
+        """Whether a linear-attention layer holds a recurrent state, or has not said yet (before its first forward)."""
         return any(
             linear_states.is_recurrent(layer) or not linear_states.is_initialized(layer)
             for _, layer in linear_states.linear_layers(self.cache)
@@ -78,7 +78,7 @@ class StateCheckpoints:
             self.snapshots.append(Snapshot(list(fed), linear_states.snapshot(self.cache)))
 
     def after_forward(self) -> None:
-        """Stop recording the history of layers the forward showed to be recurrent (`linear_states.settle_recording`)."""
+        """Stop recording the history of layers a forward showed to be recurrent (`linear_states.settle_recording`)."""
         linear_states.settle_recording(self.cache)
 
     def restore(self, fed: Sequence[int], keep: Sequence[int], run: Runner | None) -> None:
@@ -138,7 +138,7 @@ class StateCheckpoints:
         return harvested
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the rows `index` (a CPU long tensor) of every snapshot (rows retired between forwards and a rollback)."""
+        """Keep the rows `index` (a CPU long tensor) of every snapshot (rows retire between forwards and a rollback)."""
         rows = index.tolist()
         for snapshot in self.snapshots:
             snapshot.fed = [snapshot.fed[row] for row in rows]

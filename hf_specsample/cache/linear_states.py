@@ -161,7 +161,9 @@ def stop_recording(cache: Cache, was_recording: Sequence[bool | None]) -> None:
         if is_positional(layer):
             for state, history in layer.conv_states.items():
                 if layer.is_conv_states_initialized[state] and history is not None:
-                    layer.conv_states[state] = conv_windows(history, [0] * history.shape[0], layer.conv_kernel_size[state])
+                    layer.conv_states[state] = conv_windows(
+                        history, [0] * history.shape[0], layer.conv_kernel_size[state]
+                    )
         # Layers a model appended to the cache itself (Inkling2-Loop's loop passes copy theirs) had recorded nothing.
         previous = was_recording[index] if index < len(was_recording) else False
         if previous is not None:
@@ -204,15 +206,26 @@ def select_rows(layer: LinearLayer, index: torch.Tensor) -> None:
         states[state] = tensor[index.to(tensor.device)]
 
 
+# A linear-attention layer's per-state-index dicts.
+_STATE_DICTS = (
+    "conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+    "has_previous_state", "conv_kernel_size",
+)  # fmt: skip
+
+
 def copy_states(layer: LinearLayer) -> LinearLayer:
     """A shallow copy of the layer whose state dicts are its own (assigning a state does not touch `layer`)."""
     clone = copy.copy(layer)
-    for name in (
-        "conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
-        "has_previous_state", "conv_kernel_size",
-    ):  # fmt: skip
+    for name in _STATE_DICTS:
         setattr(clone, name, dict(getattr(layer, name)))
     return clone
+
+
+def move_states(source: LinearLayer, target: LinearLayer) -> None:
+    """Give `target` (a new layer of another class, e.g. a larger static one) `source`'s linear-attention states."""
+    for name in _STATE_DICTS:
+        setattr(target, name, dict(getattr(source, name)))
+    target.record_past, target.dtype, target.device = source.record_past, source.dtype, source.device
 
 
 def take_rows(layer: LinearLayer, index: torch.Tensor) -> LinearLayer:

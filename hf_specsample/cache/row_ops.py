@@ -202,12 +202,10 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
         size = max(capacity, getattr(layer, "max_cache_len", 0))
         fused = isinstance(layer, linear_states.LinearLayer)
         if fused:
-            new = LinearAttentionAndStaticFullAttentionLayer(max_cache_len=size, number_of_states=layer.number_of_states)
-            linear = linear_states.copy_states(layer)
-            for name in ("conv_states", "recurrent_states", "is_conv_states_initialized",
-                         "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size", "record_past"):  # fmt: skip
-                setattr(new, name, getattr(linear, name))
-            new.dtype, new.device = layer.dtype, layer.device
+            new = LinearAttentionAndStaticFullAttentionLayer(
+                max_cache_len=size, number_of_states=layer.number_of_states
+            )
+            linear_states.move_states(layer, new)
         else:
             new = StaticLayer(max_cache_len=size)
         if _holds_keys(layer):
@@ -240,7 +238,9 @@ def static_cache_problem(cache: Cache | None, config) -> str | None:
 
 
 def _fused_sliding(layer) -> bool:
-    return isinstance(layer, (LinearAttentionAndStaticSlidingWindowAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer))
+    return isinstance(
+        layer, (LinearAttentionAndStaticSlidingWindowAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
+    )
 
 
 def _stored_after(layer, total: int) -> int:
@@ -361,7 +361,9 @@ def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
         if isinstance(layer, DummyLayer):
             taken.layers.append(layer)
             continue
-        clone = linear_states.take_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
+        clone = (
+            linear_states.take_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
+        )
         if attention_part(layer) is not None and _holds_keys(layer):
             clone.keys = layer.keys[index.to(layer.keys.device)]
             clone.values = layer.values[index.to(layer.values.device)]
