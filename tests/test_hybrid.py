@@ -88,13 +88,14 @@ def assert_same_states(plain_cache, speculative_cache):
     """The same convolution windows and recurrent states in every row, and layers that no longer record.
 
     Up to rounding: a scan over K+1 positions adds in another order than K+1 single steps, and some tiny models'
-    states reach tens (Nemotron-H's and Zamba2's differ by 2e-3); a state off by one token differs by far more.
+    states are sensitive to it (Zamba2's differ by up to 2e-2 in single elements); a state off by one token differs
+    by far more, in most elements.
     """
     plain, mine = linear_states_of(plain_cache), linear_states_of(speculative_cache)
     assert mine.keys() == plain.keys()
     for key in plain:
         torch.testing.assert_close(
-            mine[key], plain[key], rtol=1e-2, atol=1e-2, msg=lambda text, key=key: f"{key}: {text}"
+            mine[key], plain[key], rtol=5e-2, atol=5e-2, msg=lambda text, key=key: f"{key}: {text}"
         )
     for _, layer in linear_states.linear_layers(speculative_cache):
         assert not layer.record_past
@@ -231,9 +232,9 @@ def test_an_off_by_one_rollback_fails_the_tests(monkeypatch, name, wrong):
     target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
     draft = perturbed_copy(target, seed=1, scale=CLOSE)
     wrong(monkeypatch)
-    ids, mask = batch(PROMPTS, "left")
-    plain, speculative = both(target, draft, ids, mask)
-    assert speculative.tolist() != plain.tolist()
+    for ids, mask in ((torch.tensor([PROMPTS[0]]), None), batch(PROMPTS, "left")):  # re-feeds deferred / run at once
+        plain, speculative = both(target, draft, ids, mask)
+        assert speculative.tolist() != plain.tolist()
     assert sample(name)[0] < 1e-3
 
 
@@ -416,3 +417,21 @@ def test_a_static_cache_smaller_than_needed_is_grown_with_its_states():
     mine = target.generate(prompt, **with_cache(small), draft_model=draft, num_lookahead=3, **kwargs)
     assert mine.tolist() == plain.tolist()
     assert min(layer.max_cache_len for layer in attention_of(small)) >= prompt.shape[1] + NEW_TOKENS
+
+
+@pytest.mark.parametrize("name", [_family(name) for name in ["qwen3_5", "bamba", "zaya"]])
+@torch.no_grad()
+def test_one_rows_refeeds_are_deferred_to_the_next_verification(monkeypatch, name):
+    """A single row's re-feed mostly waits for the next round's verification, which feeds its kept positions first
+    (up to K of them: then it runs at once); without deferring, every rejected round re-feeds. Same tokens."""
+    target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
+    draft = perturbed_copy(target, seed=1, scale=CLOSE)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, return_dict_in_generate=True)
+    prompt = torch.tensor([PROMPTS[0]])
+    plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    deferred = target.generate(prompt, draft_model=draft, num_lookahead=3, **kwargs)
+    monkeypatch.setattr(checkpoints.StateCheckpoints, "deferred_keep", lambda *args, **kwargs: None)
+    eager = target.generate(prompt, draft_model=draft, num_lookahead=3, **kwargs)
+    assert deferred.sequences.tolist() == eager.sequences.tolist() == plain.tolist()
+    assert eager.speculative_stats.target_refeed_passes == sum(eager.speculative_stats.row_rejections) > 0
+    assert deferred.speculative_stats.target_refeed_passes < eager.speculative_stats.target_refeed_passes / 2

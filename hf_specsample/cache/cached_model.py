@@ -130,6 +130,7 @@ class CachedModel:
         self.states = StateCheckpoints(self.cache) if hybrid else None
         self.source, self.single_step = source, single_step
         self.refeed_passes = 0
+        self._last_num_logits = 1  # of the last `feed`: K + 1 for a verification
         cached = row_ops.total_slots(self.cache)
         if cached_is_real is None:
             cached_is_real = torch.ones((batch, cached), dtype=torch.bool)
@@ -169,6 +170,7 @@ class CachedModel:
         """
         width = columns.input_ids.shape[1]
         assert width >= num_logits, "every row must feed at least num_logits positions"
+        self._last_num_logits = num_logits
         if self.states is None:
             return self._feed_part(columns, num_logits)
         logits = []
@@ -317,10 +319,18 @@ class CachedModel:
         plain decoding, where the cache always holds the sequence minus its last token). If some row is further
         behind, the others drop positions too, so the next forward feeds every row the same number of positions.
 
+        A cache with recurrent states may keep fewer positions still (`StateCheckpoints.deferred_keep`): where a row
+        would need a re-feed and every row can go back to one snapshot at the same distance behind its length, the
+        kept positions after it are re-fed by the next forward together with the next round's, instead of by a
+        forward of their own now.
+
         Args:
             lengths: per row, the committed length.
         """
-        self.rollback(self.confirmed(lengths))
+        keep = self.confirmed(lengths)
+        if self.states is not None:
+            keep = self.states.deferred_keep(self.fed, keep, lengths, limit=self._last_num_logits - 1) or keep
+        self.rollback(keep)
 
     def confirmed(self, lengths: Sequence[int], unchanged: Sequence[int] | None = None) -> list[int]:
         """Per row, the buffer length `keep_confirmed` keeps: every row the same distance behind its length.

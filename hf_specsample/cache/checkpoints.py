@@ -9,14 +9,18 @@ each row the state after its kept positions from the newest copy taken at or bef
   a same-tokenizer draft ever does) gets that snapshot's rows;
 - any other row (the target rejected a draft: it keeps the last committed token and its ``a`` accepted drafts of the
   ``K + 1`` positions it verified) is restored from the snapshot before the forward and re-fed its ``a + 1`` kept
-  positions. Rows re-fed different counts share forwards: one forward per distinct count, each feeding every row
-  up to the next count and keeping the state of the rows that stop there ("prefix order").
+  positions. Where every row can go back to that snapshot at the same distance behind its committed length (always
+  for one row), the re-feed is deferred to the next round's verification, which then feeds the ``a + 1`` positions
+  before its own ``K + 1`` (`deferred_keep`): a wider forward instead of one more. Otherwise rows re-fed different
+  counts share forwards now: one forward per distinct count, each feeding every row up to the next count and
+  keeping the state of the rows that stop there ("prefix order").
 
 The re-feed runs on a *shadow* of the cache (`shadow_cache`): attention parts cropped back to the snapshot, states
 copied from it. So the real cache's attention keys and values, which hold every verified position, are rolled back
 by `cache.row_ops` as for any model; only recurrent states are taken from the shadow. The cost of a rollback is
-therefore one forward over at most K positions per distinct accepted count, in rounds where a row rejected a draft
-(measured in `benchmarks/hybrid_rollback.py`), and the copies (one per forward; a few MB for a 1B hybrid).
+therefore, in rounds where a row rejected a draft, up to K more positions in the next verification (one row, or
+rows that committed alike) or one forward over at most K positions per distinct accepted count (measured in
+`benchmarks/hybrid_rollback.py`), and the copies (one per forward; a few MB for a 1B hybrid).
 """
 
 from __future__ import annotations
@@ -80,6 +84,33 @@ class StateCheckpoints:
     def after_forward(self) -> None:
         """Stop recording the history of layers a forward showed to be recurrent (`linear_states.settle_recording`)."""
         linear_states.settle_recording(self.cache)
+
+    def deferred_keep(
+        self, fed: Sequence[int], keep: Sequence[int], lengths: Sequence[int], limit: int
+    ) -> list[int] | None:
+        """Positions to keep instead of `keep` so that no row needs a re-feed now, or None.
+
+        Where some row's kept positions lie after its newest snapshot (it would be re-fed), every row may instead go
+        back to one snapshot, if that leaves all rows the same distance behind their committed lengths (the next
+        forward feeds every row alike): the next forward then feeds the positions after it together with the next
+        round's, at the price of a wider forward rather than one more. Always so for a single row. The newest such
+        snapshot, and only if it leaves at most `limit` committed positions to catch up (beyond the last one, which
+        the next forward feeds anyway), so that a run of rejections cannot widen the forwards without bound: then the
+        re-feed runs at once (`restore`).
+
+        Args:
+            fed, keep: per row, the positions held and the positions a rollback would keep.
+            lengths: per row, the committed length.
+            limit: the most positions the next forward may catch up (the verified drafts of the forward rolled back).
+        """
+        points = [snapshot.fed for snapshot in self.snapshots] + [list(fed)]
+        if not self.snapshots or all(any(point[row] == kept for point in points) for row, kept in enumerate(keep)):
+            return None  # no snapshot, or every row keeps a snapshot's positions: nothing to re-feed
+        for snapshot in reversed(self.snapshots):
+            distances = {length - point for length, point in zip(lengths, snapshot.fed)}
+            if all(point <= kept for point, kept in zip(snapshot.fed, keep)) and len(distances) == 1:
+                return list(snapshot.fed) if distances.pop() - 1 <= limit else None
+        return None
 
     def restore(self, fed: Sequence[int], keep: Sequence[int], run: Runner | None) -> None:
         """Give each row the linear-attention states after its first `keep[b]` positions; forget the snapshots.
