@@ -364,6 +364,20 @@ def test_refusals_before_any_work():
     assert calls == []
 
 
+@torch.no_grad()
+def test_auto_drafts_of_a_hybrid_target():
+    """On the CPU, draft_model="auto" is an int8 copy of the whole target: exact. The layer-skipping self-draft (the
+    default off the CPU) is refused for hybrids: their per-layer config is not renumbered by the view."""
+    from hf_specsample import prepare_draft
+
+    target = tiny_hybrid("bamba", seed=0, vocab_size=VOCAB)
+    ids, mask = batch(PROMPTS, "left")
+    plain, speculative = both(target, "auto", ids, mask)
+    assert speculative.tolist() == plain.tolist()
+    with pytest.raises(ValueError, match="skips layers of the target.*convolution or recurrent states"):
+        prepare_draft("auto", target, quantization="none")
+
+
 def test_a_hybrid_draft_with_another_tokenizer_is_refused():
     from tiny import char_tokenizer
 

@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
+from ..cache import row_ops
 from ..options import DraftQuantization, NamedDraft
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers, vocab_size
@@ -236,6 +237,14 @@ def _build(
     can_int8 = _is_plain_cpu_float(model) and int8_engine() is not None
     wants_int8 = quantization is DraftQuantization.INT8 or (quantization is DraftQuantization.AUTO and can_int8)
     if is_auto and not wants_int8:
+        if row_ops.keeps_state(target):
+            raise ValueError(
+                f"draft_model='auto' here skips layers of the target, and {type(target).__name__} keeps convolution "
+                "or recurrent states, whose per-layer config (which layers are convolutions, recurrences or "
+                "attention) a layer-skipping view does not renumber. Pass a small model of the same tokenizer as "
+                "draft_model=, or use draft_model='auto' with draft_quantization='int8' on the CPU (a copy of the "
+                "whole target)."
+            )
         model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
     if ids is not None:
         model = restrict_vocabulary(model, ids)
