@@ -43,14 +43,6 @@ class StateField(str, enum.Enum):
 StateKey = tuple[int, StateField, int]  # (layer index in the cache, field, state index)
 
 
-class StateKind(enum.Enum):
-    """What a cache keeps besides attention keys and values (for statistics, messages and costs)."""
-
-    ATTENTION = "attention"  # nothing: a KV cache
-    CONVOLUTION = "convolution"  # convolution windows only: rolled back by slicing
-    RECURRENT = "recurrent"  # recurrent states: rolled back from snapshots, re-feeding what lies between
-
-
 def linear_layers(cache: Cache) -> Iterator[tuple[int, LinearLayer]]:
     """(index, layer) of every layer of `cache` with a linear-attention part."""
     for index, layer in enumerate(getattr(cache, "layers", ())):
@@ -71,14 +63,6 @@ def is_initialized(layer: LinearLayer) -> bool:
 def is_positional(layer: LinearLayer) -> bool:
     """Whether the layer's convolution windows are a recorded history that a slice rolls back (see module doc)."""
     return is_initialized(layer) and not is_recurrent(layer) and bool(layer.record_past)
-
-
-def state_kind(cache: Cache) -> StateKind:
-    """The kind of state `cache` holds, as far as its initialised layers tell (RECURRENT if any layer recurs)."""
-    layers = [layer for _, layer in linear_layers(cache)]
-    if not layers:
-        return StateKind.ATTENTION
-    return StateKind.RECURRENT if any(is_recurrent(layer) for layer in layers) else StateKind.CONVOLUTION
 
 
 def restored_states(cache: Cache) -> Iterator[tuple[StateKey, torch.Tensor]]:
@@ -175,13 +159,21 @@ def settle_recording(cache: Cache) -> list[int]:
 
     Recording is switched on for every linear layer before a call's first forward, when no layer says yet whether
     it recurs. A recurrent layer's windows are restored from snapshots, so its history is trimmed to the window
-    (transformers' in-place updates need exactly that size) and no longer recorded. A layer fused with a sliding
-    window keeps recording (the window's rollback needs it; its convolution inputs then stay a history too).
+    (transformers' in-place updates need exactly that size) and no longer recorded.
+
+    Raises:
+        NotImplementedError: a recurrent state fused with sliding-window attention, whose rollback needs the
+            recording (no transformers family has one: refusing beats computing with windows of mixed lengths).
     """
     settled = []
     for index, layer in linear_layers(cache):
-        if not (is_recurrent(layer) and layer.record_past) or getattr(layer, "is_sliding", False):
+        if not (is_recurrent(layer) and layer.record_past):
             continue
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError(
+                f"hf_specsample cannot roll back {type(layer).__name__} layers that hold a recurrent state beside "
+                "sliding-window attention. Generate without `draft_model=` for this model, and please report it."
+            )
         for state, history in layer.conv_states.items():
             if layer.is_conv_states_initialized[state] and history is not None:
                 layer.conv_states[state] = conv_windows(history, [0] * history.shape[0], layer.conv_kernel_size[state])
