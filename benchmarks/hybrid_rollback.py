@@ -2,6 +2,7 @@
 
     python benchmarks/hybrid_rollback.py
     python benchmarks/hybrid_rollback.py --families qwen3_5,bamba,lfm2 --size tiny,small --batch 1,4
+    python benchmarks/hybrid_rollback.py --noise 0.02 --no-defer   # every re-feed at once (for comparison)
 
 For each family, two targets built from the same config class, size and seed: the hybrid one (its config in
 `hf_specsample_bench.hybrids`, convolution or recurrent layers beside attention) and one whose layers are all
@@ -143,7 +144,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--noise", type=float, default=0.1, help="draft = target + this much relative noise")
+    parser.add_argument(
+        "--no-defer", action="store_true", help="re-feed at once also where the next verification could do it"
+    )
     args = parser.parse_args()
+    if args.no_defer:  # for comparison: `StateCheckpoints.deferred_keep` never defers
+        from hf_specsample.cache.checkpoints import StateCheckpoints
+
+        StateCheckpoints.deferred_keep = lambda self, *args, **kwargs: None
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__} (machine may be shared)")
     print(f"greedy, K = {LOOKAHEAD}, {args.new_tokens} new tokens per row, median of {args.repeats} calls")
     print(
