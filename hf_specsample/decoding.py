@@ -18,7 +18,7 @@ from .cache import row_ops
 from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
-from .kernels.small_rows import KernelPlan
+from .kernels.small_rows import KernelPlan, best_path
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -210,7 +210,10 @@ class SpeculativeDecoder:
         if draft is None:
             self.drafter = lookup
         else:
-            draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
+            if draft.quantization is DraftQuantization.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
+                draft_kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
+            else:
+                draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
             self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere

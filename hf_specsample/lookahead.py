@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from .kernels.int8_linear import Int8Linear
 from .options import DEFAULT_MAX_LOOKAHEAD
 
 if TYPE_CHECKING:
@@ -174,6 +175,8 @@ def weight_bytes(model: PreTrainedModel) -> int:
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
             total += module.in_features * module.out_features
+        if isinstance(module, Int8Linear):  # its weights are buffers: int8 values and one fp32 scale per row
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
         total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
     return total
 

@@ -113,29 +113,38 @@ def _seed_and_threads():
     yield
 
 
-def _timed_forms(monkeypatch, int8_seconds: float, as_given_seconds: float) -> list:
-    """Make `DraftQuantization.AUTO`'s timing report these figures (tiny models step faster as given); returns the
-    list of timing calls, so a test can check when timing happened."""
+def _timed_forms(monkeypatch, **seconds: float) -> list:
+    """Make `DraftQuantization.AUTO`'s timing report these figures per form (tiny models step fastest as given);
+    returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened."""
+    from hf_specsample import DraftQuantization
+
+    figures = {DraftQuantization(form): value for form, value in seconds.items()}
     calls = []
 
-    def fake(models, *args, **kwargs):
-        calls.append(len(models))
-        return [int8_seconds, as_given_seconds]
+    def fake(forms):
+        calls.append(len(forms))
+        return {form: figures[form] for form in forms}
 
-    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.decode_step_seconds", fake)
+    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_forms", fake)
     return calls
 
 
 @pytest.fixture
 def int8_steps_faster(monkeypatch):
-    """AUTO's timing finds the int8 copy faster (as on the CPUs measured with real drafts)."""
-    return _timed_forms(monkeypatch, 0.001, 0.002)
+    """AUTO's timing finds the dynamic-int8 copy fastest (as on the AVX2 EPYC measured with real drafts)."""
+    return _timed_forms(monkeypatch, int8=0.001, none=0.002, int8_weights=0.003)
 
 
 @pytest.fixture
 def as_given_steps_faster(monkeypatch):
-    """AUTO's timing finds the draft as given faster (as on a CPU with fast bf16, or with a tiny draft)."""
-    return _timed_forms(monkeypatch, 0.002, 0.001)
+    """AUTO's timing finds the draft as given fastest (as on a CPU with fast bf16, or with a tiny draft)."""
+    return _timed_forms(monkeypatch, int8=0.002, none=0.001, int8_weights=0.003)
+
+
+@pytest.fixture
+def int8_weights_steps_faster(monkeypatch):
+    """AUTO's timing finds the int8-weights copy on the small-rows kernel fastest."""
+    return _timed_forms(monkeypatch, int8=0.002, none=0.003, int8_weights=0.001)
 
 
 @pytest.fixture(scope="module")

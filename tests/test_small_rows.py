@@ -6,6 +6,8 @@ kernel tests skip with the build's reason, and the tests of `linear_kernel="auto
 """
 
 import copy
+import platform
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
 from hf_specsample import LinearKernel, SpeculativeConfig
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.small_rows import KernelPlan, SmallRowsLinear
+from hf_specsample.kernels.small_rows import KernelPath, KernelPlan, SmallRowsLinear
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 DRAFT_AS_GIVEN = dict(draft_quantization="none")
@@ -54,6 +56,82 @@ def test_kernel_matches_fp32_linear_up_to_bf16_rounding(built, in_features, out_
             # one bf16 rounding of the output (2^-8 relative) plus fp32 accumulation-order differences
             scale = (x.float().abs() @ weight.float().abs().T) + (0 if b is None else b.float().abs())
             assert ((out.float() - expected.float()).abs() <= 2**-7 * scale + 1e-6).all(), (rows, b is None)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_the_best_path_is_the_one_the_cpu_supports(built):
+    """Names the path built here (see the test log): every path this CPU's flags allow is offered, best first."""
+    found = small_rows.paths()
+    print(f"small-rows kernel paths on this CPU, best first: {[str(path) for path in found]}")
+    assert found[-1] is KernelPath.SCALAR and small_rows.best_path() is found[0]
+    flags = _cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and flags:
+        expected = [KernelPath.SCALAR]
+        if {"avx2", "fma"} <= flags:
+            expected.insert(0, KernelPath.AVX2_FMA)
+            if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+                expected.insert(0, KernelPath.AVX512F)
+                if "avx512_bf16" in flags:
+                    expected.insert(0, KernelPath.AVX512_BF16)
+        assert found == expected
+    assert small_rows.best_path(torch.int8) is not KernelPath.AVX512_BF16  # int8 weights have no vdpbf16ps path
+
+
+def every_path():
+    return [pytest.param(path, id=str(path)) for path in KernelPath]
+
+
+@pytest.mark.parametrize("path", every_path())
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
+    """Each vector path this CPU runs (the others skip), on odd shapes: within bf16 rounding of an fp32 reference
+    (int8: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows."""
+    if path not in small_rows.paths() or (weights == "int8" and path is KernelPath.AVX512_BF16):
+        pytest.skip(f"this CPU has no {path} path for {weights} weights")
+    generator = torch.Generator().manual_seed(9)
+    for in_features, out_features in ((8, 3), (13, 17), (33, 5), (64, 100), (1533, 37)):
+        x = torch.randn(16, in_features, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+        if weights == "bf16":
+            weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+            dense = weight.float()
+
+            def run(rows, b=None, weight=weight):
+                return small_rows.small_rows_linear(rows, weight, b, path=path)
+        else:
+            weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+            scale = torch.rand(out_features, generator=generator) / 64
+            dense = weight.float() * scale[:, None]
+
+            def run(rows, b=None, weight=weight, scale=scale):
+                return small_rows.small_rows_linear_int8(rows, weight, scale, b, path=path)
+
+        for b in (None, bias):
+            expected = F.linear(x.float(), dense, None if b is None else b.float())
+            bound = x.float().abs() @ dense.abs().T + (0 if b is None else b.float().abs())
+            out = run(x, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (16, out_features)
+            assert ((out.float() - expected).abs() <= 2**-7 * bound + 1e-6).all(), (in_features, out_features)
+        alone = torch.cat([run(x[i : i + 1]) for i in range(16)])
+        for rows in range(1, 17):
+            assert torch.equal(run(x[:rows]), alone[:rows]), (in_features, rows)
+
+
+def test_a_path_the_cpu_lacks_is_refused(built):
+    missing = [path for path in KernelPath if path not in small_rows.paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    with pytest.raises(RuntimeError, match="this CPU cannot run"):
+        small_rows.small_rows_linear(
+            torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(2, 8).bfloat16(), path=missing[0]
+        )
 
 
 def test_kernel_keeps_leading_dimensions(built):
@@ -206,7 +284,7 @@ def assert_same_greedy_up_to_bf16_ties(model, ours, plain, prompt_mask, steps: i
 
 def every_forward_on_the_kernel(monkeypatch):
     """The loop's plan routes every forward, however many rows (a 4000-row sampling batch included)."""
-    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls(1, "on (test)")))
+    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls.every_round("on (test)")))
     monkeypatch.setattr(KernelPlan, "applied", lambda self, rows: SmallRowsLinear(max_rows=None))
 
 
@@ -256,7 +334,7 @@ def test_sampling_test_catches_a_wrong_kernel(built, monkeypatch):
 def test_auto_leaves_float32_models_alone():
     target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
     plan = KernelPlan.for_model(target, LinearKernel.AUTO)
-    assert plan.from_rows is None and "float32" in plan.reason
+    assert not plan.is_on and "float32" in plan.reason
     assert plan.applied(3).__class__.__name__ == "nullcontext"
 
 
@@ -308,6 +386,66 @@ def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
     monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: pytest.fail("a seeded call timed the kernel"))
     plan = KernelPlan.for_model(copy.deepcopy(target), LinearKernel.AUTO, clock_free=True)
     assert "without the clock" in plan.reason
+
+
+def test_auto_decides_each_width_on_its_own(built, monkeypatch):
+    """A kernel slower than eager from 7 rows on serves 1-6 rows only: a wide round (or a lookup round of 11
+    positions) runs eagerly, a narrow one on the kernel."""
+    real = small_rows.small_rows_linear
+
+    def slow_from_seven(x, weight, bias=None, path=None):
+        if x.shape[0] >= 7:
+            time.sleep(0.003)
+        return real(x, weight, bias, path)
+
+    monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
+    target, _ = bf16_pair(hidden=64)
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert plan.widths == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
+    assert isinstance(plan.applied(5), SmallRowsLinear) and not isinstance(plan.applied(9), SmallRowsLinear)
+
+
+def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
+    """The check on the model's own weights: a path off by 1.3x (an untested CPU, a miscompilation) never serves
+    the model: AUTO turns it off and says why, 'on' is refused for the target and runs the draft without it."""
+    real = small_rows.small_rows_linear
+    monkeypatch.setattr(small_rows, "small_rows_linear", lambda *args, **kwargs: real(*args, **kwargs) * 1.3)
+    target, draft = bf16_pair()
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert not plan.is_on and "disagrees with eager F.linear" in plan.reason
+    assert "disagrees" in KernelPlan.for_model(draft, LinearKernel.ON, role="draft").reason
+    with pytest.raises(ValueError, match="disagrees with eager F.linear"):
+        KernelPlan.for_model(copy.deepcopy(target), LinearKernel.ON, role="target")
+    out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
+    assert "disagrees" in out.speculative_stats.linear_kernel
+    monkeypatch.setattr(small_rows, "small_rows_linear", real)
+    assert out.sequences.tolist() == greedy(target).tolist()
+
+
+def test_on_runs_a_draft_whose_form_has_no_bf16_linears(built):
+    """'on' means the kernel wherever the forms allow it: a draft's dynamic-int8 copy (no bf16 nn.Linear) or its
+    int8-weights copy (its own kernel path) is no reason to refuse."""
+    target, draft = bf16_pair()
+    for form in ("int8", "int8_weights"):
+        config = SpeculativeConfig(linear_kernel="on", draft_quantization=form)
+        out = greedy(
+            target, draft_model=draft, num_lookahead=2, speculative_config=config, return_dict_in_generate=True
+        )
+        assert out.speculative_stats.linear_kernel.startswith("target on"), out.speculative_stats.linear_kernel
+        with SmallRowsLinear():
+            assert out.sequences.tolist() == greedy(target).tolist()
+
+
+@torch.no_grad()
+def test_sampling_with_an_int8_weights_draft_on_the_kernel_is_exact(built, monkeypatch):
+    target, draft = bf16_pair()
+    every_forward_on_the_kernel(monkeypatch)
+    out = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=4000, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(6), draft_model=draft, num_lookahead=2,
+        speculative_config=SpeculativeConfig(draft_quantization="int8_weights"), **SETTINGS,
+    )  # fmt: skip
+    assert chisquare_pvalue(kernel_exact(target), continuations(out, PROMPT.shape[1])) > 1e-3
 
 
 def test_config_checks_linear_kernel():

@@ -1,95 +1,209 @@
-// hf_specsample::small_rows_linear: y = x @ weight.T (+ bias) for a few rows of x, on the CPU, bf16 weights.
+// hf_specsample::small_rows_linear: y = x @ weight.T (+ bias) for a few rows of x, on the CPU.
 //
-// A decoding step streams every weight once; verifying K+1 positions should stream them once too. Eager PyTorch's
-// bf16 GEMM on CPUs without native bf16 (AVX2) costs about K+1 steps for K+1 rows. Here each weight element is
-// loaded once (bf16 -> fp32 by a shift), kept in a register, and multiplied into every row of x: a tile of MB rows
-// of x and NB rows of the weight accumulates MB * NB dot products in fp32 registers.
+// A decoding step streams every weight once; verifying K+1 positions should stream them once too. Here each weight
+// element is loaded once, kept in a register, and multiplied into every row of x: a tile of MB rows of x and NB rows
+// of the weight accumulates MB * NB dot products in fp32 vector registers.
 //
-// Every output y[m][n] is the same sum in the same order (8 fp32 lanes over k, then the lanes, then the k tail)
-// whatever M is and wherever row m sits in its tile: the result of a row never depends on the other rows (batch
-// invariance), so one position fed alone and the same position fed among K+1 give bit-identical outputs.
+// Vector paths, each compiled for its instruction set (target attributes) and chosen at run time by what the CPU
+// supports, so that one binary serves every x86 CPU and the tests can run every path the machine has:
+//   avx512_bf16: vdpbf16ps, two bf16 products per fp32 lane per instruction (x read as bf16, no widening);
+//   avx512f:     16 fp32 lanes, bf16 weights widened by a shift;
+//   avx2_fma:    8 fp32 lanes, bf16 weights widened by a shift;
+//   scalar:      the loop every CPU runs (other architectures: only this one).
+// Weight forms: bf16 (`small_rows_linear`), and int8 with one fp32 scale per weight row (`small_rows_linear_int8`,
+// a draft's compact form: half the bytes; avx512f / avx2_fma / scalar paths).
+//
+// Batch invariance: every output y[m][n] is the same sum in the same order (vector lanes over k, masked zero lanes
+// for the k tail, then a fixed reduction of the lanes) whatever M is and wherever row m sits in its tile: a row's
+// result never depends on the other rows, so one position fed alone and among K+1 give bit-identical outputs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define HF_SPECSAMPLE_AVX2 1
+#define HF_X86 1
+#define HF_AVX2 __attribute__((target("avx2,fma")))
+#define HF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define HF_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #endif
 
 namespace {
 
-#ifdef HF_SPECSAMPLE_AVX2
-inline __m256 load_bf16(const at::BFloat16* p) {
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16"};
+
+bool cpu_has(Path path) {
+#ifdef HF_X86
+  switch (path) {
+    case kScalar:
+      return true;
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && cpu_has(kAvx2);
+    case kAvx512Bf16:
+      return __builtin_cpu_supports("avx512bf16") && cpu_has(kAvx512);
+  }
+  return false;
+#else
+  return path == kScalar;
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// One tile: MB rows of x against NB weight rows, over all of K. x: row stride K; w: row stride K; y[i * N + j].
+// Weight types: at::BFloat16 (dot products), int8_t (dot products, scaled by `scale[j]` after the sum).
+
+template <int MB, int NB, typename W>
+inline void tile_scalar(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N) {
+  float sums[NB][MB] = {};
+  for (int64_t k = 0; k < K; k++)
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) sums[j][i] += static_cast<float>(w[j * K + k]) * x[i * K + k];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = scale == nullptr ? sums[j][i] : sums[j][i] * scale[j];
+}
+
+#ifdef HF_X86
+HF_AVX2 inline __m256 widen8(const at::BFloat16* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-inline float lane_sum(__m256 v) {
+HF_AVX2 inline __m256 widen8(const int8_t* p) {
+  const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+}
+
+HF_AVX2 inline float lanes8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
 }
-#endif
 
-// x: MB rows (fp32, row stride K); w: NB rows (bf16, row stride K); y[i * N + j] = dot(x[i], w[j]).
-template <int MB, int NB>
-inline void tile(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t N) {
-  float sums[NB][MB] = {};
-  int64_t k = 0;
-#ifdef HF_SPECSAMPLE_AVX2
+template <int MB, int NB, typename W>
+HF_AVX2 inline void tile_avx2(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N) {
   __m256 acc[NB][MB];
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) acc[j][i] = _mm256_setzero_ps();
+  int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = load_bf16(w + j * K + k);
+    for (int j = 0; j < NB; j++) wv[j] = widen8(w + j * K + k);
     for (int i = 0; i < MB; i++) {
       const __m256 xv = _mm256_loadu_ps(x + i * K + k);
       for (int j = 0; j < NB; j++) acc[j][i] = _mm256_fmadd_ps(wv[j], xv, acc[j][i]);
     }
   }
+  float sums[NB][MB];
   for (int j = 0; j < NB; j++)
-    for (int i = 0; i < MB; i++) sums[j][i] = lane_sum(acc[j][i]);
-#endif
+    for (int i = 0; i < MB; i++) sums[j][i] = lanes8(acc[j][i]);
   for (; k < K; k++)
     for (int j = 0; j < NB; j++)
       for (int i = 0; i < MB; i++) sums[j][i] += static_cast<float>(w[j * K + k]) * x[i * K + k];
   for (int j = 0; j < NB; j++)
-    for (int i = 0; i < MB; i++) y[i * N + j] = sums[j][i];
+    for (int i = 0; i < MB; i++) y[i * N + j] = scale == nullptr ? sums[j][i] : sums[j][i] * scale[j];
 }
 
-// MB rows of x against weight rows [n0, n1): NB weight rows at a time (as many as the 16 AVX2 registers hold).
+HF_AVX512 inline __m512 widen16(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+HF_AVX512 inline __m512 widen16(const int8_t* p, __mmask16 mask) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(mask, p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+template <int MB, int NB, typename W>
+HF_AVX512 inline void tile_avx512(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N) {
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    // the k tail is read through a mask: its missing lanes are zeros on both sides, adding 0 to their sums
+    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = widen16(w + j * K + k, mask);
+    for (int i = 0; i < MB; i++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+      for (int j = 0; j < NB; j++) acc[j][i] = _mm512_fmadd_ps(wv[j], xv, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) {
+      const float sum = _mm512_reduce_add_ps(acc[j][i]);
+      y[i * N + j] = scale == nullptr ? sum : sum * scale[j];
+    }
+}
+
+// x and w in bf16: each vdpbf16ps adds two products per fp32 lane (pairs k, k+1 of 32 k's).
+template <int MB, int NB>
+HF_AVX512BF16 inline void tile_avx512_bf16(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t K,
+                                           int64_t N) {
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu)
+                                       : static_cast<__mmask32>((static_cast<uint64_t>(1) << (K - k)) - 1);
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * K + k);
+    for (int i = 0; i < MB; i++) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * K + k);
+      for (int j = 0; j < NB; j++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv[j], xv);
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+#endif
+
+// ----------------------------------------------------------------------------------------------------------------
+// MB rows of x against weight rows [n0, n1): NB weight rows at a time, NB as the path's registers allow.
+
 template <int MB>
-void row_block(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int NB = MB <= 2 ? 4 : (MB == 3 ? 3 : 2);
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) tile<MB, NB>(x, w + n * K, y + n, K, N);
-  for (; n < n1; n++) tile<MB, 1>(x, w + n * K, y + n, K, N);
+constexpr int weight_rows(Path path) {
+  if (path == kAvx2 || path == kScalar) return MB <= 2 ? 4 : (MB == 3 ? 3 : 2);  // 16 ymm registers
+  return MB <= 2 ? 8 : (MB == 3 ? 6 : (MB == 4 ? 5 : 4));                       // 32 zmm registers
 }
 
-using RowBlock = void (*)(const float*, const at::BFloat16*, float*, int64_t, int64_t, int64_t, int64_t);
+template <Path P, int MB, typename X, typename W>
+void row_block(const X* x, const W* w, const float* scale, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NB = weight_rows<MB>(P);
+  auto run = [&](auto nb, int64_t n) {
+    constexpr int B = decltype(nb)::value;
+    const float* s = scale == nullptr ? nullptr : scale + n;
+    if constexpr (P == kScalar) tile_scalar<MB, B>(x, w + n * K, s, y + n, K, N);
+#ifdef HF_X86
+    if constexpr (P == kAvx2) tile_avx2<MB, B>(x, w + n * K, s, y + n, K, N);
+    if constexpr (P == kAvx512) tile_avx512<MB, B>(x, w + n * K, s, y + n, K, N);
+    if constexpr (P == kAvx512Bf16) tile_avx512_bf16<MB, B>(x, w + n * K, y + n, K, N);
+#endif
+  };
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) run(std::integral_constant<int, NB>{}, n);
+  for (; n < n1; n++) run(std::integral_constant<int, 1>{}, n);
+}
+
 constexpr int kMaxBlock = 6;
-constexpr RowBlock kRowBlock[kMaxBlock + 1] = {nullptr,       row_block<1>, row_block<2>, row_block<3>,
-                                               row_block<4>, row_block<5>, row_block<6>};
 constexpr int64_t kColumnChunk = 16;  // weight rows a thread takes at a time
 
-at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "small_rows_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.device().is_cpu(),
-              "small_rows_linear: a contiguous bf16 CPU weight expected");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
-  at::Tensor y = at::empty({M, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  float* yp = y.data_ptr<float>();
+template <Path P, typename X, typename W>
+void run_rows(const X* x, const W* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N) {
+  using RowBlock = void (*)(const X*, const W*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+  static constexpr RowBlock blocks_by_rows[kMaxBlock + 1] = {
+      nullptr,           row_block<P, 1, X, W>, row_block<P, 2, X, W>, row_block<P, 3, X, W>,
+      row_block<P, 4, X, W>, row_block<P, 5, X, W>, row_block<P, 6, X, W>};
   // Row blocks of at most 6, balanced (9 rows: 5 + 4). A thread runs every row block over its chunk of weight rows
-  // before moving on: the chunk is read from memory once, later row blocks find it in L1.
+  // before moving on: the chunk is read from memory once, later row blocks find it in cache.
   const int64_t blocks = (M + kMaxBlock - 1) / kMaxBlock;
   at::parallel_for(0, (N + kColumnChunk - 1) / kColumnChunk, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t n = c0 * kColumnChunk; n < std::min(N, c1 * kColumnChunk); n += kColumnChunk) {
@@ -97,30 +211,110 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, cons
       int64_t m = 0;
       for (int64_t b = 0; b < blocks; b++) {
         const int64_t rows = (M - m) / (blocks - b);
-        kRowBlock[rows](xp + m * K, wp, yp + m * N, K, N, n, end);
+        blocks_by_rows[rows](x + m * K, w, scale, y + m * N, K, N, n, end);
         m += rows;
       }
     }
   });
+}
+
+Path chosen(int64_t requested, bool bf16_weights) {
+  if (requested < 0) {  // the best path this CPU runs for this weight form
+    for (Path path : {kAvx512Bf16, kAvx512, kAvx2}) {
+      if ((bf16_weights || path != kAvx512Bf16) && cpu_has(path)) return path;
+    }
+    return kScalar;
+  }
+  TORCH_CHECK(requested <= kAvx512Bf16, "small_rows_linear: unknown path ", requested);
+  const Path path = static_cast<Path>(requested);
+  TORCH_CHECK(cpu_has(path), "small_rows_linear: this CPU cannot run the ", kPathNames[path], " path");
+  TORCH_CHECK(bf16_weights || path != kAvx512Bf16, "small_rows_linear: int8 weights have no avx512_bf16 path");
+  return path;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_rows_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && x.device().is_cpu(),
+              "small_rows_linear: a contiguous CPU weight and a CPU x expected");
+}
+
+at::Tensor finish(at::Tensor y, const std::optional<at::Tensor>& bias, const at::Tensor& x) {
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());
 }
 
-bool vectorized() {
-#ifdef HF_SPECSAMPLE_AVX2
-  return true;
-#else
-  return false;
+at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             int64_t requested) {
+  check_inputs(x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "small_rows_linear: bf16 weight expected");
+  const Path path = chosen(requested, true);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* wp = weight.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  if (path == kAvx512Bf16) {
+#ifdef HF_X86
+    const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+    run_rows<kAvx512Bf16>(xb.data_ptr<at::BFloat16>(), wp, nullptr, yp, M, K, N);
 #endif
+  } else {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    if (path == kScalar) run_rows<kScalar>(xp, wp, nullptr, yp, M, K, N);
+#ifdef HF_X86
+    if (path == kAvx2) run_rows<kAvx2>(xp, wp, nullptr, yp, M, K, N);
+    if (path == kAvx512) run_rows<kAvx512>(xp, wp, nullptr, yp, M, K, N);
+#endif
+  }
+  return finish(y, bias, x);
+}
+
+at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                  const std::optional<at::Tensor>& bias, int64_t requested) {
+  check_inputs(x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "small_rows_linear_int8: int8 weight expected");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
+              "small_rows_linear_int8: one fp32 scale per weight row expected");
+  const Path path = chosen(requested, false);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (path == kScalar) run_rows<kScalar>(xp, wp, sp, yp, M, K, N);
+#ifdef HF_X86
+  if (path == kAvx2) run_rows<kAvx2>(xp, wp, sp, yp, M, K, N);
+  if (path == kAvx512) run_rows<kAvx512>(xp, wp, sp, yp, M, K, N);
+#endif
+  return finish(y, bias, x);
+}
+
+// The paths this CPU runs, best first (their names: `path_name`).
+std::vector<int64_t> paths() {
+  std::vector<int64_t> out;
+  for (Path path : {kAvx512Bf16, kAvx512, kAvx2, kScalar})
+    if (cpu_has(path)) out.push_back(path);
+  return out;
+}
+
+std::string path_name(int64_t path) {
+  TORCH_CHECK(path >= kScalar && path <= kAvx512Bf16, "small_rows_linear: unknown path ", path);
+  return kPathNames[path];
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hf_specsample, m) {
-  m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("vectorized() -> bool", &vectorized);  // whether the AVX2 path was compiled (else the scalar loop)
+  m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
+  m.def("small_rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int path=-1) -> Tensor");
+  m.def("paths() -> int[]", &paths);          // the paths this CPU runs, best first
+  m.def("path_name(int path) -> str", &path_name);
 }
 
 TORCH_LIBRARY_IMPL(hf_specsample, CPU, m) {
   m.impl("small_rows_linear", &small_rows_linear);
+  m.impl("small_rows_linear_int8", &small_rows_linear_int8);
 }

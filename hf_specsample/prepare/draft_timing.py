@@ -7,8 +7,10 @@ with AMX bf16 tiles can turn the order around. So AUTO times both forms at first
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -21,12 +23,19 @@ TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to
 
 @torch.inference_mode()
 def decode_step_seconds(
-    models: Sequence[PreTrainedModel], steps: int = TIMED_STEPS, context: int = TIMED_CONTEXT
+    models: Sequence[PreTrainedModel],
+    steps: int = TIMED_STEPS,
+    context: int = TIMED_CONTEXT,
+    contexts: Sequence[Callable[[int], Any]] | None = None,
 ) -> list[float]:
     """Seconds of one single-token forward of each model (batch 1, `context` cached tokens), interleaved.
 
     Each model is prefilled with the same `context` token ids, then the models take turns at single-token steps
     (so drift of the machine's speed hits all alike); a model's figure is its fastest step after one warm-up step.
+
+    Args:
+        contexts: per model, a function of a forward's rows returning the context it runs in, as the loop runs it
+            (a `KernelPlan.applied`); None: plain forwards.
 
     Returns:
         One figure per model, in order; inf for a model whose forward raised a RuntimeError (an int8 copy cannot
@@ -35,7 +44,8 @@ def decode_step_seconds(
     device = next(models[0].parameters()).device
     vocab = min(model.get_input_embeddings().weight.shape[0] for model in models)
     ids = (torch.arange(context + steps + 1, device=device) % vocab)[None, :]  # (1, context + steps + 1)
-    caches = [_forward(model, ids[:, :context], None) for model in models]
+    contexts = contexts or [lambda rows: contextlib.nullcontext()] * len(models)
+    caches = [_forward(model, ids[:, :context], None, contexts[index](context)) for index, model in enumerate(models)]
     best = [float("inf")] * len(models)
     for step in range(steps + 1):
         token = ids[:, context + step : context + step + 1]  # (1, 1)
@@ -43,15 +53,17 @@ def decode_step_seconds(
             if caches[index] is None:
                 continue
             start = time.perf_counter()
-            caches[index] = _forward(model, token, caches[index])
+            caches[index] = _forward(model, token, caches[index], contexts[index](1))
             if step > 0 and caches[index] is not None:
                 best[index] = min(best[index], time.perf_counter() - start)
     return best
 
 
-def _forward(model: PreTrainedModel, ids: torch.Tensor, cache):
-    """The cache after feeding `ids` `(1, n)`, or None where the forward raised a RuntimeError."""
+def _forward(model: PreTrainedModel, ids: torch.Tensor, cache, context):
+    """The cache after feeding `ids` `(1, n)` in `context`, or None where the forward raised a RuntimeError."""
     try:
-        return transformers_api.output_cache(model(ids, **transformers_api.cache_kwargs(model, cache), use_cache=True))
+        with context:
+            output = model(ids, **transformers_api.cache_kwargs(model, cache), use_cache=True)
+        return transformers_api.output_cache(output)
     except RuntimeError:
         return None

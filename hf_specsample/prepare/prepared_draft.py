@@ -34,7 +34,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
-from ..options import DraftQuantization, NamedDraft
+from ..kernels import small_rows
+from ..kernels.int8_linear import Int8Linear
+from ..kernels.small_rows import KernelPlan
+from ..options import DraftQuantization, LinearKernel, NamedDraft
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers, vocab_size
 from .draft_timing import decode_step_seconds
@@ -228,35 +231,69 @@ def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
 def _build(
     draft: PreTrainedModel | str, target: PreTrainedModel, quantization: DraftQuantization, ids: torch.Tensor | None
 ) -> PreparedDraft:
-    """Make the prepared draft: the self-draft for "auto", then the compact head, then the int8 copy."""
+    """Make the prepared draft: the model ("auto": the target), its compact head, then the form asked for. AUTO: the
+    forms the draft can take here (as given, `int8`, `int8_weights`; for "auto", the target's compact forms, else a
+    view skipping its middle layers), timed single-token steps, the fastest kept."""
     is_auto = draft == AUTO_DRAFT
     model = target if is_auto else draft
     width = vocab_size(model)
-    can_int8 = _is_plain_cpu_float(model) and int8_engine() is not None
-    wants_int8 = quantization is DraftQuantization.INT8 or (quantization is DraftQuantization.AUTO and can_int8)
-    if is_auto and not wants_int8:
+    makers = _compact_forms(model)
+    if quantization not in (DraftQuantization.AUTO, DraftQuantization.NONE) and quantization not in makers:
+        raise ValueError(_CANNOT_MAKE[quantization])
+    if quantization is DraftQuantization.AUTO:
+        compact = list(makers)
+    else:
+        compact = [] if quantization is DraftQuantization.NONE else [quantization]
+    if is_auto and not compact:  # the target as given is no draft: a view skipping its middle layers
         model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
     if ids is not None:
         model = restrict_vocabulary(model, ids)
-    if not wants_int8:
-        return PreparedDraft(model, ids, width, DraftQuantization.NONE, weakref.ref(target) if is_auto else None)
-    if not can_int8:
-        raise ValueError(
-            "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
-            "dispatch; use draft_quantization='none' (or 'auto') for this draft."
-        )
-    logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
-    quantized = PreparedDraft(int8_dynamic_copy(model), ids, width, DraftQuantization.INT8)
-    if is_auto:  # a self-draft: the int8 copy of the whole target (the alternative is another model, not a form)
-        return replace(quantized, self_draft_of=weakref.ref(target))
-    if quantization is DraftQuantization.AUTO:  # keep whichever form steps faster on this machine
-        int8_seconds, as_given_seconds = decode_step_seconds([quantized.model, model])
-        seconds = {DraftQuantization.INT8: int8_seconds, DraftQuantization.NONE: as_given_seconds}
-        logger.info("hf_specsample: draft step %.1f ms as int8, %.1f ms as given", *(s * 1e3 for s in seconds.values()))
-        if as_given_seconds < int8_seconds:
-            return PreparedDraft(model, ids, width, DraftQuantization.NONE, step_seconds=seconds)
-        return replace(quantized, step_seconds=seconds)
-    return quantized
+    self_draft_of = weakref.ref(target) if is_auto else None
+    if not compact:
+        return PreparedDraft(model, ids, width, DraftQuantization.NONE, self_draft_of)
+    logger.info("hf_specsample: making the draft's %s form(s)", ", ".join(map(str, compact)))
+    forms = {form: makers[form](model) for form in compact}
+    if quantization is DraftQuantization.AUTO and not is_auto:
+        forms = {DraftQuantization.NONE: model, **forms}
+    if len(forms) == 1:
+        ((form, made),) = forms.items()
+        return PreparedDraft(made, ids, width, form, self_draft_of)
+    seconds = time_forms(forms)
+    logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
+    fastest = min(seconds, key=seconds.get)
+    return PreparedDraft(forms[fastest], ids, width, fastest, self_draft_of, step_seconds=seconds)
+
+
+_CANNOT_MAKE = {
+    DraftQuantization.INT8: (
+        "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map dispatch, and a "
+        "torch with a quantized CPU engine; use draft_quantization='none' (or 'auto') for this draft."
+    ),
+    DraftQuantization.INT8_WEIGHTS: (
+        "draft_quantization='int8_weights' needs a float draft on the CPU without bitsandbytes or device_map dispatch, "
+        "and hf_specsample's small-rows kernel (built at first use with a C++ compiler); use draft_quantization="
+        "'none' (or 'auto') for this draft."
+    ),
+}
+
+
+def _compact_forms(model: PreTrainedModel) -> dict[DraftQuantization, Any]:
+    """The compact forms `model` can take here, each with the function that makes it."""
+    if not _is_plain_cpu_float(model):
+        return {}
+    makers = {}
+    if int8_engine() is not None:
+        makers[DraftQuantization.INT8] = int8_dynamic_copy
+    if small_rows.load().problem is None:
+        makers[DraftQuantization.INT8_WEIGHTS] = int8_weights_copy
+    return makers
+
+
+def time_forms(forms: dict[DraftQuantization, PreTrainedModel]) -> dict[DraftQuantization, float]:
+    """Seconds of a single-token step of each form of a draft, as the loop runs it (a bf16 form as given on the
+    small-rows kernel where its default plan puts one row), interleaved (`draft_timing.decode_step_seconds`)."""
+    contexts = [KernelPlan.for_model(model, LinearKernel.AUTO, role="draft").applied for model in forms.values()]
+    return dict(zip(forms, decode_step_seconds(list(forms.values()), contexts=contexts)))
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
@@ -334,6 +371,25 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
         warnings.filterwarnings("ignore", message=".*(deprecated|quantize_per_tensor).*")
         torch.ao.quantization.quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
     return quantized
+
+
+def int8_weights_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A view of `model` whose `nn.Linear` layers are `kernels.int8_linear.Int8Linear` (int8 weights, one scale per
+    row, run by the small-rows kernel); every other module (embeddings, norms) is shared with `model`, not copied.
+
+    The LM head gets its own int8 copy where it is tied to the input embedding (the embedding stays as it is).
+    """
+
+    def replaced(module: torch.nn.Module) -> torch.nn.Module:
+        clone = shallow_clone(module)
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.Linear):
+                clone._modules[name] = Int8Linear.from_linear(child)
+            elif any(isinstance(inner, torch.nn.Linear) for inner in child.modules()):
+                clone._modules[name] = replaced(child)
+        return clone
+
+    return replaced(model).eval()
 
 
 def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreTrainedModel:
