@@ -193,17 +193,20 @@ class SmallRowsLinear(TorchFunctionMode):
     Args:
         max_rows: route linears of at most this many rows (None: any number, e.g. to compute a reference
             distribution the way the kernel computes it).
+        plan: route only linears whose row count the plan's kernel serves (`KernelPlan.serves`), e.g. plain
+            `generate()` with the kernel where it pays, prompt and steps alike (`KernelPlan.everywhere`).
 
     Raises:
         RuntimeError: the operator cannot be built here (the message says why).
     """
 
-    def __init__(self, max_rows: int | None = MAX_ROWS):
+    def __init__(self, max_rows: int | None = MAX_ROWS, plan: "KernelPlan | None" = None):
         super().__init__()
         problem = load().problem
         if problem is not None:
             raise RuntimeError(f"{problem}; run without SmallRowsLinear (eager F.linear)")
-        self.max_rows = max_rows
+        self.max_rows = None if plan is not None else max_rows
+        self.plan = plan
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -211,7 +214,8 @@ class SmallRowsLinear(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if eligible(x, weight, bias, self.max_rows):
+            planned = self.plan is None or self.plan.serves(x.numel() // max(1, x.shape[-1]))
+            if planned and eligible(x, weight, bias, self.max_rows):
                 return small_rows_linear(x, weight, bias)
         return func(*args, **kwargs)
 
@@ -242,11 +246,18 @@ class KernelPlan:
     reason: str
     prompt_rows: int = 0
 
+    def serves(self, rows: int) -> bool:
+        """Whether a forward (or a linear) over `rows` rows (batch * positions) runs on the kernel."""
+        return rows in self.widths or MAX_ROWS < rows <= self.prompt_rows
+
     def applied(self, rows: int):
         """The context a forward over `rows` rows (batch * positions) runs in."""
-        if rows in self.widths or MAX_ROWS < rows <= self.prompt_rows:
-            return SmallRowsLinear(max(rows, MAX_ROWS))
-        return contextlib.nullcontext()
+        return SmallRowsLinear(max(rows, MAX_ROWS)) if self.serves(rows) else contextlib.nullcontext()
+
+    def everywhere(self):
+        """A context in which every linear runs as this plan says by its own row count: plain `generate()` with
+        the kernel where it pays (its prompt and its steps), to tell the kernel's share from speculation's."""
+        return SmallRowsLinear(plan=self) if self.is_on else contextlib.nullcontext()
 
     @property
     def is_on(self) -> bool:
