@@ -5,6 +5,7 @@ The operator is built once per machine (about 12 s; torch's extension cache keep
 kernel tests skip with the build's reason, and the tests of `linear_kernel="auto"`/"on" check the fallback instead.
 """
 
+import contextlib
 import copy
 import platform
 import time
@@ -403,6 +404,23 @@ def test_auto_decides_each_width_on_its_own(built, monkeypatch):
     plan = KernelPlan.for_model(target, LinearKernel.AUTO)
     assert plan.widths == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
     assert isinstance(plan.applied(5), SmallRowsLinear) and not isinstance(plan.applied(9), SmallRowsLinear)
+
+
+def test_plain_generate_with_the_plan_everywhere_routes_by_each_linears_rows(built, monkeypatch):
+    """`KernelPlan.everywhere()` (plain generate() with the kernel where it pays): a linear runs on the kernel when
+    the plan serves its row count (the prompt's and each step's), eagerly otherwise; tokens as plain's."""
+    target, _ = bf16_pair()
+    calls = []
+    real = small_rows.small_rows_linear
+    monkeypatch.setattr(
+        small_rows, "small_rows_linear", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k)
+    )
+    plan = KernelPlan(frozenset({1}), "test")  # one-row steps only: the 4-token prompt stays eager
+    with plan.everywhere():
+        out = greedy(target)
+    assert calls and set(calls) == {1}
+    assert out.tolist() == greedy(target).tolist()
+    assert isinstance(KernelPlan.off("test").everywhere(), contextlib.nullcontext)
 
 
 def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
