@@ -8,6 +8,9 @@ kernel tests skip with the build's reason, and the tests of `linear_kernel="auto
 import contextlib
 import copy
 import platform
+import shutil
+import subprocess
+import sysconfig
 import time
 
 import pytest
@@ -123,6 +126,18 @@ def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
         alone = torch.cat([run(x[i : i + 1]) for i in range(16)])
         for rows in range(1, 17):
             assert torch.equal(run(x[:rows]), alone[:rows]), (in_features, rows)
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler here")
+def test_the_kernel_compiles_for_arm():
+    """Other architectures build the scalar path alone (the timing then leaves eager F.linear in place): the source
+    must compile there. Checked with Debian's g++-aarch64-linux-gnu where it is installed."""
+    from torch.utils.cpp_extension import include_paths
+
+    command = ["aarch64-linux-gnu-g++", "-fsyntax-only", "-std=c++20", "-fopenmp", "-w", str(small_rows.SOURCE)]
+    command += [f"-I{path}" for path in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_a_path_the_cpu_lacks_is_refused(built):
