@@ -31,7 +31,7 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import DraftQuantization, LinearKernel
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.int8_linear import Int8Linear
+from hf_specsample.kernels.quantized_linear import Int8Linear
 from hf_specsample.kernels.small_rows import KernelPlan
 from hf_specsample.lookahead import weight_bytes
 from hf_specsample.prepare.prepared_draft import _compact_forms

@@ -173,6 +173,7 @@ class SpeculativeDecoder:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
                 special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
+                calibration=_calibration(input_ids, model_kwargs.get("attention_mask")),
             )  # fmt: skip
 
         # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
@@ -212,6 +213,8 @@ class SpeculativeDecoder:
         else:
             if draft.quantization is DraftQuantization.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
                 draft_kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
+            elif draft.quantization is DraftQuantization.INT4_WEIGHTS:
+                draft_kernel = KernelPlan.off(f"int4 weights on the kernel's {best_path()} path (LM head int8)")
             else:
                 draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
@@ -439,6 +442,16 @@ def _target_cache(
     else:
         return cache, None
     return cache, compiled_forward(model, settings)
+
+
+CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
+CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+
+
+def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few."""
+    row = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
+    return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None
 
 
 def _raise_if_nonfinite(num_accepted: list[int]) -> None:

@@ -117,13 +117,14 @@ def _timed_forms(monkeypatch, **seconds: float) -> list:
     """Make `DraftQuantization.AUTO`'s timing report these figures per form (tiny models step fastest as given);
     returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened."""
     from hf_specsample import DraftQuantization
+    from hf_specsample.prepare.prepared_draft import FormTimings
 
     figures = {DraftQuantization(form): value for form, value in seconds.items()}
     calls = []
 
-    def fake(forms):
+    def fake(forms, target=None):
         calls.append(len(forms))
-        return {form: figures[form] for form in forms}
+        return FormTimings({form: figures[form] for form in forms}, 0.01 if target is not None else None)
 
     monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_forms", fake)
     return calls

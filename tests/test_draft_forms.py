@@ -8,7 +8,7 @@ from exact import sampled_pvalue
 from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig, frequent_tokens
-from hf_specsample.kernels.int8_linear import Int8Linear
+from hf_specsample.kernels.quantized_linear import Int8Linear
 from hf_specsample.lookahead import weight_bytes
 from hf_specsample.prepare.prepared_draft import (
     DraftQuantization,

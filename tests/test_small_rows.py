@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
-from hf_specsample import LinearKernel, SpeculativeConfig
+from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.quantized_linear import Int4Linear
 from hf_specsample.kernels.small_rows import KernelPath, KernelPlan, SmallRowsLinear
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
@@ -93,14 +94,18 @@ def every_path():
 
 
 @pytest.mark.parametrize("path", every_path())
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
     """Each vector path this CPU runs (the others skip), on odd shapes: within bf16 rounding of an fp32 reference
-    (int8: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows."""
-    if path not in small_rows.paths() or (weights == "int8" and path is KernelPath.AVX512_BF16):
+    (int8, int4: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows."""
+    exists = {"bf16": True, "int8": path is not KernelPath.AVX512_BF16, "int4": path in small_rows.INT4_PATHS}
+    if path not in small_rows.paths() or not exists[weights]:
         pytest.skip(f"this CPU has no {path} path for {weights} weights")
     generator = torch.Generator().manual_seed(9)
-    for in_features, out_features in ((8, 3), (13, 17), (33, 5), (64, 100), (1533, 37)):
+    shapes = ((8, 3), (13, 17), (33, 5), (64, 100), (1533, 37))
+    if weights == "int4":  # inputs in whole groups of 64 or 128
+        shapes = ((64, 3), (128, 17), (256, 5), (1536, 37))
+    for in_features, out_features in shapes:
         x = torch.randn(16, in_features, generator=generator).to(torch.bfloat16)
         bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
         if weights == "bf16":
@@ -109,13 +114,23 @@ def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
 
             def run(rows, b=None, weight=weight):
                 return small_rows.small_rows_linear(rows, weight, b, path=path)
-        else:
+        elif weights == "int8":
             weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
             scale = torch.rand(out_features, generator=generator) / 64
             dense = weight.float() * scale[:, None]
 
             def run(rows, b=None, weight=weight, scale=scale):
                 return small_rows.small_rows_linear_int8(rows, weight, scale, b, path=path)
+        else:
+            group = 64 if in_features % 128 else 128
+            values = torch.randint(-8, 8, (out_features, in_features), generator=generator)
+            scale = torch.rand(out_features, in_features // group, generator=generator) / 4
+            dense = (values.float().view(out_features, -1, group) * scale[:, :, None]).view(out_features, in_features)
+            packed = small_rows.pack_int4(values)
+            assert torch.equal(small_rows.unpack_int4(packed).long(), values)
+
+            def run(rows, b=None, packed=packed, scale=scale, group=group):
+                return small_rows.small_rows_linear_int4(rows, packed, scale, group, b, path=path)
 
         for b in (None, bias):
             expected = F.linear(x.float(), dense, None if b is None else b.float())
@@ -485,3 +500,82 @@ def test_config_checks_linear_kernel():
     assert SpeculativeConfig(linear_kernel="off").linear_kernel is LinearKernel.OFF
     with pytest.raises(ValueError, match="linear_kernel must be one of 'auto', 'on', 'off'"):
         SpeculativeConfig(linear_kernel="fast")
+
+
+# --- the draft's int4-weights form and AUTO's weighing of forms by acceptance ---
+
+needs_int4 = pytest.mark.skipif(
+    small_rows.load().problem is not None or small_rows.best_path() is not KernelPath.AVX512_BF16,
+    reason="int4 weights run on CPUs with AVX-512 BF16 only",
+)
+
+
+@needs_int4
+def test_int4_linear_computes_its_dequantized_weight():
+    linear = torch.nn.Linear(256, 40, bias=True).to(torch.bfloat16)
+    layer = Int4Linear.from_linear(linear)
+    assert layer.packed.dtype == torch.uint8 and layer.packed.shape == (40, 128) and layer.scale.shape == (40, 2)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    expected = F.linear(x.float(), layer.dequantized(torch.float32), linear.bias.float())
+    assert torch.allclose(layer(x).float(), expected, rtol=2**-6, atol=1e-2)
+    # the rounding is int4's: each weight within half a step of its group's scale
+    step = layer.scale.repeat_interleave(128, dim=1)
+    assert ((layer.dequantized(torch.float32) - linear.weight.float()).abs() <= step / 2 + 1e-6).all()
+
+
+@needs_int4
+@torch.no_grad()
+def test_an_int4_weights_draft_is_exact(monkeypatch):
+    """The int4 form drafts worse, never differently: greedy equals plain, sampling follows the target."""
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=128).to(torch.bfloat16)
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    config = SpeculativeConfig(draft_quantization="int4_weights")
+    out = greedy(target, draft_model=draft, num_lookahead=3, speculative_config=config, return_dict_in_generate=True)
+    assert out.speculative_stats.draft_form == "int4_weights" and "int4 weights" in out.speculative_stats.linear_kernel
+    assert out.sequences.tolist() == greedy(target).tolist()
+    every_forward_on_the_kernel(monkeypatch)
+    samples = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=4000, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(7), draft_model=draft, num_lookahead=2, speculative_config=config,
+        **SETTINGS,
+    )  # fmt: skip
+    assert chisquare_pvalue(kernel_exact(target), continuations(samples, PROMPT.shape[1])) > 1e-3
+
+
+def test_int4_weights_is_refused_where_no_vector_path_reads_it(monkeypatch):
+    target, draft = bf16_pair()
+    monkeypatch.setattr(small_rows, "best_path", lambda weights=torch.bfloat16: KernelPath.AVX2_FMA)
+    with pytest.raises(ValueError, match="draft_quantization='int4_weights' needs"):
+        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(draft_quantization="int4_weights"))
+
+
+def test_acceptance_is_one_for_the_target_itself_and_less_for_another_model():
+    from hf_specsample.prepare.draft_timing import acceptance
+
+    target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
+    ids = torch.randint(0, 16, (40,), generator=torch.Generator().manual_seed(0))
+    same, other = acceptance(target, [target, tiny_lm(seed=3, vocab_size=16)], ids, contextlib.nullcontext())
+    assert same == pytest.approx(1.0) and 0.0 < other < 0.95
+
+
+@pytest.mark.parametrize("int4_rate, chosen", [(0.9, "int4_weights"), (0.3, "int8_weights")])
+def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, int4_rate, chosen):
+    """int4 steps fastest here (by the fake clock): AUTO keeps it where it drafts about as well as the others, and
+    an int8 form where its acceptance drops too far to pay for the faster step."""
+    from hf_specsample import DraftQuantization as Form
+    from hf_specsample.prepare import prepared_draft
+
+    forms = {Form.NONE: 0.030, Form.INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
+    monkeypatch.setattr(prepared_draft, "_compact_forms", lambda model: {
+        form: (lambda model: model) for form in forms if form is not Form.NONE
+    })  # fmt: skip
+    monkeypatch.setattr(prepared_draft, "time_forms", lambda made, target=None: prepared_draft.FormTimings(
+        {form: forms[form] for form in made}, 0.15
+    ))  # fmt: skip
+    rates = {Form.NONE: 0.9, Form.INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
+    monkeypatch.setattr(prepared_draft, "acceptance", lambda target, drafts, *args: list(rates.values()))
+    target, draft = bf16_pair()
+    prepared = prepare_draft(draft, target, calibration=torch.arange(32) % 16)
+    assert prepared.quantization == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate
+    assert "acceptance: none 0.90" in prepared.form
+    assert prepare_draft(draft, target).quantization == "int8_weights"  # no calibration: int4 is not considered

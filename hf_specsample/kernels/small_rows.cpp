@@ -10,8 +10,10 @@
 //   avx512f:     16 fp32 lanes, bf16 weights widened by a shift;
 //   avx2_fma:    8 fp32 lanes, bf16 weights widened by a shift;
 //   scalar:      the loop every CPU runs (other architectures: only this one).
-// Weight forms: bf16 (`small_rows_linear`), and int8 with one fp32 scale per weight row (`small_rows_linear_int8`,
-// a draft's compact form: half the bytes; avx512f / avx2_fma / scalar paths).
+// Weight forms: bf16 (`small_rows_linear`); int8 with one fp32 scale per weight row (`small_rows_linear_int8`, a
+// draft's compact form: half the bytes; avx512f / avx2_fma / scalar paths); int4 with one fp32 scale per group of
+// k's (`small_rows_linear_int4`: a quarter of the bytes; avx512_bf16, whose table lookup and pair products keep up
+// with memory, and scalar).
 //
 // Batch invariance: every output y[m][n] is the same sum in the same order (vector lanes over k, masked zero lanes
 // for the k tail, then a fixed reduction of the lanes) whatever M is and wherever row m sits in its tile: a row's
@@ -21,6 +23,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -68,6 +72,48 @@ inline void tile_scalar(const float* x, const W* w, const float* scale, float* y
       for (int i = 0; i < MB; i++) sums[j][i] += static_cast<float>(w[j * K + k]) * x[i * K + k];
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) y[i * N + j] = scale == nullptr ? sums[j][i] : sums[j][i] * scale[j];
+}
+
+// Int4Layout: a weight row of K int4 values is K / 2 bytes; in each chunk of 64 k's (32 bytes), byte j holds
+// k = 64c + j in its low nibble and k = 64c + 32 + j in its high one, each as q + 8 (q in -8..7). One fp32 scale per
+// group of `group` k's (a multiple of 64 dividing K): scale[n * (K / group) + g].
+const uint16_t* int4_bf16_table() {
+  // bf16 bits of -8.0 .. 7.0 (exact), twice: a 32-entry word table for vpermw
+  static const auto table = [] {
+    std::array<uint16_t, 32> bits{};
+    for (int index = 0; index < 32; index++) {
+      const float value = static_cast<float>(index % 16 - 8);
+      uint32_t word;
+      std::memcpy(&word, &value, sizeof(word));
+      bits[index] = static_cast<uint16_t>(word >> 16);
+    }
+    return bits;
+  }();
+  return table.data();
+}
+
+template <int MB, int NB>
+inline void tile_int4_scalar(const float* x, const uint8_t* w, const float* scale, float* y, int64_t K, int64_t N,
+                             int64_t group) {
+  const int64_t groups = K / group, row_bytes = K / 2;
+  float acc[NB][MB] = {};
+  for (int64_t g = 0; g < groups; g++) {
+    float part[NB][MB] = {};
+    for (int64_t k = g * group; k < (g + 1) * group; k += 64)
+      for (int64_t b = 0; b < 32; b++)
+        for (int j = 0; j < NB; j++) {
+          const uint8_t byte = w[j * row_bytes + k / 2 + b];
+          const float low = static_cast<float>((byte & 15) - 8), high = static_cast<float>((byte >> 4) - 8);
+          for (int i = 0; i < MB; i++) {
+            part[j][i] += low * x[i * K + k + b];
+            part[j][i] += high * x[i * K + k + 32 + b];
+          }
+        }
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) acc[j][i] += part[j][i] * scale[j * groups + g];
+  }
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = acc[j][i];
 }
 
 #ifdef HF_X86
@@ -164,6 +210,46 @@ HF_AVX512BF16 inline void tile_avx512_bf16(const at::BFloat16* x, const at::BFlo
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
 }
+
+// int4 weights (see `Int4Layout`), x in bf16: 16 bf16 values (-8..7) looked up per nibble, two dot products per chunk.
+template <int MB, int NB>
+HF_AVX512BF16 inline void tile_int4_avx512_bf16(const at::BFloat16* x, const uint8_t* w, const float* scale,
+                                                float* y, int64_t K, int64_t N, int64_t group) {
+  const int64_t groups = K / group, row_bytes = K / 2;
+  const __m512i table = _mm512_loadu_si512(int4_bf16_table());
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 part[NB][MB];
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) part[j][i] = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 64) {
+      __m512bh low[NB], high[NB];
+      for (int j = 0; j < NB; j++) {
+        const __m512i bytes =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + k / 2)));
+        low[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble), table);
+        high[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+      }
+      for (int i = 0; i < MB; i++) {
+        const __m512bh x_low = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+        const __m512bh x_high = (__m512bh)_mm512_loadu_si512(x + i * K + k + 32);
+        for (int j = 0; j < NB; j++) {
+          part[j][i] = _mm512_dpbf16_ps(part[j][i], low[j], x_low);
+          part[j][i] = _mm512_dpbf16_ps(part[j][i], high[j], x_high);
+        }
+      }
+    }
+    for (int j = 0; j < NB; j++) {
+      const __m512 s = _mm512_set1_ps(scale[j * groups + g]);
+      for (int i = 0; i < MB; i++) acc[j][i] = _mm512_fmadd_ps(part[j][i], s, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -212,6 +298,46 @@ void run_rows(const X* x, const W* w, const float* scale, float* y, int64_t M, i
       for (int64_t b = 0; b < blocks; b++) {
         const int64_t rows = (M - m) / (blocks - b);
         blocks_by_rows[rows](x + m * K, w, scale, y + m * N, K, N, n, end);
+        m += rows;
+      }
+    }
+  });
+}
+
+template <Path P, int MB, typename X>
+void row_block_int4(const X* x, const uint8_t* w, const float* scale, float* y, int64_t K, int64_t N, int64_t n0,
+                    int64_t n1, int64_t group) {
+  constexpr int NB = MB <= 2 ? 4 : 2;
+  const int64_t groups = K / group, row_bytes = K / 2;
+  auto run = [&](auto nb, int64_t n) {
+    constexpr int B = decltype(nb)::value;
+    if constexpr (P == kScalar) tile_int4_scalar<MB, B>(x, w + n * row_bytes, scale + n * groups, y + n, K, N, group);
+#ifdef HF_X86
+    if constexpr (P == kAvx512Bf16)
+      tile_int4_avx512_bf16<MB, B>(x, w + n * row_bytes, scale + n * groups, y + n, K, N, group);
+#endif
+  };
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) run(std::integral_constant<int, NB>{}, n);
+  for (; n < n1; n++) run(std::integral_constant<int, 1>{}, n);
+}
+
+template <Path P, typename X>
+void run_rows_int4(const X* x, const uint8_t* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+                   int64_t group) {
+  using RowBlock = void (*)(const X*, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                            int64_t);
+  static constexpr RowBlock blocks_by_rows[kMaxBlock + 1] = {
+      nullptr,                   row_block_int4<P, 1, X>, row_block_int4<P, 2, X>, row_block_int4<P, 3, X>,
+      row_block_int4<P, 4, X>, row_block_int4<P, 5, X>, row_block_int4<P, 6, X>};
+  const int64_t blocks = (M + kMaxBlock - 1) / kMaxBlock;
+  at::parallel_for(0, (N + kColumnChunk - 1) / kColumnChunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t n = c0 * kColumnChunk; n < std::min(N, c1 * kColumnChunk); n += kColumnChunk) {
+      const int64_t end = std::min(N, n + kColumnChunk);
+      int64_t m = 0;
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t rows = (M - m) / (blocks - b);
+        blocks_by_rows[rows](x + m * K, w, scale, y + m * N, K, N, n, end, group);
         m += rows;
       }
     }
@@ -292,6 +418,36 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
   return finish(y, bias, x);
 }
 
+at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                  int64_t group, const std::optional<at::Tensor>& bias, int64_t requested) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  x.size(1) == 2 * packed.size(1) && x.device().is_cpu() && packed.device().is_cpu(),
+              "small_rows_linear_int4: x (M, K) and packed int4 weights (N, K / 2) uint8 on the CPU expected");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(group > 0 && group % 64 == 0 && K % group == 0, "small_rows_linear_int4: the group (", group,
+              ") must be a multiple of 64 dividing K (", K, ")");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
+              "small_rows_linear_int4: one fp32 scale per weight row and group expected");
+  Path path = requested < 0 ? (cpu_has(kAvx512Bf16) ? kAvx512Bf16 : kScalar) : static_cast<Path>(requested);
+  TORCH_CHECK(path == kScalar || path == kAvx512Bf16, "small_rows_linear_int4: only the avx512_bf16 and scalar "
+              "paths read int4 weights");
+  TORCH_CHECK(cpu_has(path), "small_rows_linear_int4: this CPU cannot run the ", kPathNames[path], " path");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (path == kAvx512Bf16) {
+#ifdef HF_X86
+    const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+    run_rows_int4<kAvx512Bf16>(xb.data_ptr<at::BFloat16>(), wp, sp, yp, M, K, N, group);
+#endif
+  } else {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    run_rows_int4<kScalar>(xf.data_ptr<float>(), wp, sp, yp, M, K, N, group);
+  }
+  return finish(y, bias, x);
+}
+
 // The paths this CPU runs, best first (their names: `path_name`).
 std::vector<int64_t> paths() {
   std::vector<int64_t> out;
@@ -310,6 +466,7 @@ std::string path_name(int64_t path) {
 TORCH_LIBRARY(hf_specsample, m) {
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
   m.def("small_rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int path=-1) -> Tensor");
+  m.def("small_rows_linear_int4(Tensor x, Tensor packed, Tensor scale, int group, Tensor? bias, int path=-1) -> Tensor");
   m.def("paths() -> int[]", &paths);          // the paths this CPU runs, best first
   m.def("path_name(int path) -> str", &path_name);
 }
@@ -317,4 +474,5 @@ TORCH_LIBRARY(hf_specsample, m) {
 TORCH_LIBRARY_IMPL(hf_specsample, CPU, m) {
   m.impl("small_rows_linear", &small_rows_linear);
   m.impl("small_rows_linear_int8", &small_rows_linear_int8);
+  m.impl("small_rows_linear_int4", &small_rows_linear_int4);
 }

@@ -74,7 +74,9 @@ def load() -> Build:
         load_extension(
             "hf_specsample_small_rows",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
+            # -ffp-contract=off: no fused multiply-adds the compiler chooses per tile shape, so the scalar code's
+            # rounding cannot depend on how many rows a tile holds (batch invariance)
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -156,6 +158,52 @@ def small_rows_linear_int8(
     flat = x.reshape(-1, x.shape[-1])
     out = torch.ops.hf_specsample.small_rows_linear_int8(flat, weight, scale, bias, _path_index(path))
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def small_rows_linear_int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """`F.linear` for int4 weights packed by `pack_int4`, with one fp32 scale per row and group of `group` k's.
+
+    Args:
+        x: `(..., K)` on the CPU.
+        packed: `(N, K // 2)` uint8 (`pack_int4`).
+        scale: `(N, K // group)` fp32.
+        group: k's per scale, a multiple of 64 dividing K.
+        bias: `(N,)` or None.
+        path: AVX512_BF16 or SCALAR (the int4 paths), None: the best this CPU runs.
+
+    Returns:
+        `(..., N)` in x's dtype.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.hf_specsample.small_rows_linear_int4(flat, packed, scale, group, bias, _path_index(path))
+    return out.view(*x.shape[:-1], packed.shape[0])
+
+
+INT4_PATHS = (KernelPath.AVX512_BF16, KernelPath.SCALAR)  # the paths that read int4 weights
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """`(N, K)` int values in -8..7 (K a multiple of 64) -> `(N, K // 2)` uint8 in the kernel's layout: in each
+    chunk of 64 k's, byte j holds k = j in its low nibble and k = 32 + j in its high one, each as value + 8."""
+    rows, columns = values.shape
+    assert columns % 64 == 0, "int4 rows are packed in chunks of 64"
+    chunks = (values.to(torch.int16) + 8).to(torch.uint8).view(rows, columns // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, columns // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: `(N, K // 2)` uint8 -> `(N, K)` int8 values in -8..7."""
+    rows, half = packed.shape
+    chunks = packed.view(rows, half // 32, 1, 32)
+    values = torch.cat([chunks & 15, chunks >> 4], dim=2).to(torch.int8) - 8
+    return values.reshape(rows, half * 2)
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = MAX_ROWS) -> bool:

@@ -1,8 +1,12 @@
-"""Timing a draft's forms on this machine, so that `DraftQuantization.AUTO` keeps the faster one.
+"""Timing a draft's forms on this machine, and measuring how often the target would accept each, so that
+`DraftQuantization.AUTO` keeps the form that yields the most tokens per second.
 
 Which form of a draft steps faster depends on the CPU: a dynamic-int8 copy ran a Qwen2.5-Coder-0.5B step in 46 ms
 where bf16 took 93 ms on an AVX2-only EPYC, 27 ms against 50 ms on an EPYC with native bf16 instructions, and a CPU
-with AMX bf16 tiles can turn the order around. So AUTO times both forms at first use instead of following a rule.
+with AMX bf16 tiles or the small-rows kernel's int8 / int4 weights can turn the order around. So AUTO times the
+forms at first use instead of following a rule. A form that rounds the draft's weights coarsely (int4) also drafts
+worse: `acceptance` measures each form's agreement with the target on calibration text, so that the choice weighs
+tokens per round against step time (`lookahead.expected_speedup`).
 """
 
 from __future__ import annotations
@@ -67,3 +71,41 @@ def _forward(model: PreTrainedModel, ids: torch.Tensor, cache, context):
         return transformers_api.output_cache(output)
     except RuntimeError:
         return None
+
+
+@torch.inference_mode()
+def acceptance(
+    target: PreTrainedModel,
+    drafts: Sequence[PreTrainedModel],
+    ids: torch.Tensor,
+    target_context,
+    vocabulary: torch.Tensor | None = None,
+) -> list[float]:
+    """Each draft's expected acceptance rate against the target on `ids`: the mean over positions of
+    sum_v min(p(v), q(v)), with p the target's and q the draft's next-token distribution (temperature 1, no
+    processors), which is the probability that speculative sampling accepts the draft's token there.
+
+    Args:
+        ids: `(length,)` token ids of representative text (a prompt).
+        target_context: the context the target's forward runs in (its `KernelPlan.applied`, for the same rounding
+            as the loop's; any context does: the figure only steers a choice).
+        vocabulary: `(n,)` the target ids a draft's logit columns stand for (an FR-Spec head), or None: its columns
+            are the target's ids ``0 .. width - 1``.
+
+    Returns:
+        One rate per draft, in [0, 1].
+    """
+    ids = ids.reshape(1, -1)
+    with target_context:
+        target_probs = torch.softmax(target(ids).logits[0].float(), dim=-1)  # (length, target vocab)
+    rates = []
+    for draft in drafts:
+        logits = draft(ids.to(next(draft.parameters()).device)).logits[0].float()
+        draft_probs = torch.zeros_like(target_probs)
+        if vocabulary is not None:
+            draft_probs[:, vocabulary] = torch.softmax(logits[:, : len(vocabulary)], dim=-1)
+        else:
+            width = min(logits.shape[-1], target_probs.shape[-1])
+            draft_probs[:, :width] = torch.softmax(logits, dim=-1)[:, :width]
+        rates.append(float(torch.minimum(target_probs, draft_probs).sum(-1).mean()))
+    return rates
