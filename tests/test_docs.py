@@ -22,6 +22,7 @@ import ast
 import builtins
 import importlib.metadata
 import importlib.util
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -265,6 +266,31 @@ def test_every_block_has_a_language():
     unnamed = [block.name for path in (README, *sorted((REPO / "docs").glob("*.md"))) for block in blocks(path)
                if not block.language]  # fmt: skip
     assert unnamed == []
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lowercase, punctuation dropped, spaces to hyphens."""
+    titles = [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def test_every_relative_link_resolves():
+    """Links between the README, docs/ and the repository's files point at files that exist, and at headings that
+    exist there."""
+    broken = []
+    for path in (README, *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"):
+        for match in LINK.finditer(path.read_text()):
+            target = match.group("target")
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists() or (anchor and anchor not in anchors(linked)):
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+    assert broken == []
 
 
 def test_the_readme_set_up_commands_are_what_ci_runs():
