@@ -87,7 +87,7 @@ def compare(
     if mode is Mode.GREEDY:
         same = torch.equal(plain_tokens, spec_tokens)
         print(
-            "--- greedy texts identical" if same else "--- greedy texts differ (bf16 near-tie, see README: precision)"
+            "--- greedy texts identical" if same else "--- greedy texts differ (bf16 near-tie, see docs/exactness.md)"
         )
     return spec_rate / plain_rate, spec_rate / kernel_rate
 
