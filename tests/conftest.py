@@ -51,7 +51,10 @@ def _blame(frame) -> str | None:
 
 
 def _from_transformers(frame) -> bool:
-    return f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename
+    """transformers' own deprecations, and the ones the registered generate() emits for it (the cache's old name,
+    renamed before transformers sees it: `transformers_api.take_caller_cache`)."""
+    name = frame.f_code.co_filename
+    return f"{os.sep}transformers{os.sep}" in name or name.endswith(f"hf_specsample{os.sep}transformers_api.py")
 
 
 def _emitter(frame):
@@ -71,7 +74,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
         and emitter is not None
         and _from_transformers(emitter)
     ):
-        culprit = f"{filename}:{lineno}" if _ours(filename) else _blame(emitter)
+        attributed = _ours(filename)  # the line the warning names: a caller of transformers', or of ours
+        culprit = _blame(emitter) if attributed is None else (f"{filename}:{lineno}" if attributed else None)
         if culprit is not None:
             raise OwnDeprecation(f"transformers deprecation caused by {culprit}: {message}")
     warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno, file, line))
