@@ -85,8 +85,10 @@ def test_the_best_path_is_the_one_the_cpu_supports(built):
                 expected.insert(0, KernelPath.AVX512F)
                 if "avx512_bf16" in flags:
                     expected.insert(0, KernelPath.AVX512_BF16)
+                    if {"amx_tile", "amx_bf16"} <= flags and KernelPath.AMX_BF16 in found:  # and Linux granted it
+                        expected.insert(0, KernelPath.AMX_BF16)
         assert found == expected
-    assert small_rows.best_path(torch.int8) is not KernelPath.AVX512_BF16  # int8 weights have no vdpbf16ps path
+    assert small_rows.best_path(torch.int8) not in (KernelPath.AMX_BF16, KernelPath.AVX512_BF16)  # bf16 weights only
 
 
 def every_path():
@@ -97,16 +99,18 @@ def every_path():
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
     """Each vector path this CPU runs (the others skip), on odd shapes: within bf16 rounding of an fp32 reference
-    (int8, int4: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows."""
-    exists = {"bf16": True, "int8": path is not KernelPath.AVX512_BF16, "int4": path in small_rows.INT4_PATHS}
+    (int8, int4: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows,
+    and among 17-40 (prompts; AMX takes rows in groups of 16, weights in blocks of 16 and 32 rows)."""
+    bf16_only = (KernelPath.AMX_BF16, KernelPath.AVX512_BF16)
+    exists = {"bf16": True, "int8": path not in bf16_only, "int4": path in small_rows.INT4_PATHS}
     if path not in small_rows.paths() or not exists[weights]:
         pytest.skip(f"this CPU has no {path} path for {weights} weights")
     generator = torch.Generator().manual_seed(9)
-    shapes = ((8, 3), (13, 17), (33, 5), (64, 100), (1533, 37))
+    shapes = ((8, 3), (13, 17), (33, 5), (64, 100), (96, 48), (1533, 37))
     if weights == "int4":  # inputs in whole groups of 64 or 128
         shapes = ((64, 3), (128, 17), (256, 5), (1536, 37))
     for in_features, out_features in shapes:
-        x = torch.randn(16, in_features, generator=generator).to(torch.bfloat16)
+        x = torch.randn(40, in_features, generator=generator).to(torch.bfloat16)
         bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
         if weights == "bf16":
             weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
@@ -136,10 +140,10 @@ def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
             expected = F.linear(x.float(), dense, None if b is None else b.float())
             bound = x.float().abs() @ dense.abs().T + (0 if b is None else b.float().abs())
             out = run(x, b)
-            assert out.dtype == torch.bfloat16 and out.shape == (16, out_features)
+            assert out.dtype == torch.bfloat16 and out.shape == (40, out_features)
             assert ((out.float() - expected).abs() <= 2**-7 * bound + 1e-6).all(), (in_features, out_features)
-        alone = torch.cat([run(x[i : i + 1]) for i in range(16)])
-        for rows in range(1, 17):
+        alone = torch.cat([run(x[i : i + 1]) for i in range(40)])
+        for rows in (*range(1, 18), 24, 32, 33, 40):
             assert torch.equal(run(x[:rows]), alone[:rows]), (in_features, rows)
 
 
@@ -505,7 +509,7 @@ def test_config_checks_linear_kernel():
 # --- the draft's int4-weights form and AUTO's weighing of forms by acceptance ---
 
 needs_int4 = pytest.mark.skipif(
-    small_rows.load().problem is not None or small_rows.best_path() is not KernelPath.AVX512_BF16,
+    small_rows.load().problem is not None or KernelPath.AVX512_BF16 not in small_rows.paths(),
     reason="int4 weights run on CPUs with AVX-512 BF16 only",
 )
 
@@ -544,7 +548,7 @@ def test_an_int4_weights_draft_is_exact(monkeypatch):
 
 def test_int4_weights_is_refused_where_no_vector_path_reads_it(monkeypatch):
     target, draft = bf16_pair()
-    monkeypatch.setattr(small_rows, "best_path", lambda weights=torch.bfloat16: KernelPath.AVX2_FMA)
+    monkeypatch.setattr(small_rows, "paths", lambda: [KernelPath.AVX2_FMA, KernelPath.SCALAR])
     with pytest.raises(ValueError, match="draft_quantization='int4_weights' needs"):
         greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(draft_quantization="int4_weights"))
 

@@ -6,6 +6,8 @@
 //
 // Vector paths, each compiled for its instruction set (target attributes) and chosen at run time by what the CPU
 // supports, so that one binary serves every x86 CPU and the tests can run every path the machine has:
+//   amx_bf16:    AMX tiles: 16 weight rows x 32 k's of the weight read straight from memory as one tile, times the
+//                rows of x (a tile of k pairs), accumulated in fp32 tiles; flat in the rows up to 16 (bf16 weights);
 //   avx512_bf16: vdpbf16ps, two bf16 products per fp32 lane per instruction (x read as bf16, no widening);
 //   avx512f:     16 fp32 lanes, bf16 weights widened by a shift;
 //   avx2_fma:    8 fp32 lanes, bf16 weights widened by a shift;
@@ -34,12 +36,27 @@
 #define HF_AVX2 __attribute__((target("avx2,fma")))
 #define HF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define HF_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define HF_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
 
-enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16"};
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16", "amx_bf16"};
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+#else
+  return false;
+#endif
+}
 
 bool cpu_has(Path path) {
 #ifdef HF_X86
@@ -53,6 +70,9 @@ bool cpu_has(Path path) {
              __builtin_cpu_supports("avx512vl") && cpu_has(kAvx2);
     case kAvx512Bf16:
       return __builtin_cpu_supports("avx512bf16") && cpu_has(kAvx512);
+    case kAmx:
+      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cpu_has(kAvx512Bf16) &&
+             amx_permitted();
   }
   return false;
 #else
@@ -158,13 +178,15 @@ HF_AVX2 inline void tile_avx2(const float* x, const W* w, const float* scale, fl
     for (int i = 0; i < MB; i++) y[i * N + j] = scale == nullptr ? sums[j][i] : sums[j][i] * scale[j];
 }
 
-HF_AVX512 inline __m512 widen16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+// Plain loads only in the k loops: with masked loads (void* builtins) GCC 12 keeps every accumulator in memory
+// too, storing it at each step; the k tail is summed one by one after the lanes instead.
+HF_AVX512 inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-HF_AVX512 inline __m512 widen16(const int8_t* p, __mmask16 mask) {
-  const __m128i bytes = _mm_maskz_loadu_epi8(mask, p);
+HF_AVX512 inline __m512 widen16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
@@ -173,21 +195,23 @@ HF_AVX512 inline void tile_avx512(const float* x, const W* w, const float* scale
   __m512 acc[NB][MB];
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    // the k tail is read through a mask: its missing lanes are zeros on both sides, adding 0 to their sums
-    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+  int64_t k = 0;  // whole steps of 16 k's, the lanes summed, then the k tail one by one
+  for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = widen16(w + j * K + k, mask);
+    for (int j = 0; j < NB; j++) wv[j] = widen16(w + j * K + k);
     for (int i = 0; i < MB; i++) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
       for (int j = 0; j < NB; j++) acc[j][i] = _mm512_fmadd_ps(wv[j], xv, acc[j][i]);
     }
   }
+  float sums[NB][MB];
   for (int j = 0; j < NB; j++)
-    for (int i = 0; i < MB; i++) {
-      const float sum = _mm512_reduce_add_ps(acc[j][i]);
-      y[i * N + j] = scale == nullptr ? sum : sum * scale[j];
-    }
+    for (int i = 0; i < MB; i++) sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+  for (; k < K; k++)
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) sums[j][i] += static_cast<float>(w[j * K + k]) * x[i * K + k];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = scale == nullptr ? sums[j][i] : sums[j][i] * scale[j];
 }
 
 // x and w in bf16: each vdpbf16ps adds two products per fp32 lane (pairs k, k+1 of 32 k's).
@@ -197,18 +221,23 @@ HF_AVX512BF16 inline void tile_avx512_bf16(const at::BFloat16* x, const at::BFlo
   __m512 acc[NB][MB];
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu)
-                                       : static_cast<__mmask32>((static_cast<uint64_t>(1) << (K - k)) - 1);
+  int64_t k = 0;  // whole steps of 32 k's, the lanes summed, then the k tail one by one (see widen16)
+  for (; k + 32 <= K; k += 32) {
     __m512bh wv[NB];
-    for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * K + k);
+    for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
     for (int i = 0; i < MB; i++) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * K + k);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
       for (int j = 0; j < NB; j++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv[j], xv);
     }
   }
+  float sums[NB][MB];
   for (int j = 0; j < NB; j++)
-    for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
+    for (int i = 0; i < MB; i++) sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+  for (; k < K; k++)
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) sums[j][i] += static_cast<float>(w[j * K + k]) * static_cast<float>(x[i * K + k]);
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = sums[j][i];
 }
 
 // int4 weights (see `Int4Layout`), x in bf16: 16 bf16 values (-8..7) looked up per nibble, two dot products per chunk.
@@ -249,6 +278,57 @@ HF_AVX512BF16 inline void tile_int4_avx512_bf16(const at::BFloat16* x, const uin
   }
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+// AMX: C (16 weight rows x M rows of x, fp32) += A (16 weight rows x 32 k's, bf16, straight from the weight with
+// its row stride) . B (the 32 k's of every row of x as 16 rows of k pairs). Each output is its own sum over the
+// k blocks in order, whatever M is: batch-invariant. Tiles: 0, 1 accumulate; 2, 3 hold weight blocks; 4 holds x.
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+HF_AMX void amx_configure(int64_t M) {
+  alignas(64) TileConfig config;
+  for (int tile = 0; tile < 5; tile++) {
+    config.rows[tile] = 16;
+    config.colsb[tile] = static_cast<uint16_t>(tile == 2 || tile == 3 ? 64 : M * 4);
+  }
+  // GCC 12 does not see ldtilecfg read its operand and drops the stores above as dead: make them visible.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+HF_AMX void amx_release() { _tile_release(); }
+
+// Weight rows n .. n + 16 * BLOCKS - 1 (BLOCKS of 16) against every row of x; `pairs`: x as B tiles (see run_amx).
+template <int BLOCKS>
+HF_AMX void amx_rows(const uint32_t* pairs, const at::BFloat16* w, float* y, int64_t M, int64_t K, int64_t N,
+                     int64_t n) {
+  _tile_zero(0);
+  if constexpr (BLOCKS == 2) _tile_zero(1);
+  const int64_t stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t block = 0; block < K / 32; block++) {
+    _tile_loadd(4, pairs + block * 16 * M, M * 4);
+    _tile_loadd(2, w + n * K + block * 32, stride);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (BLOCKS == 2) {
+      _tile_loadd(3, w + (n + 16) * K + block * 32, stride);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  }
+  alignas(64) float c[16 * 16];
+  for (int b = 0; b < BLOCKS; b++) {
+    if (b == 0) _tile_stored(0, c, M * 4);
+    if constexpr (BLOCKS == 2) {
+      if (b == 1) _tile_stored(1, c, M * 4);
+    }
+    for (int r = 0; r < 16; r++)
+      for (int64_t m = 0; m < M; m++) y[m * N + n + b * 16 + r] = c[r * M + m];
+  }
 }
 #endif
 
@@ -344,17 +424,70 @@ void run_rows_int4(const X* x, const uint8_t* w, const float* scale, float* y, i
   });
 }
 
+#ifdef HF_X86
+// AMX for bf16 weights: weight rows in blocks of 32 (then 16) per tile pass; the last N % 16 rows, and the k tail
+// (K % 32), by the avx512_bf16 tile's sums: which sum an output gets depends on N and K alone, never on M.
+HF_AMX void run_amx(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = K / 32, main_k = blocks * 32;
+  // Rows of x in balanced groups of at most 16 (a tile's columns), each as B tiles:
+  // pairs[g][(block * 16 + p) * rows + m] = x[first + m][32 block + 2p, + 1].
+  const int64_t groups = (M + 15) / 16;
+  std::vector<int64_t> first(groups + 1, 0);
+  for (int64_t g = 0; g < groups; g++) first[g + 1] = first[g] + (M - first[g]) / (groups - g);
+  std::vector<std::vector<uint32_t>> pairs(groups);
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t rows = first[g + 1] - first[g];
+    pairs[g].resize(blocks * 16 * rows);
+    for (int64_t m = 0; m < rows; m++)
+      for (int64_t block = 0; block < blocks; block++)
+        for (int p = 0; p < 16; p++)
+          std::memcpy(&pairs[g][(block * 16 + p) * rows + m], x + (first[g] + m) * K + block * 32 + 2 * p, 4);
+  }
+  const int64_t tiled = N / 16 * 16;
+  constexpr int64_t chunk = 32;  // weight rows per pass: read from memory once, from cache by the other groups
+  at::parallel_for(0, (tiled + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t n = c0 * chunk; n < std::min(tiled, c1 * chunk); n += chunk) {
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t rows = first[g + 1] - first[g];
+        amx_configure(rows);
+        float* out = y + first[g] * N;
+        if (n + 32 <= tiled) {
+          amx_rows<2>(pairs[g].data(), w, out, rows, K, N, n);
+        } else {
+          amx_rows<1>(pairs[g].data(), w, out, rows, K, N, n);
+        }
+      }
+    }
+    amx_release();
+  });
+  if (main_k < K) {  // the k tail, one by one, after the tiles' sums
+    at::parallel_for(0, tiled, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+          float sum = y[m * N + n];
+          for (int64_t k = main_k; k < K; k++)
+            sum += static_cast<float>(w[n * K + k]) * static_cast<float>(x[m * K + k]);
+          y[m * N + n] = sum;
+        }
+    });
+  }
+  for (int64_t n = tiled; n < N; n++)  // the last rows: one dot product each
+    for (int64_t m = 0; m < M; m++) tile_avx512_bf16<1, 1>(x + m * K, w + n * K, y + m * N + n, K, N);
+}
+#endif
+
 Path chosen(int64_t requested, bool bf16_weights) {
   if (requested < 0) {  // the best path this CPU runs for this weight form
-    for (Path path : {kAvx512Bf16, kAvx512, kAvx2}) {
-      if ((bf16_weights || path != kAvx512Bf16) && cpu_has(path)) return path;
+    for (Path path : {kAmx, kAvx512Bf16, kAvx512, kAvx2}) {
+      if ((bf16_weights || (path != kAvx512Bf16 && path != kAmx)) && cpu_has(path)) return path;
     }
     return kScalar;
   }
-  TORCH_CHECK(requested <= kAvx512Bf16, "small_rows_linear: unknown path ", requested);
+  TORCH_CHECK(requested >= 0 && requested <= kAmx, "small_rows_linear: unknown path ", requested);
   const Path path = static_cast<Path>(requested);
   TORCH_CHECK(cpu_has(path), "small_rows_linear: this CPU cannot run the ", kPathNames[path], " path");
-  TORCH_CHECK(bf16_weights || path != kAvx512Bf16, "small_rows_linear: int8 weights have no avx512_bf16 path");
+  TORCH_CHECK(bf16_weights || (path != kAvx512Bf16 && path != kAmx),
+              "small_rows_linear: int8 weights have no avx512_bf16 or amx_bf16 path");
   return path;
 }
 
@@ -379,10 +512,14 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, cons
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* wp = weight.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
-  if (path == kAvx512Bf16) {
+  if (path == kAvx512Bf16 || path == kAmx) {
 #ifdef HF_X86
     const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-    run_rows<kAvx512Bf16>(xb.data_ptr<at::BFloat16>(), wp, nullptr, yp, M, K, N);
+    if (path == kAmx) {
+      run_amx(xb.data_ptr<at::BFloat16>(), wp, yp, M, K, N);
+    } else {
+      run_rows<kAvx512Bf16>(xb.data_ptr<at::BFloat16>(), wp, nullptr, yp, M, K, N);
+    }
 #endif
   } else {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -451,13 +588,13 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
 // The paths this CPU runs, best first (their names: `path_name`).
 std::vector<int64_t> paths() {
   std::vector<int64_t> out;
-  for (Path path : {kAvx512Bf16, kAvx512, kAvx2, kScalar})
+  for (Path path : {kAmx, kAvx512Bf16, kAvx512, kAvx2, kScalar})
     if (cpu_has(path)) out.push_back(path);
   return out;
 }
 
 std::string path_name(int64_t path) {
-  TORCH_CHECK(path >= kScalar && path <= kAvx512Bf16, "small_rows_linear: unknown path ", path);
+  TORCH_CHECK(path >= kScalar && path <= kAmx, "small_rows_linear: unknown path ", path);
   return kPathNames[path];
 }
 

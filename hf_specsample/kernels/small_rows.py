@@ -9,7 +9,7 @@ row. No compilation of the model, no copy of the weights: the kernel reads the m
 - `load()`: builds the C++ operator once per machine (about 15 s with a C++ compiler; torch's extension cache keeps
   the binary for later processes) and registers `torch.ops.hf_specsample.small_rows_linear` (bf16 weights) and
   `small_rows_linear_int8` (int8 weights, one scale per row: a draft's compact form). Returns why it cannot.
-- `KernelPath`, `paths()`, `best_path()`: the vector paths (AVX-512 BF16, AVX-512F, AVX2+FMA, scalar), each built
+- `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512F, AVX2+FMA, scalar), each built
   for its own instruction set in one binary; the best one the CPU supports runs (a test can run each).
 - `SmallRowsLinear`: a `TorchFunctionMode` that sends every eligible `F.linear` call (CPU, bf16 input and weight,
   at most `max_rows` rows, no autograd) to the kernel while it is active; anything else runs as it would.
@@ -90,7 +90,8 @@ def load() -> Build:
 class KernelPath(str, enum.Enum):
     """The kernel's vector paths (`small_rows.cpp`), fastest first; the best one the CPU supports runs."""
 
-    AVX512_BF16 = "avx512_bf16"  # vdpbf16ps: two bf16 products per fp32 lane per instruction (bf16 weights only)
+    AMX_BF16 = "amx_bf16"  # AMX tiles: 16 weight rows x 32 k's per tile, flat in the rows up to 16 (bf16 weights only)
+    AVX512_BF16 = "avx512_bf16"  # vdpbf16ps: two bf16 products per fp32 lane per instruction (bf16 and int4 weights)
     AVX512F = "avx512f"  # 16 fp32 lanes, weights widened to fp32
     AVX2_FMA = "avx2_fma"  # 8 fp32 lanes, weights widened to fp32
     SCALAR = "scalar"  # every CPU (other architectures: only this one)
@@ -106,7 +107,8 @@ def paths() -> list[KernelPath]:
 
 def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
     """The path `small_rows_linear` (bf16 weights) or `small_rows_linear_int8` (int8) runs here by default."""
-    usable = [path for path in paths() if weights == torch.bfloat16 or path is not KernelPath.AVX512_BF16]
+    bf16_only = (KernelPath.AMX_BF16, KernelPath.AVX512_BF16)
+    usable = [path for path in paths() if weights == torch.bfloat16 or path not in bf16_only]
     return usable[0]
 
 
@@ -114,7 +116,13 @@ def _path_index(path: KernelPath | None) -> int:
     return -1 if path is None else _PATH_INDEX[KernelPath(path)]
 
 
-_PATH_INDEX = {KernelPath.SCALAR: 0, KernelPath.AVX2_FMA: 1, KernelPath.AVX512F: 2, KernelPath.AVX512_BF16: 3}
+_PATH_INDEX = {
+    KernelPath.SCALAR: 0,
+    KernelPath.AVX2_FMA: 1,
+    KernelPath.AVX512F: 2,
+    KernelPath.AVX512_BF16: 3,
+    KernelPath.AMX_BF16: 4,
+}
 
 
 def small_rows_linear(

@@ -324,7 +324,7 @@ def _compact_forms(model: PreTrainedModel) -> dict[DraftQuantization, Any]:
         makers[DraftQuantization.INT8] = int8_dynamic_copy
     if small_rows.load().problem is None:
         makers[DraftQuantization.INT8_WEIGHTS] = int8_weights_copy
-        if small_rows.best_path() is small_rows.KernelPath.AVX512_BF16:  # where int4 keeps up with memory
+        if small_rows.KernelPath.AVX512_BF16 in small_rows.paths():  # where int4 keeps up with memory
             makers[DraftQuantization.INT4_WEIGHTS] = int4_weights_copy
     return makers
 
