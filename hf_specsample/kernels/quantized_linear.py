@@ -1,11 +1,12 @@
 """Linear layers holding quantized weights, run by the small-rows kernel: a draft's compact forms.
 
 A draft's single-token step streams all of its weights and is memory-bound on the CPU: int8 weights halve the bytes
-of bf16 ones, int4 weights quarter them. Unlike torch's dynamic int8 (fbgemm), the activations stay in their own
-precision (bf16 in, bf16 out): only the weights are rounded, symmetrically, per output row (`Int8Linear`,
-`scale = max|w| / 127`) or per group of 128 inputs of a row (`Int4Linear`, `scale = max|w| / 7`), so the draft's
-logits move by the weights' rounding alone. What the draft computes never changes what is sampled (its proposals
-are verified against the target's distribution); it changes only how often they are accepted.
+of bf16 ones, int4 weights quarter them. The weights are rounded symmetrically, per output row (`Int8Linear`,
+`scale = max|w| / 127`) or per group of 128 inputs of a row (`Int4Linear`, `scale = max|w| / 7`). The activations
+stay in their own precision (bf16 in, bf16 out), except on the kernel's AVX512_VNNI path for int8 weights, which
+rounds each row of x to int8 with its own scale (as torch's dynamic int8 does per tensor) so that integer dot
+products keep up with memory. What the draft computes never changes what is sampled (its proposals are verified
+against the target's distribution); it changes only how often they are accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("row_sums", weight.sum(1, dtype=torch.int32))  # for the kernel's VNNI path
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -47,7 +49,7 @@ class Int8Linear(torch.nn.Module):
         """`(..., in)` -> `(..., out)` in x's dtype."""
         if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return small_rows.small_rows_linear_int8(x, self.weight, self.scale, bias)
+            return small_rows.small_rows_linear_int8(x, self.weight, self.scale, bias, row_sums=self.row_sums)
         return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -9,6 +9,8 @@
 //   amx_bf16:    AMX tiles: 16 weight rows x 32 k's of the weight read straight from memory as one tile, times the
 //                rows of x (a tile of k pairs), accumulated in fp32 tiles; flat in the rows up to 16 (bf16 weights);
 //   avx512_bf16: vdpbf16ps, two bf16 products per fp32 lane per instruction (x read as bf16, no widening);
+//   avx512_vnni: int8 weights only: each row of x rounded to int8 (its own scale), vpdpbusd sums four byte products
+//                per int32 lane exactly;
 //   avx512f:     16 fp32 lanes, bf16 weights widened by a shift;
 //   avx2_fma:    8 fp32 lanes, bf16 weights widened by a shift;
 //   scalar:      the loop every CPU runs (other architectures: only this one).
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -37,6 +40,7 @@
 #define HF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define HF_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #define HF_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define HF_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #endif
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -45,8 +49,25 @@
 
 namespace {
 
-enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
-const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16", "amx_bf16"};
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4, kAvx512Vnni = 5 };
+const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"};
+constexpr Path kFastestFirst[] = {kAmx, kAvx512Bf16, kAvx512Vnni, kAvx512, kAvx2, kScalar};
+
+// The weight forms, and which paths read each.
+enum Form { kBf16Weights, kInt8Weights, kInt4Weights };
+const char* const kFormNames[] = {"bf16", "int8", "int4"};
+
+bool reads(Path path, Form form) {
+  switch (form) {
+    case kBf16Weights:
+      return path != kAvx512Vnni;
+    case kInt8Weights:
+      return path == kScalar || path == kAvx2 || path == kAvx512 || path == kAvx512Vnni;
+    case kInt4Weights:
+      return path == kScalar || path == kAvx512Bf16;
+  }
+  return false;
+}
 
 // Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 bool amx_permitted() {
@@ -73,6 +94,8 @@ bool cpu_has(Path path) {
     case kAmx:
       return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cpu_has(kAvx512Bf16) &&
              amx_permitted();
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni") && cpu_has(kAvx512);
   }
   return false;
 #else
@@ -302,6 +325,41 @@ HF_AMX void amx_configure(int64_t M) {
   _tile_loadconfig(&config);
 }
 
+// int8 weights against the rows of x rounded to int8 (`quantize_rows`: value + 128 as uint8): vpdpbusd adds four
+// byte products per int32 lane, exactly, so every sum is exact whatever its order (batch-invariant by arithmetic).
+template <int MB, int NB>
+HF_VNNI inline void tile_vnni(const uint8_t* x, const int8_t* w, int32_t* y, int64_t K, int64_t N) {
+  __m512i acc[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512(w + j * K + k);
+    for (int i = 0; i < MB; i++) {
+      const __m512i xv = _mm512_loadu_si512(x + i * K + k);
+      for (int j = 0; j < NB; j++) acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], xv, wv[j]);
+    }
+  }
+  int32_t sums[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) sums[j][i] = _mm512_reduce_add_epi32(acc[j][i]);
+  for (; k < K; k++)
+    for (int j = 0; j < NB; j++)
+      for (int i = 0; i < MB; i++) sums[j][i] += static_cast<int32_t>(x[i * K + k]) * w[j * K + k];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = sums[j][i];
+}
+
+template <int MB>
+HF_VNNI void row_block_vnni(const uint8_t* x, const int8_t* w, int32_t* y, int64_t K, int64_t N, int64_t n0,
+                            int64_t n1) {
+  constexpr int NB = MB <= 2 ? 8 : (MB == 3 ? 6 : (MB == 4 ? 5 : 4));
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) tile_vnni<MB, NB>(x, w + n * K, y + n, K, N);
+  for (; n < n1; n++) tile_vnni<MB, 1>(x, w + n * K, y + n, K, N);
+}
+
 HF_AMX void amx_release() { _tile_release(); }
 
 // Weight rows n .. n + 16 * BLOCKS - 1 (BLOCKS of 16) against every row of x; `pairs`: x as B tiles (see run_amx).
@@ -362,14 +420,11 @@ void row_block(const X* x, const W* w, const float* scale, float* y, int64_t K, 
 constexpr int kMaxBlock = 6;
 constexpr int64_t kColumnChunk = 16;  // weight rows a thread takes at a time
 
-template <Path P, typename X, typename W>
-void run_rows(const X* x, const W* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N) {
-  using RowBlock = void (*)(const X*, const W*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-  static constexpr RowBlock blocks_by_rows[kMaxBlock + 1] = {
-      nullptr,           row_block<P, 1, X, W>, row_block<P, 2, X, W>, row_block<P, 3, X, W>,
-      row_block<P, 4, X, W>, row_block<P, 5, X, W>, row_block<P, 6, X, W>};
-  // Row blocks of at most 6, balanced (9 rows: 5 + 4). A thread runs every row block over its chunk of weight rows
-  // before moving on: the chunk is read from memory once, later row blocks find it in cache.
+// fn(m, rows, n, end) for every block of rows m .. m + rows - 1 of x (balanced, at most kMaxBlock: 9 rows are 5 + 4)
+// and every chunk n .. end - 1 of weight rows, in parallel over the chunks. A thread runs every row block over its
+// chunk before moving on: the chunk is read from memory once, later row blocks find it in cache.
+template <typename F>
+void for_blocks(int64_t M, int64_t N, const F& fn) {
   const int64_t blocks = (M + kMaxBlock - 1) / kMaxBlock;
   at::parallel_for(0, (N + kColumnChunk - 1) / kColumnChunk, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t n = c0 * kColumnChunk; n < std::min(N, c1 * kColumnChunk); n += kColumnChunk) {
@@ -377,10 +432,30 @@ void run_rows(const X* x, const W* w, const float* scale, float* y, int64_t M, i
       int64_t m = 0;
       for (int64_t b = 0; b < blocks; b++) {
         const int64_t rows = (M - m) / (blocks - b);
-        blocks_by_rows[rows](x + m * K, w, scale, y + m * N, K, N, n, end);
+        fn(m, rows, n, end);
         m += rows;
       }
     }
+  });
+}
+
+// fn(std::integral_constant<int, rows>) for rows in 1 .. kMaxBlock: a row block's size as a template argument.
+template <typename F>
+void with_rows(int64_t rows, const F& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    default: return fn(std::integral_constant<int, 6>{});
+  }
+}
+
+template <Path P, typename X, typename W>
+void run_rows(const X* x, const W* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N) {
+  for_blocks(M, N, [&](int64_t m, int64_t rows, int64_t n, int64_t end) {
+    with_rows(rows, [&](auto mb) { row_block<P, decltype(mb)::value>(x + m * K, w, scale, y + m * N, K, N, n, end); });
   });
 }
 
@@ -405,26 +480,45 @@ void row_block_int4(const X* x, const uint8_t* w, const float* scale, float* y, 
 template <Path P, typename X>
 void run_rows_int4(const X* x, const uint8_t* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
                    int64_t group) {
-  using RowBlock = void (*)(const X*, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                            int64_t);
-  static constexpr RowBlock blocks_by_rows[kMaxBlock + 1] = {
-      nullptr,                   row_block_int4<P, 1, X>, row_block_int4<P, 2, X>, row_block_int4<P, 3, X>,
-      row_block_int4<P, 4, X>, row_block_int4<P, 5, X>, row_block_int4<P, 6, X>};
-  const int64_t blocks = (M + kMaxBlock - 1) / kMaxBlock;
-  at::parallel_for(0, (N + kColumnChunk - 1) / kColumnChunk, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t n = c0 * kColumnChunk; n < std::min(N, c1 * kColumnChunk); n += kColumnChunk) {
-      const int64_t end = std::min(N, n + kColumnChunk);
-      int64_t m = 0;
-      for (int64_t b = 0; b < blocks; b++) {
-        const int64_t rows = (M - m) / (blocks - b);
-        blocks_by_rows[rows](x + m * K, w, scale, y + m * N, K, N, n, end, group);
-        m += rows;
-      }
-    }
+  for_blocks(M, N, [&](int64_t m, int64_t rows, int64_t n, int64_t end) {
+    with_rows(rows, [&](auto mb) {
+      row_block_int4<P, decltype(mb)::value>(x + m * K, w, scale, y + m * N, K, N, n, end, group);
+    });
   });
 }
 
+// Each row of x rounded to int8 with its own scale (max |x| / 127), stored as value + 128 (uint8, for vpdpbusd).
+void quantize_rows(const float* x, int64_t M, int64_t K, uint8_t* out, float* scales) {
+  for (int64_t m = 0; m < M; m++) {
+    float largest = 0.0f;
+    for (int64_t k = 0; k < K; k++) largest = std::max(largest, std::abs(x[m * K + k]));
+    const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
+    scales[m] = scale;
+    for (int64_t k = 0; k < K; k++) {
+      const float value = std::nearbyint(x[m * K + k] / scale);
+      out[m * K + k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(value, -127.0f, 127.0f)) + 128);
+    }
+  }
+}
+
 #ifdef HF_X86
+// int8 weights on avx512_vnni: y[m][n] = (sum_k q[m][k] * w[n][k] - 128 * row_sum[n]) * x_scale[m] * scale[n].
+void run_vnni(const float* x, const int8_t* w, const float* scale, const int32_t* row_sums, float* y, int64_t M,
+              int64_t K, int64_t N) {
+  std::vector<uint8_t> quantized(M * K);
+  std::vector<float> x_scales(M);
+  quantize_rows(x, M, K, quantized.data(), x_scales.data());
+  std::vector<int32_t> sums(M * N);
+  for_blocks(M, N, [&](int64_t m, int64_t rows, int64_t n, int64_t end) {
+    with_rows(rows, [&](auto mb) {
+      row_block_vnni<decltype(mb)::value>(quantized.data() + m * K, w, sums.data() + m * N, K, N, n, end);
+    });
+  });
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++)
+      y[m * N + n] = static_cast<float>(sums[m * N + n] - 128 * row_sums[n]) * x_scales[m] * scale[n];
+}
+
 // AMX for bf16 weights: weight rows in blocks of 32 (then 16) per tile pass; the last N % 16 rows, and the k tail
 // (K % 32), by the avx512_bf16 tile's sums: which sum an output gets depends on N and K alone, never on M.
 HF_AMX void run_amx(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t K, int64_t N) {
@@ -476,18 +570,17 @@ HF_AMX void run_amx(const at::BFloat16* x, const at::BFloat16* w, float* y, int6
 }
 #endif
 
-Path chosen(int64_t requested, bool bf16_weights) {
-  if (requested < 0) {  // the best path this CPU runs for this weight form
-    for (Path path : {kAmx, kAvx512Bf16, kAvx512, kAvx2}) {
-      if ((bf16_weights || (path != kAvx512Bf16 && path != kAmx)) && cpu_has(path)) return path;
-    }
+Path chosen(int64_t requested, Form form) {
+  if (requested < 0) {  // the fastest path this CPU runs for this weight form
+    for (Path path : kFastestFirst)
+      if (reads(path, form) && cpu_has(path)) return path;
     return kScalar;
   }
-  TORCH_CHECK(requested >= 0 && requested <= kAmx, "small_rows_linear: unknown path ", requested);
+  TORCH_CHECK(requested >= 0 && requested <= kAvx512Vnni, "small_rows_linear: unknown path ", requested);
   const Path path = static_cast<Path>(requested);
+  TORCH_CHECK(reads(path, form), "small_rows_linear: the ", kPathNames[path], " path does not read ",
+              kFormNames[form], " weights");
   TORCH_CHECK(cpu_has(path), "small_rows_linear: this CPU cannot run the ", kPathNames[path], " path");
-  TORCH_CHECK(bf16_weights || (path != kAvx512Bf16 && path != kAmx),
-              "small_rows_linear: int8 weights have no avx512_bf16 or amx_bf16 path");
   return path;
 }
 
@@ -507,7 +600,7 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, cons
                              int64_t requested) {
   check_inputs(x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "small_rows_linear: bf16 weight expected");
-  const Path path = chosen(requested, true);
+  const Path path = chosen(requested, kBf16Weights);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* wp = weight.data_ptr<at::BFloat16>();
@@ -534,12 +627,13 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& weight, cons
 }
 
 at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                                  const std::optional<at::Tensor>& bias, int64_t requested) {
+                                  const std::optional<at::Tensor>& bias, int64_t requested,
+                                  const std::optional<at::Tensor>& row_sums) {
   check_inputs(x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "small_rows_linear_int8: int8 weight expected");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
               "small_rows_linear_int8: one fp32 scale per weight row expected");
-  const Path path = chosen(requested, false);
+  const Path path = chosen(requested, kInt8Weights);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -551,6 +645,14 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
 #ifdef HF_X86
   if (path == kAvx2) run_rows<kAvx2>(xp, wp, sp, yp, M, K, N);
   if (path == kAvx512) run_rows<kAvx512>(xp, wp, sp, yp, M, K, N);
+  if (path == kAvx512Vnni) {
+    // the weight rows' sums (the layer keeps them; computed here otherwise, at the cost of reading the weight twice)
+    const at::Tensor sums = row_sums.has_value() && row_sums->defined()
+                                ? row_sums->to(at::kInt).contiguous()
+                                : weight.sum(1, /*keepdim=*/false, at::kInt).contiguous();
+    TORCH_CHECK(sums.numel() == N, "small_rows_linear_int8: one row sum per weight row expected");
+    run_vnni(xp, wp, sp, sums.data_ptr<int32_t>(), yp, M, K, N);
+  }
 #endif
   return finish(y, bias, x);
 }
@@ -565,10 +667,7 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
               ") must be a multiple of 64 dividing K (", K, ")");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "small_rows_linear_int4: one fp32 scale per weight row and group expected");
-  Path path = requested < 0 ? (cpu_has(kAvx512Bf16) ? kAvx512Bf16 : kScalar) : static_cast<Path>(requested);
-  TORCH_CHECK(path == kScalar || path == kAvx512Bf16, "small_rows_linear_int4: only the avx512_bf16 and scalar "
-              "paths read int4 weights");
-  TORCH_CHECK(cpu_has(path), "small_rows_linear_int4: this CPU cannot run the ", kPathNames[path], " path");
+  const Path path = chosen(requested, kInt4Weights);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -588,13 +687,13 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
 // The paths this CPU runs, best first (their names: `path_name`).
 std::vector<int64_t> paths() {
   std::vector<int64_t> out;
-  for (Path path : {kAmx, kAvx512Bf16, kAvx512, kAvx2, kScalar})
+  for (Path path : kFastestFirst)
     if (cpu_has(path)) out.push_back(path);
   return out;
 }
 
 std::string path_name(int64_t path) {
-  TORCH_CHECK(path >= kScalar && path <= kAmx, "small_rows_linear: unknown path ", path);
+  TORCH_CHECK(path >= kScalar && path <= kAvx512Vnni, "small_rows_linear: unknown path ", path);
   return kPathNames[path];
 }
 
@@ -602,7 +701,8 @@ std::string path_name(int64_t path) {
 
 TORCH_LIBRARY(hf_specsample, m) {
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
-  m.def("small_rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int path=-1) -> Tensor");
+  m.def("small_rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int path=-1, "
+        "Tensor? row_sums=None) -> Tensor");
   m.def("small_rows_linear_int4(Tensor x, Tensor packed, Tensor scale, int group, Tensor? bias, int path=-1) -> Tensor");
   m.def("paths() -> int[]", &paths);          // the paths this CPU runs, best first
   m.def("path_name(int path) -> str", &path_name);

@@ -92,6 +92,7 @@ class KernelPath(str, enum.Enum):
 
     AMX_BF16 = "amx_bf16"  # AMX tiles: 16 weight rows x 32 k's per tile, flat in the rows up to 16 (bf16 weights only)
     AVX512_BF16 = "avx512_bf16"  # vdpbf16ps: two bf16 products per fp32 lane per instruction (bf16 and int4 weights)
+    AVX512_VNNI = "avx512_vnni"  # int8 weights: x rounded to int8 per row, exact integer dot products (vpdpbusd)
     AVX512F = "avx512f"  # 16 fp32 lanes, weights widened to fp32
     AVX2_FMA = "avx2_fma"  # 8 fp32 lanes, weights widened to fp32
     SCALAR = "scalar"  # every CPU (other architectures: only this one)
@@ -105,11 +106,19 @@ def paths() -> list[KernelPath]:
     return [KernelPath(torch.ops.hf_specsample.path_name(index)) for index in torch.ops.hf_specsample.paths()]
 
 
+# The paths that read each weight form (as `reads` in small_rows.cpp).
+READS = {
+    torch.bfloat16: (KernelPath.AMX_BF16, KernelPath.AVX512_BF16, KernelPath.AVX512F, KernelPath.AVX2_FMA,
+                     KernelPath.SCALAR),
+    torch.int8: (KernelPath.AVX512_VNNI, KernelPath.AVX512F, KernelPath.AVX2_FMA, KernelPath.SCALAR),
+    torch.uint8: (KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, packed two to a byte
+}  # fmt: skip
+
+
 def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
-    """The path `small_rows_linear` (bf16 weights) or `small_rows_linear_int8` (int8) runs here by default."""
-    bf16_only = (KernelPath.AMX_BF16, KernelPath.AVX512_BF16)
-    usable = [path for path in paths() if weights == torch.bfloat16 or path not in bf16_only]
-    return usable[0]
+    """The path the kernel runs here by default for bf16 weights (`small_rows_linear`), int8 ones
+    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`)."""
+    return next(path for path in paths() if path in READS[weights])
 
 
 def _path_index(path: KernelPath | None) -> int:
@@ -122,6 +131,7 @@ _PATH_INDEX = {
     KernelPath.AVX512F: 2,
     KernelPath.AVX512_BF16: 3,
     KernelPath.AMX_BF16: 4,
+    KernelPath.AVX512_VNNI: 5,
 }
 
 
@@ -150,21 +160,26 @@ def small_rows_linear_int8(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     path: KernelPath | None = None,
+    row_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight * scale[:, None], bias)` for int8 weights with one fp32 scale per row, by the kernel.
+
+    On the AVX512_VNNI path each row of x is rounded to int8 first (its own scale): the result is then that of the
+    rounded x (within 1/254 of each row's largest value), as torch's dynamic int8 computes.
 
     Args:
         x: `(..., K)` on the CPU.
         weight: `(N, K)` contiguous int8.
         scale: `(N,)` contiguous fp32.
         bias: `(N,)` or None.
-        path: a vector path this CPU runs other than AVX512_BF16 (tests); None: the best one.
+        path: a path of `READS[torch.int8]` this CPU runs (tests); None: the best one.
+        row_sums: `(N,)` int32, `weight.sum(1)` (the VNNI path needs it: pass it to avoid reading the weight twice).
 
     Returns:
         `(..., N)` in x's dtype.
     """
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.hf_specsample.small_rows_linear_int8(flat, weight, scale, bias, _path_index(path))
+    out = torch.ops.hf_specsample.small_rows_linear_int8(flat, weight, scale, bias, _path_index(path), row_sums)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -192,9 +207,6 @@ def small_rows_linear_int4(
     flat = x.reshape(-1, x.shape[-1])
     out = torch.ops.hf_specsample.small_rows_linear_int4(flat, packed, scale, group, bias, _path_index(path))
     return out.view(*x.shape[:-1], packed.shape[0])
-
-
-INT4_PATHS = (KernelPath.AVX512_BF16, KernelPath.SCALAR)  # the paths that read int4 weights
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
