@@ -214,7 +214,8 @@ class SpeculativeDecoder:
             if draft.quantization is DraftQuantization.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
                 draft_kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
             elif draft.quantization is DraftQuantization.INT4_WEIGHTS:
-                draft_kernel = KernelPlan.off("int4 weights on the kernel's avx512_bf16 path (LM head int8)")
+                path = best_path(torch.uint8)
+                draft_kernel = KernelPlan.off(f"int4 weights on the kernel's {path} path (LM head int8)")
             else:
                 draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"

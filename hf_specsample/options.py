@@ -40,7 +40,7 @@ class DraftQuantization(str, enum.Enum):
     NONE = "none"  # as given (a CPU bf16 draft's linears run on the small-rows kernel where it pays)
     INT8 = "int8"  # dynamic int8: torch's fbgemm kernels, activations quantized per step too (CPU only)
     INT8_WEIGHTS = "int8_weights"  # int8 weights (a scale per row), bf16 activations, on the small-rows kernel (CPU)
-    # int4 weights (a scale per 128 inputs; the LM head int8) on the small-rows kernel, CPUs with AVX-512 BF16;
+    # int4 weights (a scale per 128 inputs; the LM head int8) on the small-rows kernel, CPUs with AVX-512 VNNI/BF16;
     # drafts worse: AUTO weighs its measured acceptance against its step time, given calibration text
     INT4_WEIGHTS = "int4_weights"
 

@@ -71,6 +71,9 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        # what the kernel's VNNI path subtracts for x's unsigned offset, kept rather than recomputed per call
+        corrections = small_rows.int4_corrections(self.packed, self.scale) if group == 128 else None
+        self.register_buffer("corrections", corrections)
         self.group = group
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
 
@@ -99,7 +102,9 @@ class Int4Linear(torch.nn.Module):
         """`(..., in)` -> `(..., out)` in x's dtype."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
-            return small_rows.small_rows_linear_int4(x, self.packed, self.scale, self.group, bias)
+            return small_rows.small_rows_linear_int4(
+                x, self.packed, self.scale, self.group, bias, corrections=self.corrections
+            )
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:

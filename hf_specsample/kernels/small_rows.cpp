@@ -64,7 +64,7 @@ bool reads(Path path, Form form) {
     case kInt8Weights:
       return path == kScalar || path == kAvx2 || path == kAvx512 || path == kAvx512Vnni;
     case kInt4Weights:
-      return path == kScalar || path == kAvx512Bf16;
+      return path == kScalar || path == kAvx512Bf16 || path == kAvx512Vnni;
   }
   return false;
 }
@@ -360,6 +360,48 @@ HF_VNNI void row_block_vnni(const uint8_t* x, const int8_t* w, int32_t* y, int64
   for (; n < n1; n++) tile_vnni<MB, 1>(x, w + n * K, y + n, K, N);
 }
 
+// int4 weights (see Int4Layout, groups of 128 k's) against the rows of x rounded to int8 and reordered to match a
+// 64-byte load of the packed weight: its low nibbles hold k's 0-31 and 64-95 of the group, its high ones 32-63 and
+// 96-127 (`x_for_int4`). Per group, two vpdpbusd per row give an exact int32 sum, scaled into an fp32 sum.
+template <int MB, int NB>
+HF_VNNI inline void tile_int4_vnni(const uint8_t* x, const uint8_t* w, const float* scale, float* y, int64_t K,
+                                   int64_t N) {
+  const int64_t groups = K / 128, row_bytes = K / 2;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i low[NB], high[NB];
+    for (int j = 0; j < NB; j++) {
+      const __m512i bytes = _mm512_loadu_si512(w + j * row_bytes + g * 64);
+      low[j] = _mm512_sub_epi8(_mm512_and_si512(bytes, nibble), eight);
+      high[j] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), eight);
+    }
+    for (int i = 0; i < MB; i++) {
+      const __m512i x_low = _mm512_loadu_si512(x + i * K + g * 128);
+      const __m512i x_high = _mm512_loadu_si512(x + i * K + g * 128 + 64);
+      for (int j = 0; j < NB; j++) {
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x_low, low[j]), x_high,
+                                                 high[j]);
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale[j * groups + g]), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int i = 0; i < MB; i++) y[i * N + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+template <int MB>
+HF_VNNI void row_block_int4_vnni(const uint8_t* x, const uint8_t* w, const float* scale, float* y, int64_t K,
+                                 int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NB = MB <= 2 ? 4 : 2;
+  const int64_t groups = K / 128, row_bytes = K / 2;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) tile_int4_vnni<MB, NB>(x, w + n * row_bytes, scale + n * groups, y + n, K, N);
+  for (; n < n1; n++) tile_int4_vnni<MB, 1>(x, w + n * row_bytes, scale + n * groups, y + n, K, N);
+}
+
 HF_AMX void amx_release() { _tile_release(); }
 
 // Weight rows n .. n + 16 * BLOCKS - 1 (BLOCKS of 16) against every row of x; `pairs`: x as B tiles (see run_amx).
@@ -501,6 +543,27 @@ void quantize_rows(const float* x, int64_t M, int64_t K, uint8_t* out, float* sc
   }
 }
 
+// For the avx512_vnni int4 path (see run_int4_vnni): per weight row, 128 * sum_g scale[n][g] * the group's sum.
+std::vector<float> int4_corrections(const uint8_t* w, const float* scale, int64_t K, int64_t N) {
+  const int64_t groups = K / 128;
+  std::vector<float> corrections(N, 0.0f);  // 128 * sum_g scale[n][g] * sum of the group's weights
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; g++) {
+        int32_t sum = 0;
+        for (int64_t b = 0; b < 64; b++) {
+          const uint8_t byte = w[n * (K / 2) + g * 64 + b];
+          sum += (byte & 15) + (byte >> 4) - 16;
+        }
+        total += scale[n * groups + g] * static_cast<float>(128 * sum);
+      }
+      corrections[n] = total;
+    }
+  });
+  return corrections;
+}
+
 #ifdef HF_X86
 // int8 weights on avx512_vnni: y[m][n] = (sum_k q[m][k] * w[n][k] - 128 * row_sum[n]) * x_scale[m] * scale[n].
 void run_vnni(const float* x, const int8_t* w, const float* scale, const int32_t* row_sums, float* y, int64_t M,
@@ -517,6 +580,30 @@ void run_vnni(const float* x, const int8_t* w, const float* scale, const int32_t
   for (int64_t m = 0; m < M; m++)
     for (int64_t n = 0; n < N; n++)
       y[m * N + n] = static_cast<float>(sums[m * N + n] - 128 * row_sums[n]) * x_scales[m] * scale[n];
+}
+
+// int4 weights on avx512_vnni (groups of 128): x rounded to int8 per row, reordered per group as the packed weight's
+// nibbles hold it; y[m][n] = x_scale[m] * sum_g scale[n][g] * sum_k (q[m][k] + 128 - 128) * w[n][k], the 128 of
+// the unsigned x taken back with the weight groups' sums (`int4_corrections`; the layer keeps them).
+void run_int4_vnni(const float* x, const uint8_t* w, const float* scale, const float* corrections, float* y,
+                   int64_t M, int64_t K, int64_t N) {
+  const int64_t groups = K / 128;
+  std::vector<uint8_t> quantized(M * K), ordered(M * K);
+  std::vector<float> x_scales(M);
+  quantize_rows(x, M, K, quantized.data(), x_scales.data());
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int part = 0; part < 4; part++) {  // k's 0-31, 64-95 (low nibbles), then 32-63, 96-127 (high ones)
+        const int64_t from = g * 128 + (part == 0 ? 0 : part == 1 ? 64 : part == 2 ? 32 : 96);
+        std::memcpy(&ordered[m * K + g * 128 + part * 32], &quantized[m * K + from], 32);
+      }
+  for_blocks(M, N, [&](int64_t m, int64_t rows, int64_t n, int64_t end) {
+    with_rows(rows, [&](auto mb) {
+      row_block_int4_vnni<decltype(mb)::value>(ordered.data() + m * K, w, scale, y + m * N, K, N, n, end);
+    });
+  });
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) y[m * N + n] = (y[m * N + n] - corrections[n]) * x_scales[m];
 }
 
 // AMX for bf16 weights: weight rows in blocks of 32 (then 16) per tile pass; the last N % 16 rows, and the k tail
@@ -658,7 +745,8 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
 }
 
 at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                  int64_t group, const std::optional<at::Tensor>& bias, int64_t requested) {
+                                  int64_t group, const std::optional<at::Tensor>& bias, int64_t requested,
+                                  const std::optional<at::Tensor>& corrections) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   x.size(1) == 2 * packed.size(1) && x.device().is_cpu() && packed.device().is_cpu(),
               "small_rows_linear_int4: x (M, K) and packed int4 weights (N, K / 2) uint8 on the CPU expected");
@@ -667,7 +755,11 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
               ") must be a multiple of 64 dividing K (", K, ")");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "small_rows_linear_int4: one fp32 scale per weight row and group expected");
-  const Path path = chosen(requested, kInt4Weights);
+  // avx512_vnni reads groups of 128 k's; other group sizes take the next path
+  const Path path = requested < 0 && group != 128 && chosen(-1, kInt4Weights) == kAvx512Vnni
+                        ? (cpu_has(kAvx512Bf16) ? kAvx512Bf16 : kScalar)
+                        : chosen(requested, kInt4Weights);
+  TORCH_CHECK(path != kAvx512Vnni || group == 128, "small_rows_linear_int4: the avx512_vnni path reads groups of 128");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const auto* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -676,6 +768,21 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
 #ifdef HF_X86
     const at::Tensor xb = x.to(at::kBFloat16).contiguous();
     run_rows_int4<kAvx512Bf16>(xb.data_ptr<at::BFloat16>(), wp, sp, yp, M, K, N, group);
+#endif
+  } else if (path == kAvx512Vnni) {
+#ifdef HF_X86
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    std::vector<float> computed;
+    const float* cp = nullptr;
+    if (corrections.has_value() && corrections->defined()) {
+      TORCH_CHECK(corrections->scalar_type() == at::kFloat && corrections->numel() == N &&
+                      corrections->is_contiguous(), "small_rows_linear_int4: one fp32 correction per weight row");
+      cp = corrections->data_ptr<float>();
+    } else {
+      computed = int4_corrections(wp, sp, K, N);
+      cp = computed.data();
+    }
+    run_int4_vnni(xf.data_ptr<float>(), wp, sp, cp, yp, M, K, N);
 #endif
   } else {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -703,7 +810,17 @@ TORCH_LIBRARY(hf_specsample, m) {
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
   m.def("small_rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int path=-1, "
         "Tensor? row_sums=None) -> Tensor");
-  m.def("small_rows_linear_int4(Tensor x, Tensor packed, Tensor scale, int group, Tensor? bias, int path=-1) -> Tensor");
+  m.def("small_rows_linear_int4(Tensor x, Tensor packed, Tensor scale, int group, Tensor? bias, int path=-1, "
+        "Tensor? corrections=None) -> Tensor");
+  // the corrections the avx512_vnni int4 path needs, to keep with the weight (`Int4Linear`)
+  m.def("int4_corrections(Tensor packed, Tensor scale) -> Tensor", [](const at::Tensor& packed, const at::Tensor& scale) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                    scale.is_contiguous() && scale.numel() == packed.size(0) * (packed.size(1) * 2 / 128),
+                "int4_corrections: packed (N, K / 2) uint8 and scales (N, K / 128) fp32 expected");
+    const int64_t N = packed.size(0), K = packed.size(1) * 2;
+    std::vector<float> values = int4_corrections(packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, N);
+    return at::tensor(values, at::kFloat);
+  });
   m.def("paths() -> int[]", &paths);          // the paths this CPU runs, best first
   m.def("path_name(int path) -> str", &path_name);
 }

@@ -111,7 +111,7 @@ READS = {
     torch.bfloat16: (KernelPath.AMX_BF16, KernelPath.AVX512_BF16, KernelPath.AVX512F, KernelPath.AVX2_FMA,
                      KernelPath.SCALAR),
     torch.int8: (KernelPath.AVX512_VNNI, KernelPath.AVX512F, KernelPath.AVX2_FMA, KernelPath.SCALAR),
-    torch.uint8: (KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, packed two to a byte
+    torch.uint8: (KernelPath.AVX512_VNNI, KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, two to a byte
 }  # fmt: skip
 
 
@@ -190,8 +190,11 @@ def small_rows_linear_int4(
     group: int,
     bias: torch.Tensor | None = None,
     path: KernelPath | None = None,
+    corrections: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear` for int4 weights packed by `pack_int4`, with one fp32 scale per row and group of `group` k's.
+
+    On the AVX512_VNNI path (groups of 128) each row of x is rounded to int8 first, as in `small_rows_linear_int8`.
 
     Args:
         x: `(..., K)` on the CPU.
@@ -199,14 +202,22 @@ def small_rows_linear_int4(
         scale: `(N, K // group)` fp32.
         group: k's per scale, a multiple of 64 dividing K.
         bias: `(N,)` or None.
-        path: AVX512_BF16 or SCALAR (the int4 paths), None: the best this CPU runs.
+        path: a path of `READS[torch.uint8]` (tests), None: the best this CPU runs.
+        corrections: `(N,)` fp32, `int4_corrections(packed, scale)` (the VNNI path needs it: pass it to avoid
+            reading the weight twice).
 
     Returns:
         `(..., N)` in x's dtype.
     """
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.hf_specsample.small_rows_linear_int4(flat, packed, scale, group, bias, _path_index(path))
+    index = _path_index(path)
+    out = torch.ops.hf_specsample.small_rows_linear_int4(flat, packed, scale, group, bias, index, corrections)
     return out.view(*x.shape[:-1], packed.shape[0])
+
+
+def int4_corrections(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`(N,)` fp32: what the AVX512_VNNI path subtracts for x's unsigned offset (groups of 128; see small_rows.cpp)."""
+    return torch.ops.hf_specsample.int4_corrections(packed, scale.float().contiguous())
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

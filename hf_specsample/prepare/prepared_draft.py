@@ -309,8 +309,8 @@ _CANNOT_MAKE = {
     ),
     DraftQuantization.INT4_WEIGHTS: (
         "draft_quantization='int4_weights' needs a float draft on the CPU without bitsandbytes or device_map "
-        "dispatch, hf_specsample's small-rows kernel, and a CPU with AVX-512 BF16 (the only vector path that reads "
-        "int4 weights as fast as memory delivers them); use 'int8_weights' or 'auto' here."
+        "dispatch, hf_specsample's small-rows kernel, and a CPU with AVX-512 VNNI or BF16 (the vector paths that "
+        "read int4 weights about as fast as memory delivers them); use 'int8_weights' or 'auto' here."
     ),
 }
 
@@ -324,7 +324,7 @@ def _compact_forms(model: PreTrainedModel) -> dict[DraftQuantization, Any]:
         makers[DraftQuantization.INT8] = int8_dynamic_copy
     if small_rows.load().problem is None:
         makers[DraftQuantization.INT8_WEIGHTS] = int8_weights_copy
-        if small_rows.KernelPath.AVX512_BF16 in small_rows.paths():  # where int4 keeps up with memory
+        if small_rows.best_path(torch.uint8) is not small_rows.KernelPath.SCALAR:  # a vector path reads int4
             makers[DraftQuantization.INT4_WEIGHTS] = int4_weights_copy
     return makers
 
