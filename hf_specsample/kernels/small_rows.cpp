@@ -395,7 +395,7 @@ HF_VNNI inline void tile_int4_vnni(const uint8_t* x, const uint8_t* w, const flo
 template <int MB>
 HF_VNNI void row_block_int4_vnni(const uint8_t* x, const uint8_t* w, const float* scale, float* y, int64_t K,
                                  int64_t N, int64_t n0, int64_t n1) {
-  constexpr int NB = MB <= 2 ? 4 : 2;
+  constexpr int NB = MB <= 2 ? 8 : (MB <= 4 ? 4 : 2);  // 2 NB weight and MB * NB accumulator registers of 32
   const int64_t groups = K / 128, row_bytes = K / 2;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) tile_int4_vnni<MB, NB>(x, w + n * row_bytes, scale + n * groups, y + n, K, N);
