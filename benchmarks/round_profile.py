@@ -31,7 +31,7 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import DraftQuantization, LinearKernel
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.quantized_linear import Int8Linear
+from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
 from hf_specsample.kernels.small_rows import KernelPlan
 from hf_specsample.lookahead import weight_bytes
 from hf_specsample.prepare.prepared_draft import _compact_forms
@@ -89,7 +89,7 @@ class ModuleClock:
         name = type(module).__name__
         if module is head:
             return "LM head"
-        if isinstance(module, (torch.nn.Linear, Int8Linear)) or "QuantizedLinear" in name or name == "Linear":
+        if isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear)) or name == "Linear":  # "Linear": fbgemm's
             return "linears"
         if name.endswith("Attention"):
             return "attention (without its linears)"
@@ -190,21 +190,20 @@ def main(argv: list[str] | None = None) -> None:
                 share = {"LM head": head_bytes, "linears": target_bytes - head_bytes}.get(key)
                 row(f"  {key}", seconds, share)
 
-    # 3. processors and acceptance over K+1 positions of the real vocabulary
-    vocab = target.config.vocab_size
+    # 3. processors and acceptance over K+1 positions: the models' own logits on the prompt's text
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.95)])
     processor = PositionwiseProcessor(processors, batch_size=1)
-    logits = torch.randn(1, width, vocab) * 4
-    draft_probs = torch.softmax(torch.randn(1, args.lookahead, vocab) * 4, dim=-1)
-    tokens = draft_probs[0].argmax(-1)[None, :]
-    buffer = torch.cat([ids, torch.zeros((1, width), dtype=torch.long)], dim=1)
+    logits = target(ids).logits[:, -width:].float()  # (1, K + 1, vocab)
+    draft_logits = draft(ids).logits[:, -width:-1].float()  # (1, K, vocab)
+    draft_probs = probabilities(processor(ids, [ids.shape[1] - width], draft_logits, [0]))
+    tokens = ids[:, -args.lookahead :]
     generator = torch.Generator().manual_seed(0)
 
     def accept():
-        scores = processor(buffer, [ids.shape[1] - width], logits, [0])
+        scores = processor(ids, [ids.shape[1] - width], logits, [0])
         return speculative_accept(tokens, draft_probs, probabilities(scores), generator)
 
-    row(f"processors + acceptance, {width} positions", median_seconds(accept, args.repeats), None)
+    row(f"processors + acceptance (T=0.7, top_p=0.95), {width} positions", median_seconds(accept, args.repeats), None)
     verdict = accept()
     row("host sync (num_accepted.tolist())", median_seconds(lambda: verdict.num_accepted.tolist(), args.repeats), None)
 

@@ -466,6 +466,10 @@ def _timed_plan(weight: torch.Tensor) -> KernelPlan:
     def next_part():
         return slices[next(turn) % len(slices)]
 
+    warm = torch.randn(1, weight.shape[1], generator=generator).to(torch.bfloat16)
+    for _ in range(3):  # the first calls pay one-time costs (threads waking, a path's first use of AMX tiles)
+        F.linear(warm, next_part())
+        small_rows_linear(warm, next_part())
     timings = {}
     for rows in (*range(1, MAX_ROWS + 1), PROMPT_PROBE_ROWS):
         x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
