@@ -122,17 +122,11 @@ def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
 
 
 def _path_index(path: KernelPath | None) -> int:
-    return -1 if path is None else _PATH_INDEX[KernelPath(path)]
-
-
-_PATH_INDEX = {
-    KernelPath.SCALAR: 0,
-    KernelPath.AVX2_FMA: 1,
-    KernelPath.AVX512F: 2,
-    KernelPath.AVX512_BF16: 3,
-    KernelPath.AMX_BF16: 4,
-    KernelPath.AVX512_VNNI: 5,
-}
+    """The operator's number for `path` (-1: the best one), as the operator names its paths."""
+    if path is None:
+        return -1
+    names = [torch.ops.hf_specsample.path_name(index) for index in range(len(KernelPath))]
+    return names.index(str(KernelPath(path)))
 
 
 def small_rows_linear(
