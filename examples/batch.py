@@ -2,9 +2,11 @@
 
     python examples/batch.py                                   # Qwen2.5-Coder 1.5B target, 0.5B draft (Hub)
     python examples/batch.py --target ./target --draft ./draft --num-return-sequences 3 "def add(a, b):" "x ="
+    python examples/batch.py --greedy                          # one sequence per prompt
 
 Each row accepts its own number of draft tokens every round; rows that finish early are padded with pad_token_id,
-as plain generate() pads them. Greedy decoding takes --num-return-sequences 1 (transformers refuses more).
+as plain generate() pads them. Several sequences per prompt need sampling: greedy decoding gives one per prompt
+(transformers refuses num_return_sequences > 1 without sampling or beams).
 """
 
 import argparse
@@ -20,10 +22,16 @@ parser.add_argument("prompts", nargs="*", default=PROMPTS)
 parser.add_argument("--target", default="Qwen/Qwen2.5-Coder-1.5B-Instruct")
 parser.add_argument("--draft", default="Qwen/Qwen2.5-Coder-0.5B-Instruct")
 parser.add_argument("--max-new-tokens", type=int, default=64)
-parser.add_argument("--num-return-sequences", type=int, default=2)
+parser.add_argument(
+    "--num-return-sequences", type=int, default=None, help="samples per prompt (default: 2 when sampling, 1 greedy)"
+)
 parser.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling, T=0.7, top_p=0.95)")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
+if args.num_return_sequences is None:
+    args.num_return_sequences = 1 if args.greedy else 2
+elif args.greedy and args.num_return_sequences > 1:
+    parser.error("--greedy gives one sequence per prompt: drop --num-return-sequences, or sample (no --greedy)")
 
 torch.manual_seed(args.seed)
 tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")  # new tokens go on the right

@@ -18,7 +18,7 @@ from .cache import row_ops
 from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
-from .kernels.small_rows import KernelPlan
+from .kernels.small_rows import KernelPlan, best_path
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -175,6 +175,7 @@ class SpeculativeDecoder:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
                 special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
+                calibration=_calibration(input_ids, model_kwargs.get("attention_mask")),
             )  # fmt: skip
 
         # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
@@ -212,7 +213,13 @@ class SpeculativeDecoder:
         if draft is None:
             self.drafter = lookup
         else:
-            draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
+            if draft.quantization is DraftQuantization.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
+                draft_kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
+            elif draft.quantization is DraftQuantization.INT4_WEIGHTS:
+                path = best_path(torch.uint8)
+                draft_kernel = KernelPlan.off(f"int4 weights on the kernel's {path} path (LM head int8)")
+            else:
+                draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
             self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
@@ -443,6 +450,16 @@ def _target_cache(
     else:
         return cache, None
     return cache, compiled_forward(model, settings)
+
+
+CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
+CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+
+
+def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few."""
+    row = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
+    return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None
 
 
 def _raise_if_nonfinite(num_accepted: list[int]) -> None:

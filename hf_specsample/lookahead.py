@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from .kernels.quantized_linear import Int4Linear, Int8Linear
 from .options import DEFAULT_MAX_LOOKAHEAD
 
 if TYPE_CHECKING:
@@ -177,8 +178,23 @@ def weight_bytes(model: PreTrainedModel) -> int:
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
             total += module.in_features * module.out_features
+        if isinstance(module, (Int8Linear, Int4Linear)):  # their weights are buffers: values and scales
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
         total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
     return total
+
+
+def expected_speedup(alpha: float, cost_ratio: float, max_lookahead: int = DEFAULT_MAX_LOOKAHEAD) -> float:
+    """Leviathan et al.'s Theorem 3.8 at the best K: tokens per unit of time over plain decoding's, for a draft
+    accepted at rate `alpha` whose step costs `cost_ratio` target steps (verification as `StaticCosts` models it).
+    1.0 where drafting does not pay (K = 0)."""
+    costs = StaticCosts(cost_ratio)
+
+    def rate(lookahead: int) -> float:
+        tokens = sum(alpha**i for i in range(lookahead + 1))
+        return tokens / (costs.draft_seconds() * lookahead + costs.verify_seconds(lookahead))
+
+    return max(rate(lookahead) for lookahead in range(max_lookahead + 1))
 
 
 def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:

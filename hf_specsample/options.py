@@ -36,9 +36,13 @@ class NamedDraft(str, enum.Enum):
 class DraftQuantization(str, enum.Enum):
     """The form a draft model runs in (`prepare_draft`)."""
 
-    AUTO = "auto"  # a float draft on the CPU: int8 or as given, whichever steps faster here; otherwise as given
-    NONE = "none"
-    INT8 = "int8"  # dynamic int8 (CPU only)
+    AUTO = "auto"  # a float draft on the CPU: whichever form below steps fastest here (timed); otherwise as given
+    NONE = "none"  # as given (a CPU bf16 draft's linears run on the small-rows kernel where it pays)
+    INT8 = "int8"  # dynamic int8: torch's fbgemm kernels, activations quantized per step too (CPU only)
+    INT8_WEIGHTS = "int8_weights"  # int8 weights (a scale per row), bf16 activations, on the small-rows kernel (CPU)
+    # int4 weights (a scale per 128 inputs; the LM head int8) on the small-rows kernel, CPUs with AVX-512 VNNI/BF16;
+    # drafts worse: AUTO weighs its measured acceptance against its step time, given calibration text
+    INT4_WEIGHTS = "int4_weights"
 
     def __str__(self) -> str:
         return self.value
@@ -86,9 +90,10 @@ class SpeculativeConfig:
         max_lookahead: upper bound of the adaptive K.
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
-        draft_quantization: "auto" (default: a dynamic-int8 copy of a float draft that runs on the CPU, kept while
-            the draft model lives and its weights do not change), "int8" or "none". See `prepare_draft`; with a
-            `PreparedDraft` as `draft_model=`, set it there instead.
+        draft_quantization: "auto" (default: for a float draft that runs on the CPU, the fastest of its forms here,
+            timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the small-rows kernel; kept
+            while the draft model lives and its weights do not change), "int8", "int8_weights" or "none". See
+            `prepare_draft`; with a `PreparedDraft` as `draft_model=`, set it there instead.
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
             None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.

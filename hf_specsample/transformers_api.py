@@ -99,7 +99,8 @@ def take_caller_cache(kwargs: dict[str, Any], stacklevel: int) -> bool:
             raise ValueError(f"Pass the cache once: `{CACHE}=` (not also `{name}=`).")
         warnings.warn(
             f"`{name}` is deprecated in transformers {transformers.__version__} for `generate`: use `{CACHE}` "
-            "instead (transformers' own rename; hf_specsample passes it on under the new name).",
+            "instead (transformers' own rename, done by hf_specsample's registered generate() so that this message "
+            "points at your line).",
             FutureWarning,
             stacklevel=stacklevel + 1,
         )

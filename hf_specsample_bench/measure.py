@@ -122,6 +122,14 @@ def cost_ratio(
     return {"target_forward_s": target_seconds, "draft_forward_s": draft_seconds, "c": draft_seconds / target_seconds}
 
 
+def read_bandwidth(repeats: int = 5, gib: float = 1.0) -> float:
+    """Bytes per second of reading a `gib` GiB fp32 tensor (`sum`) with torch's threads: the memory bandwidth a
+    memory-bound decoding step is up against."""
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    seconds = median_ms(lambda: data.sum(), repeats, warm_up=1) / 1e3
+    return data.numel() * 4 / seconds
+
+
 def cpu_name() -> str:
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()

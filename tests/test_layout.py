@@ -170,8 +170,7 @@ def test_every_example_is_listed_in_the_readme_and_run_by_the_tests():
     tested = (REPO / "tests" / "test_examples.py").read_text()
     for script in sorted((REPO / "examples").glob("*.py")):
         assert f"examples/{script.name}" in section, f"{script.name} is not in README's Examples section"
-        if script.name != "quickstart.py":  # wraps hf_specsample_bench.demo (its --help is checked above)
-            assert f'"{script.name}"' in tested, f"{script.name} is not run by tests/test_examples.py"
+        assert f'"{script.name}"' in tested, f"{script.name} is not run by tests/test_examples.py"
 
 
 def test_custom_generate_folder_has_the_hub_layout():

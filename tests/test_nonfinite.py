@@ -115,11 +115,12 @@ def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft, int8_st
 
 
 def test_an_int8_copy_that_cannot_run_is_not_chosen(target, draft):
-    """AUTO times the int8 copy and the draft as given: a copy whose forward fails (NaN activations) loses, and the
-    draft as given runs (exact as always: greedy equals plain)."""
+    """AUTO times the draft's forms: the dynamic-int8 copy, whose forward fails (it cannot quantize NaN activations),
+    loses, and another form runs (exact as always: greedy equals plain)."""
     broken = perturbed_copy(draft, seed=2, scale=0.0)
     with torch.no_grad():
         broken.model.norm.weight[0] = math.nan
     out = generate(target, broken, do_sample=False, return_dict_in_generate=True)
-    assert out.speculative_stats.draft_form.startswith("none (timed per step: int8 failed, none ")
+    form = out.speculative_stats.draft_form
+    assert "int8 failed" in form and not form.startswith("int8 "), form
     assert out.sequences.tolist() == generate(target, do_sample=False).tolist()

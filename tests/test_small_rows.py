@@ -5,7 +5,13 @@ The operator is built once per machine (about 12 s; torch's extension cache keep
 kernel tests skip with the build's reason, and the tests of `linear_kernel="auto"`/"on" check the fallback instead.
 """
 
+import contextlib
 import copy
+import platform
+import shutil
+import subprocess
+import sysconfig
+import time
 
 import pytest
 import torch
@@ -13,9 +19,10 @@ import torch.nn.functional as F
 from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
-from hf_specsample import LinearKernel, SpeculativeConfig
+from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.small_rows import KernelPlan, SmallRowsLinear
+from hf_specsample.kernels.quantized_linear import Int4Linear
+from hf_specsample.kernels.small_rows import KernelPath, KernelPlan, SmallRowsLinear
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 DRAFT_AS_GIVEN = dict(draft_quantization="none")
@@ -54,6 +61,125 @@ def test_kernel_matches_fp32_linear_up_to_bf16_rounding(built, in_features, out_
             # one bf16 rounding of the output (2^-8 relative) plus fp32 accumulation-order differences
             scale = (x.float().abs() @ weight.float().abs().T) + (0 if b is None else b.float().abs())
             assert ((out.float() - expected.float()).abs() <= 2**-7 * scale + 1e-6).all(), (rows, b is None)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_the_best_path_is_the_one_the_cpu_supports(built):
+    """Names the path built here (see the test log): every path this CPU's flags allow is offered, best first."""
+    found = small_rows.paths()
+    print(f"small-rows kernel paths on this CPU, best first: {[str(path) for path in found]}")
+    assert found[-1] is KernelPath.SCALAR and small_rows.best_path() is found[0]
+    flags = _cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and flags:
+        expected = [KernelPath.SCALAR]
+        if {"avx2", "fma"} <= flags:
+            expected.insert(0, KernelPath.AVX2_FMA)
+            if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+                expected.insert(0, KernelPath.AVX512F)
+                if "avx512_vnni" in flags:
+                    expected.insert(0, KernelPath.AVX512_VNNI)
+                if "avx512_bf16" in flags:
+                    expected.insert(0, KernelPath.AVX512_BF16)
+                    if {"amx_tile", "amx_bf16"} <= flags and KernelPath.AMX_BF16 in found:  # and Linux granted it
+                        expected.insert(0, KernelPath.AMX_BF16)
+        assert found == expected
+    for weights, readers in small_rows.READS.items():  # each form's default: the fastest path that reads it here
+        assert small_rows.best_path(weights) == next(path for path in found if path in readers)
+
+
+def every_path():
+    return [pytest.param(path, id=str(path)) for path in KernelPath]
+
+
+@pytest.mark.parametrize("path", every_path())
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
+    """Each vector path this CPU runs (the others skip), on odd shapes: within bf16 rounding of an fp32 reference
+    (int8, int4: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows,
+    and among 17-40 (prompts; AMX takes rows in groups of 16, weights in blocks of 16 and 32 rows)."""
+    form = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[weights]
+    if path not in small_rows.paths() or path not in small_rows.READS[form]:
+        pytest.skip(f"this CPU has no {path} path for {weights} weights")
+    generator = torch.Generator().manual_seed(9)
+    shapes = ((8, 3), (13, 17), (33, 5), (64, 100), (96, 48), (1533, 37))
+    if weights == "int4":  # inputs in whole groups of 64 or 128
+        shapes = ((64, 3), (128, 17), (256, 5), (256, 48), (1536, 37))
+    for in_features, out_features in shapes:
+        x = torch.randn(40, in_features, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+        if weights == "bf16":
+            weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+            dense = weight.float()
+
+            def run(rows, b=None, weight=weight):
+                return small_rows.small_rows_linear(rows, weight, b, path=path)
+        elif weights == "int8":
+            weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+            scale = torch.rand(out_features, generator=generator) / 64
+            dense = weight.float() * scale[:, None]
+
+            def run(rows, b=None, weight=weight, scale=scale):
+                return small_rows.small_rows_linear_int8(rows, weight, scale, b, path=path)
+
+            if path is KernelPath.AVX512_VNNI:  # x rounded to int8 per row first: the reference is that x's
+                rounding = x.float().abs().amax(1, keepdim=True) / 254  # (rows, 1) half a step of each row
+                slack = rounding * dense.abs().sum(1)[None, :]  # (rows, out)
+        else:
+            group = 64 if in_features % 128 else 128
+            values = torch.randint(-8, 8, (out_features, in_features), generator=generator)
+            scale = torch.rand(out_features, in_features // group, generator=generator) / 4
+            dense = (values.float().view(out_features, -1, group) * scale[:, :, None]).view(out_features, in_features)
+            packed = small_rows.pack_int4(values)
+            assert torch.equal(small_rows.unpack_int4(packed).long(), values)
+
+            def run(rows, b=None, packed=packed, scale=scale, group=group):
+                return small_rows.small_rows_linear_int4(rows, packed, scale, group, b, path=path)
+
+            if path is KernelPath.AVX512_VNNI:
+                if group != 128:
+                    continue
+                rounding = x.float().abs().amax(1, keepdim=True) / 254  # x rounded to int8 per row first
+                slack = rounding * dense.abs().sum(1)[None, :]
+
+        for b in (None, bias):
+            expected = F.linear(x.float(), dense, None if b is None else b.float())
+            bound = x.float().abs() @ dense.abs().T + (0 if b is None else b.float().abs())
+            out = run(x, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (40, out_features)
+            allowed = 2**-7 * bound + 1e-6 + (slack if path is KernelPath.AVX512_VNNI else 0)
+            assert ((out.float() - expected).abs() <= allowed).all(), (in_features, out_features)
+        alone = torch.cat([run(x[i : i + 1]) for i in range(40)])
+        for rows in (*range(1, 18), 24, 32, 33, 40):
+            assert torch.equal(run(x[:rows]), alone[:rows]), (in_features, rows)
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler here")
+def test_the_kernel_compiles_for_arm():
+    """Other architectures build the scalar path alone (the timing then leaves eager F.linear in place): the source
+    must compile there. Checked with Debian's g++-aarch64-linux-gnu where it is installed."""
+    from torch.utils.cpp_extension import include_paths
+
+    command = ["aarch64-linux-gnu-g++", "-fsyntax-only", "-std=c++20", "-fopenmp", "-w", str(small_rows.SOURCE)]
+    command += [f"-I{path}" for path in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_path_the_cpu_lacks_is_refused(built):
+    missing = [path for path in KernelPath if path not in small_rows.paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    with pytest.raises(RuntimeError, match="this CPU cannot run"):
+        small_rows.small_rows_linear(
+            torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(2, 8).bfloat16(), path=missing[0]
+        )
 
 
 def test_kernel_keeps_leading_dimensions(built):
@@ -206,7 +332,7 @@ def assert_same_greedy_up_to_bf16_ties(model, ours, plain, prompt_mask, steps: i
 
 def every_forward_on_the_kernel(monkeypatch):
     """The loop's plan routes every forward, however many rows (a 4000-row sampling batch included)."""
-    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls(1, "on (test)")))
+    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls.every_round("on (test)")))
     monkeypatch.setattr(KernelPlan, "applied", lambda self, rows: SmallRowsLinear(max_rows=None))
 
 
@@ -256,7 +382,7 @@ def test_sampling_test_catches_a_wrong_kernel(built, monkeypatch):
 def test_auto_leaves_float32_models_alone():
     target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
     plan = KernelPlan.for_model(target, LinearKernel.AUTO)
-    assert plan.from_rows is None and "float32" in plan.reason
+    assert not plan.is_on and "float32" in plan.reason
     assert plan.applied(3).__class__.__name__ == "nullcontext"
 
 
@@ -310,7 +436,163 @@ def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
     assert "without the clock" in plan.reason
 
 
+def test_auto_decides_each_width_on_its_own(built, monkeypatch):
+    """A kernel slower than eager from 7 rows on serves 1-6 rows only: a wide round (or a lookup round of 11
+    positions) runs eagerly, a narrow one on the kernel."""
+    real = small_rows.small_rows_linear
+
+    def slow_from_seven(x, weight, bias=None, path=None):
+        if x.shape[0] >= 7:
+            time.sleep(0.003)
+        return real(x, weight, bias, path)
+
+    monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
+    target, _ = bf16_pair(hidden=64)
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert plan.widths == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
+    assert isinstance(plan.applied(5), SmallRowsLinear) and not isinstance(plan.applied(9), SmallRowsLinear)
+
+
+def test_plain_generate_with_the_plan_everywhere_routes_by_each_linears_rows(built, monkeypatch):
+    """`KernelPlan.everywhere()` (plain generate() with the kernel where it pays): a linear runs on the kernel when
+    the plan serves its row count (the prompt's and each step's), eagerly otherwise; tokens as plain's."""
+    target, _ = bf16_pair()
+    calls = []
+    real = small_rows.small_rows_linear
+    monkeypatch.setattr(
+        small_rows, "small_rows_linear", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k)
+    )
+    plan = KernelPlan(frozenset({1}), "test")  # one-row steps only: the 4-token prompt stays eager
+    with plan.everywhere():
+        out = greedy(target)
+    assert calls and set(calls) == {1}
+    assert out.tolist() == greedy(target).tolist()
+    assert isinstance(KernelPlan.off("test").everywhere(), contextlib.nullcontext)
+
+
+def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
+    """The check on the model's own weights: a path off by 1.3x (an untested CPU, a miscompilation) never serves
+    the model: AUTO turns it off and says why, 'on' is refused for the target and runs the draft without it."""
+    real = small_rows.small_rows_linear
+    monkeypatch.setattr(small_rows, "small_rows_linear", lambda *args, **kwargs: real(*args, **kwargs) * 1.3)
+    target, draft = bf16_pair()
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    assert not plan.is_on and "disagrees with eager F.linear" in plan.reason
+    assert "disagrees" in KernelPlan.for_model(draft, LinearKernel.ON, role="draft").reason
+    with pytest.raises(ValueError, match="disagrees with eager F.linear"):
+        KernelPlan.for_model(copy.deepcopy(target), LinearKernel.ON, role="target")
+    out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
+    assert "disagrees" in out.speculative_stats.linear_kernel
+    monkeypatch.setattr(small_rows, "small_rows_linear", real)
+    assert out.sequences.tolist() == greedy(target).tolist()
+
+
+def test_on_runs_a_draft_whose_form_has_no_bf16_linears(built):
+    """'on' means the kernel wherever the forms allow it: a draft's dynamic-int8 copy (no bf16 nn.Linear) or its
+    int8-weights copy (its own kernel path) is no reason to refuse."""
+    target, draft = bf16_pair()
+    for form in ("int8", "int8_weights"):
+        config = SpeculativeConfig(linear_kernel="on", draft_quantization=form)
+        out = greedy(
+            target, draft_model=draft, num_lookahead=2, speculative_config=config, return_dict_in_generate=True
+        )
+        assert out.speculative_stats.linear_kernel.startswith("target on"), out.speculative_stats.linear_kernel
+        with SmallRowsLinear():
+            assert out.sequences.tolist() == greedy(target).tolist()
+
+
+@torch.no_grad()
+def test_sampling_with_an_int8_weights_draft_on_the_kernel_is_exact(built, monkeypatch):
+    target, draft = bf16_pair()
+    every_forward_on_the_kernel(monkeypatch)
+    out = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=4000, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(6), draft_model=draft, num_lookahead=2,
+        speculative_config=SpeculativeConfig(draft_quantization="int8_weights"), **SETTINGS,
+    )  # fmt: skip
+    assert chisquare_pvalue(kernel_exact(target), continuations(out, PROMPT.shape[1])) > 1e-3
+
+
 def test_config_checks_linear_kernel():
     assert SpeculativeConfig(linear_kernel="off").linear_kernel is LinearKernel.OFF
     with pytest.raises(ValueError, match="linear_kernel must be one of 'auto', 'on', 'off'"):
         SpeculativeConfig(linear_kernel="fast")
+
+
+# --- the draft's int4-weights form and AUTO's weighing of forms by acceptance ---
+
+needs_int4 = pytest.mark.skipif(
+    small_rows.load().problem is not None or small_rows.best_path(torch.uint8) is KernelPath.SCALAR,
+    reason="int4 weights need a vector path that reads them (AVX-512 VNNI or BF16)",
+)
+
+
+@needs_int4
+def test_int4_linear_computes_its_dequantized_weight():
+    linear = torch.nn.Linear(256, 40, bias=True).to(torch.bfloat16)
+    layer = Int4Linear.from_linear(linear)
+    assert layer.packed.dtype == torch.uint8 and layer.packed.shape == (40, 128) and layer.scale.shape == (40, 2)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    expected = F.linear(x.float(), layer.dequantized(torch.float32), linear.bias.float())
+    assert torch.allclose(layer(x).float(), expected, rtol=2**-6, atol=1e-2)
+    # the rounding is int4's: each weight within half a step of its group's scale
+    step = layer.scale.repeat_interleave(128, dim=1)
+    assert ((layer.dequantized(torch.float32) - linear.weight.float()).abs() <= step / 2 + 1e-6).all()
+
+
+@needs_int4
+@torch.no_grad()
+def test_an_int4_weights_draft_is_exact(monkeypatch):
+    """The int4 form drafts worse, never differently: greedy equals plain, sampling follows the target."""
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=128).to(torch.bfloat16)
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    config = SpeculativeConfig(draft_quantization="int4_weights")
+    out = greedy(target, draft_model=draft, num_lookahead=3, speculative_config=config, return_dict_in_generate=True)
+    assert out.speculative_stats.draft_form == "int4_weights" and "int4 weights" in out.speculative_stats.linear_kernel
+    assert out.sequences.tolist() == greedy(target).tolist()
+    every_forward_on_the_kernel(monkeypatch)
+    samples = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=4000, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(7), draft_model=draft, num_lookahead=2, speculative_config=config,
+        **SETTINGS,
+    )  # fmt: skip
+    assert chisquare_pvalue(kernel_exact(target), continuations(samples, PROMPT.shape[1])) > 1e-3
+
+
+def test_int4_weights_is_refused_where_no_vector_path_reads_it(monkeypatch):
+    target, draft = bf16_pair()
+    monkeypatch.setattr(small_rows, "paths", lambda: [KernelPath.AVX2_FMA, KernelPath.SCALAR])
+    with pytest.raises(ValueError, match="draft_quantization='int4_weights' needs"):
+        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(draft_quantization="int4_weights"))
+
+
+def test_acceptance_is_one_for_the_target_itself_and_less_for_another_model():
+    from hf_specsample.prepare.draft_timing import acceptance
+
+    target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
+    ids = torch.randint(0, 16, (40,), generator=torch.Generator().manual_seed(0))
+    same, other = acceptance(target, [target, tiny_lm(seed=3, vocab_size=16)], ids, contextlib.nullcontext())
+    assert same == pytest.approx(1.0) and 0.0 < other < 0.95
+
+
+@pytest.mark.parametrize("int4_rate, chosen", [(0.9, "int4_weights"), (0.3, "int8_weights")])
+def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, int4_rate, chosen):
+    """int4 steps fastest here (by the fake clock): AUTO keeps it where it drafts about as well as the others, and
+    an int8 form where its acceptance drops too far to pay for the faster step."""
+    from hf_specsample import DraftQuantization as Form
+    from hf_specsample.prepare import prepared_draft
+
+    forms = {Form.NONE: 0.030, Form.INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
+    monkeypatch.setattr(prepared_draft, "_compact_forms", lambda model: {
+        form: (lambda model: model) for form in forms if form is not Form.NONE
+    })  # fmt: skip
+    monkeypatch.setattr(prepared_draft, "time_forms", lambda made, target=None: prepared_draft.FormTimings(
+        {form: forms[form] for form in made}, 0.15
+    ))  # fmt: skip
+    rates = {Form.NONE: 0.9, Form.INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
+    monkeypatch.setattr(prepared_draft, "acceptance", lambda target, drafts, *args: list(rates.values()))
+    target, draft = bf16_pair()
+    prepared = prepare_draft(draft, target, calibration=torch.arange(32) % 16)
+    assert prepared.quantization == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate
+    assert "acceptance: none 0.90" in prepared.form
+    assert prepare_draft(draft, target).quantization == "int8_weights"  # no calibration: int4 is not considered

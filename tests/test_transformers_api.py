@@ -168,3 +168,13 @@ def test_the_guard_leaves_a_tests_own_deprecated_call_alone():
     with pytest.warns(FutureWarning, match="`old` is deprecated"):
         assert _DEPRECATED(old=1) == 1
     logging.getLogger("transformers.test_probe").warning("`thing` is deprecated. Use `other`.")
+
+
+@pytest.mark.skipif(not RENAMED, reason="transformers < 5.24 takes `past_key_values` without a deprecation")
+def test_the_guard_fails_the_projects_own_generate_call_with_the_old_name(pair):
+    """The registered generate() renames `past_key_values=` itself (so transformers never sees it): the guard counts
+    that rename's message as transformers' and fails it where the project's code passed the old name."""
+    target, _ = pair
+    with pytest.raises(OwnDeprecation, match=r"examples[/\\]_guard_probe.py:1"):
+        _as_if_in("examples", "model.generate(prompt, past_key_values=None, max_new_tokens=1)", model=target,
+                  prompt=PROMPT)  # fmt: skip

@@ -1,14 +1,20 @@
-"""Timing a draft's forms on this machine, so that `DraftQuantization.AUTO` keeps the faster one.
+"""Timing a draft's forms on this machine, and measuring how often the target would accept each, so that
+`DraftQuantization.AUTO` keeps the form that yields the most tokens per second.
 
 Which form of a draft steps faster depends on the CPU: a dynamic-int8 copy ran a Qwen2.5-Coder-0.5B step in 46 ms
 where bf16 took 93 ms on an AVX2-only EPYC, 27 ms against 50 ms on an EPYC with native bf16 instructions, and a CPU
-with AMX bf16 tiles can turn the order around. So AUTO times both forms at first use instead of following a rule.
+with AMX bf16 tiles or the small-rows kernel's int8 / int4 weights can turn the order around. So AUTO times the
+forms at first use instead of following a rule. A form that rounds the draft's weights coarsely (int4) also drafts
+worse: `acceptance` measures each form's agreement with the target on calibration text, so that the choice weighs
+tokens per round against step time (`lookahead.expected_speedup`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -21,12 +27,19 @@ TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to
 
 @torch.inference_mode()
 def decode_step_seconds(
-    models: Sequence[PreTrainedModel], steps: int = TIMED_STEPS, context: int = TIMED_CONTEXT
+    models: Sequence[PreTrainedModel],
+    steps: int = TIMED_STEPS,
+    context: int = TIMED_CONTEXT,
+    contexts: Sequence[Callable[[int], Any]] | None = None,
 ) -> list[float]:
     """Seconds of one single-token forward of each model (batch 1, `context` cached tokens), interleaved.
 
     Each model is prefilled with the same `context` token ids, then the models take turns at single-token steps
     (so drift of the machine's speed hits all alike); a model's figure is its fastest step after one warm-up step.
+
+    Args:
+        contexts: per model, a function of a forward's rows returning the context it runs in, as the loop runs it
+            (a `KernelPlan.applied`); None: plain forwards.
 
     Returns:
         One figure per model, in order; inf for a model whose forward raised a RuntimeError (an int8 copy cannot
@@ -35,7 +48,8 @@ def decode_step_seconds(
     device = next(models[0].parameters()).device
     vocab = min(model.get_input_embeddings().weight.shape[0] for model in models)
     ids = (torch.arange(context + steps + 1, device=device) % vocab)[None, :]  # (1, context + steps + 1)
-    caches = [_forward(model, ids[:, :context], None) for model in models]
+    contexts = contexts or [lambda rows: contextlib.nullcontext()] * len(models)
+    caches = [_forward(model, ids[:, :context], None, contexts[index](context)) for index, model in enumerate(models)]
     best = [float("inf")] * len(models)
     for step in range(steps + 1):
         token = ids[:, context + step : context + step + 1]  # (1, 1)
@@ -43,15 +57,55 @@ def decode_step_seconds(
             if caches[index] is None:
                 continue
             start = time.perf_counter()
-            caches[index] = _forward(model, token, caches[index])
+            caches[index] = _forward(model, token, caches[index], contexts[index](1))
             if step > 0 and caches[index] is not None:
                 best[index] = min(best[index], time.perf_counter() - start)
     return best
 
 
-def _forward(model: PreTrainedModel, ids: torch.Tensor, cache):
-    """The cache after feeding `ids` `(1, n)`, or None where the forward raised a RuntimeError."""
+def _forward(model: PreTrainedModel, ids: torch.Tensor, cache, context):
+    """The cache after feeding `ids` `(1, n)` in `context`, or None where the forward raised a RuntimeError."""
     try:
-        return transformers_api.output_cache(model(ids, **transformers_api.cache_kwargs(model, cache), use_cache=True))
+        with context:
+            output = model(ids, **transformers_api.cache_kwargs(model, cache), use_cache=True)
+        return transformers_api.output_cache(output)
     except RuntimeError:
         return None
+
+
+@torch.inference_mode()
+def acceptance(
+    target: PreTrainedModel,
+    drafts: Sequence[PreTrainedModel],
+    ids: torch.Tensor,
+    target_context,
+    vocabulary: torch.Tensor | None = None,
+) -> list[float]:
+    """Each draft's expected acceptance rate against the target on `ids`: the mean over positions of
+    sum_v min(p(v), q(v)), with p the target's and q the draft's next-token distribution (temperature 1, no
+    processors), which is the probability that speculative sampling accepts the draft's token there.
+
+    Args:
+        ids: `(length,)` token ids of representative text (a prompt).
+        target_context: the context the target's forward runs in (its `KernelPlan.applied`, for the same rounding
+            as the loop's; any context does: the figure only steers a choice).
+        vocabulary: `(n,)` the target ids a draft's logit columns stand for (an FR-Spec head), or None: its columns
+            are the target's ids ``0 .. width - 1``.
+
+    Returns:
+        One rate per draft, in [0, 1].
+    """
+    ids = ids.reshape(1, -1)
+    with target_context:
+        target_probs = torch.softmax(target(ids).logits[0].float(), dim=-1)  # (length, target vocab)
+    rates = []
+    for draft in drafts:
+        logits = draft(ids.to(next(draft.parameters()).device)).logits[0].float()
+        draft_probs = torch.zeros_like(target_probs)
+        if vocabulary is not None:
+            draft_probs[:, vocabulary] = torch.softmax(logits[:, : len(vocabulary)], dim=-1)
+        else:
+            width = min(logits.shape[-1], target_probs.shape[-1])
+            draft_probs[:, :width] = torch.softmax(logits, dim=-1)[:, :width]
+        rates.append(float(torch.minimum(target_probs, draft_probs).sum(-1).mean()))
+    return rates

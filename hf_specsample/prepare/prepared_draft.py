@@ -36,10 +36,14 @@ from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
 from ..cache import row_ops
-from ..options import DraftQuantization, NamedDraft
+from ..kernels import small_rows
+from ..kernels.quantized_linear import Int4Linear, Int8Linear
+from ..kernels.small_rows import KernelPlan
+from ..lookahead import expected_speedup
+from ..options import DraftQuantization, LinearKernel, NamedDraft
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers, vocab_size
-from .draft_timing import decode_step_seconds
+from .draft_timing import acceptance, decode_step_seconds
 from .self_draft import default_layers_to_keep, layer_skip_draft, shallow_clone
 from .vocabulary import special_token_ids, vocabulary_ids
 
@@ -62,6 +66,8 @@ class PreparedDraft:
         width: the logit width of the draft as given (before a compact head).
         quantization: what was applied: INT8 (an int8 copy) or NONE.
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
+        acceptance: where AUTO weighed the forms against calibration text: each form's expected acceptance rate
+            (`draft_timing.acceptance`); empty otherwise.
         step_seconds: where AUTO timed the forms: seconds per single-token step of each (INT8 and NONE), the
             faster of which is `model`; empty where nothing was timed.
         tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
@@ -76,6 +82,7 @@ class PreparedDraft:
     quantization: DraftQuantization = DraftQuantization.NONE
     self_draft_of: weakref.ref | None = None
     step_seconds: dict[DraftQuantization, float] = field(default_factory=dict)
+    acceptance: dict[DraftQuantization, float] = field(default_factory=dict)
     tokenizers: tuple[Any, Any] | None = None
     shared_vocabulary: SharedVocabulary | None = None
 
@@ -86,7 +93,10 @@ class PreparedDraft:
             f"{form} {seconds * 1e3:.1f} ms" if math.isfinite(seconds) else f"{form} failed"
             for form, seconds in self.step_seconds.items()
         )
-        return f"{self.quantization}" + (f" (timed per step: {timed})" if timed else "")
+        accepted = ", ".join(f"{form} {rate:.2f}" for form, rate in self.acceptance.items())
+        parts = [f"timed per step: {timed}" if timed else "", f"acceptance: {accepted}" if accepted else ""]
+        details = "; ".join(part for part in parts if part)
+        return f"{self.quantization}" + (f" ({details})" if details else "")
 
     @property
     def measured_step_seconds(self) -> float | None:
@@ -130,6 +140,7 @@ def prepare_draft(
     vocabulary: torch.Tensor | int | None = None,
     tokenizer=None,
     draft_tokenizer=None,
+    calibration: torch.Tensor | None = None,
 ) -> PreparedDraft:
     """Prepare a draft once, to pass as `target.generate(..., draft_model=prepared)` in every later call.
 
@@ -144,9 +155,11 @@ def prepare_draft(
             the target (an int8 copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
             `quantization="none"`).
         target: the model whose `generate()` will use the draft.
-        quantization: AUTO (default: for a float draft on the CPU, its dynamic-int8 copy or the draft as given,
-            whichever steps faster on this machine, timed here; the draft as given otherwise), INT8 (forced; CPU
-            float drafts only) or NONE.
+        quantization: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed
+            here: as given, INT8 (torch's dynamic int8), INT8_WEIGHTS (int8 weights on the small-rows kernel) and,
+            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 BF16), each weighed by its measured
+            acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts only), or
+            NONE.
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
             `generation_config`); None (default): every id. Not with a draft of another tokenizer.
@@ -154,6 +167,10 @@ def prepare_draft(
             draft whose logit width is far from the target's is refused without them). The prepared draft keeps
             them and the vocabulary they share (0.25 s of CPU to build for Qwen2.5 and SmolLM2), so `generate()`
             needs neither again; it is a snapshot: prepare again after adding tokens to either tokenizer.
+        calibration: `(length,)` target token ids of representative text (e.g. a prompt, 32-256 tokens): under AUTO
+            the target is timed too, each form's acceptance is measured on it (`draft_timing.acceptance`), and the
+            form with the highest expected speedup wins, int4 weights included. `generate(draft_model=draft)` uses
+            its first call's prompt. Not for a draft with another tokenizer.
 
     Returns:
         A `PreparedDraft`. An int8 copy is a snapshot of the draft's weights: prepare again after changing them.
@@ -171,7 +188,7 @@ def prepare_draft(
         raise ValueError(_OTHER_TOKENIZER_VOCABULARY)
     quantization = DraftQuantization(quantization)
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_token_ids(target.generation_config))
-    prepared = _build(draft, target, quantization, ids)
+    prepared = _build(draft, target, quantization, ids, None if other_tokenizer else calibration)
     if not other_tokenizer:
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, vocab_size(target), prepared.width)
@@ -192,12 +209,15 @@ def draft_for_call(
     vocabulary: torch.Tensor | int | None,
     special_ids: list[int],
     other_tokenizer: bool = False,
+    calibration: torch.Tensor | None = None,
 ) -> PreparedDraft:
     """The prepared draft one `generate()` call runs: the caller's `PreparedDraft` as it is, or the implicit one.
 
     Args:
         quantization, vocabulary: the call's `speculative_config` options.
         special_ids: the call's EOS / padding / BOS ids (an int `vocabulary` keeps them).
+        calibration: `(length,)` target token ids of representative text (the call's prompt): where the implicit
+            draft is made under AUTO, its forms are weighed by acceptance on it too (`_build`).
         other_tokenizer: the draft reads another tokenizer's ids (`validation.check_tokenizers`): it may be
             quantized, but neither restricted to an FR-Spec vocabulary nor made from the target.
     """
@@ -219,7 +239,7 @@ def draft_for_call(
             )
         return draft
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_ids)
-    return _IMPLICIT.get(draft, target, quantization, ids)
+    return _IMPLICIT.get(draft, target, quantization, ids, None if other_tokenizer else calibration)
 
 
 def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
@@ -228,45 +248,111 @@ def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
 
 
 def _build(
-    draft: PreTrainedModel | str, target: PreTrainedModel, quantization: DraftQuantization, ids: torch.Tensor | None
+    draft: PreTrainedModel | str,
+    target: PreTrainedModel,
+    quantization: DraftQuantization,
+    ids: torch.Tensor | None,
+    calibration: torch.Tensor | None = None,
 ) -> PreparedDraft:
-    """Make the prepared draft: the self-draft for "auto", then the compact head, then the int8 copy."""
+    """Make the prepared draft: the model ("auto": the target), its compact head, then the form asked for.
+
+    AUTO: the forms the draft can take here (as given, `int8`, `int8_weights`; for "auto", the target's compact
+    forms, else a view skipping its middle layers), each timed at a single-token step. Without `calibration`, the
+    fastest step wins (those forms draft alike). With it (token ids of representative text), `int4_weights` joins
+    where it runs, the target is timed too and each form's acceptance is measured on the text: the form with the
+    highest expected speedup (`lookahead.expected_speedup`) wins.
+    """
     is_auto = draft == AUTO_DRAFT
     model = target if is_auto else draft
     width = vocab_size(model)
-    can_int8 = _is_plain_cpu_float(model) and int8_engine() is not None
-    wants_int8 = quantization is DraftQuantization.INT8 or (quantization is DraftQuantization.AUTO and can_int8)
-    if is_auto and not wants_int8:
+    makers = _compact_forms(model)
+    if quantization not in (DraftQuantization.AUTO, DraftQuantization.NONE) and quantization not in makers:
+        raise ValueError(_CANNOT_MAKE[quantization])
+    if quantization is DraftQuantization.AUTO:
+        compact = [form for form in makers if form is not DraftQuantization.INT4_WEIGHTS or calibration is not None]
+    else:
+        compact = [] if quantization is DraftQuantization.NONE else [quantization]
+    if is_auto and not compact:  # the target as given is no draft: a view skipping its middle layers
         if row_ops.keeps_state(target):
             raise ValueError(
                 f"draft_model='auto' here skips layers of the target, and {type(target).__name__} keeps convolution "
                 "or recurrent states, whose per-layer config (which layers are convolutions, recurrences or "
                 "attention) a layer-skipping view does not renumber. Pass a small model of the same tokenizer as "
-                "draft_model=, or use draft_model='auto' with draft_quantization='int8' on the CPU (a copy of the "
-                "whole target)."
+                "draft_model=, or use draft_model='auto' on the CPU with draft_quantization='int8' (a compact copy "
+                "of the whole target)."
             )
         model = layer_skip_draft(target, default_layers_to_keep(target.config.get_text_config().num_hidden_layers))
     if ids is not None:
         model = restrict_vocabulary(model, ids)
-    if not wants_int8:
-        return PreparedDraft(model, ids, width, DraftQuantization.NONE, weakref.ref(target) if is_auto else None)
-    if not can_int8:
-        raise ValueError(
-            "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map "
-            "dispatch; use draft_quantization='none' (or 'auto') for this draft."
-        )
-    logger.info("hf_specsample: making a dynamic-int8 copy of the draft")
-    quantized = PreparedDraft(int8_dynamic_copy(model), ids, width, DraftQuantization.INT8)
-    if is_auto:  # a self-draft: the int8 copy of the whole target (the alternative is another model, not a form)
-        return replace(quantized, self_draft_of=weakref.ref(target))
-    if quantization is DraftQuantization.AUTO:  # keep whichever form steps faster on this machine
-        int8_seconds, as_given_seconds = decode_step_seconds([quantized.model, model])
-        seconds = {DraftQuantization.INT8: int8_seconds, DraftQuantization.NONE: as_given_seconds}
-        logger.info("hf_specsample: draft step %.1f ms as int8, %.1f ms as given", *(s * 1e3 for s in seconds.values()))
-        if as_given_seconds < int8_seconds:
-            return PreparedDraft(model, ids, width, DraftQuantization.NONE, step_seconds=seconds)
-        return replace(quantized, step_seconds=seconds)
-    return quantized
+    self_draft_of = weakref.ref(target) if is_auto else None
+    if not compact:
+        return PreparedDraft(model, ids, width, DraftQuantization.NONE, self_draft_of)
+    logger.info("hf_specsample: making the draft's %s form(s)", ", ".join(map(str, compact)))
+    forms = {form: makers[form](model) for form in compact}
+    if quantization is DraftQuantization.AUTO and not is_auto:
+        forms = {DraftQuantization.NONE: model, **forms}
+    if len(forms) == 1:
+        ((form, made),) = forms.items()
+        return PreparedDraft(made, ids, width, form, self_draft_of)
+    timings = time_forms(forms, target if calibration is not None else None)
+    seconds = timings.drafts
+    logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
+    if calibration is None or not math.isfinite(timings.target or math.inf):
+        fastest = min(seconds, key=seconds.get)
+        return PreparedDraft(forms[fastest], ids, width, fastest, self_draft_of, step_seconds=seconds)
+    target_context = KernelPlan.for_model(target, LinearKernel.AUTO, role="target").applied(calibration.numel())
+    rates = dict(zip(forms, acceptance(target, list(forms.values()), calibration, target_context, ids)))
+    value = {form: expected_speedup(rates[form], seconds[form] / timings.target) for form in forms}
+    best = max(value, key=value.get)
+    return PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
+
+
+_CANNOT_MAKE = {
+    DraftQuantization.INT8: (
+        "draft_quantization='int8' needs a float draft on the CPU without bitsandbytes or device_map dispatch, and a "
+        "torch with a quantized CPU engine; use draft_quantization='none' (or 'auto') for this draft."
+    ),
+    DraftQuantization.INT8_WEIGHTS: (
+        "draft_quantization='int8_weights' needs a float draft on the CPU without bitsandbytes or device_map dispatch, "
+        "and hf_specsample's small-rows kernel (built at first use with a C++ compiler); use draft_quantization="
+        "'none' (or 'auto') for this draft."
+    ),
+    DraftQuantization.INT4_WEIGHTS: (
+        "draft_quantization='int4_weights' needs a float draft on the CPU without bitsandbytes or device_map "
+        "dispatch, hf_specsample's small-rows kernel, and a CPU with AVX-512 VNNI or BF16 (the vector paths that "
+        "read int4 weights about as fast as memory delivers them); use 'int8_weights' or 'auto' here."
+    ),
+}
+
+
+def _compact_forms(model: PreTrainedModel) -> dict[DraftQuantization, Any]:
+    """The compact forms `model` can take here, each with the function that makes it."""
+    if not _is_plain_cpu_float(model):
+        return {}
+    makers = {}
+    if int8_engine() is not None:
+        makers[DraftQuantization.INT8] = int8_dynamic_copy
+    if small_rows.load().problem is None:
+        makers[DraftQuantization.INT8_WEIGHTS] = int8_weights_copy
+        if small_rows.best_path(torch.uint8) is not small_rows.KernelPath.SCALAR:  # a vector path reads int4
+            makers[DraftQuantization.INT4_WEIGHTS] = int4_weights_copy
+    return makers
+
+
+class FormTimings(NamedTuple):
+    """Seconds of a single-token step: of each form of a draft, and of the target (None: not timed)."""
+
+    drafts: dict[DraftQuantization, float]
+    target: float | None
+
+
+def time_forms(forms: dict[DraftQuantization, PreTrainedModel], target: PreTrainedModel | None = None) -> FormTimings:
+    """Single-token steps of each form of a draft (and of the target, if given), as the loop runs them (bf16 models
+    on the small-rows kernel where their default plan puts one row), interleaved (`decode_step_seconds`)."""
+    models = [*forms.values(), *([target] if target is not None else [])]
+    plans = [KernelPlan.for_model(model, LinearKernel.AUTO, role="draft") for model in models]
+    seconds = decode_step_seconds(models, contexts=[plan.applied for plan in plans])
+    return FormTimings(dict(zip(forms, seconds)), seconds[len(forms)] if target is not None else None)
 
 
 def _is_plain_cpu_float(model: PreTrainedModel) -> bool:
@@ -352,8 +438,8 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 def _weights_read(model: torch.nn.Module) -> set[str]:
     """Names of the `nn.Linear` modules whose weight tensor their parent's forward reads (`self.lm_head.weight.dtype`
-    in Mamba-2's head, `self.down_proj.weight.dtype` in an Inkling MLP): an int8 module's `weight` is a method, so
-    those stay float."""
+    in Mamba-2's head, `self.down_proj.weight.dtype` in an Inkling MLP): those stay float in a compact form, whose
+    `weight` is a method (dynamic int8) or an int8 / packed int4 buffer (`Int8Linear`, `Int4Linear`)."""
     read = set()
     for parent_name, parent in model.named_modules():
         children = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
@@ -366,6 +452,46 @@ def _weights_read(model: torch.nn.Module) -> set[str]:
         prefix = f"{parent_name}." if parent_name else ""
         read |= {prefix + name for name in children if f"self.{name}.weight" in source}
     return read
+
+
+def int8_weights_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A view of `model` whose `nn.Linear` layers are `kernels.quantized_linear.Int8Linear` (int8 weights, one scale
+    per row, run by the small-rows kernel); every other module (embeddings, norms) is shared with `model`.
+
+    The LM head gets its own int8 copy where it is tied to the input embedding (the embedding stays as it is).
+    """
+    return _with_linears(model, Int8Linear.from_linear)
+
+
+def _with_linears(model: PreTrainedModel, make) -> PreTrainedModel:
+    """A view of `model` in which `make(linear)` replaces every `nn.Linear` (but those whose weight tensor the model
+    reads, `_weights_read`); the modules on the way are shallow clones, every other module is `model`'s own."""
+    kept = {id(model.get_submodule(name)) for name in _weights_read(model)}
+
+    def replaced(module: torch.nn.Module) -> torch.nn.Module:
+        clone = shallow_clone(module)
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.Linear) and id(child) not in kept:
+                clone._modules[name] = make(child)
+            elif any(isinstance(inner, torch.nn.Linear) for inner in child.modules()):
+                clone._modules[name] = replaced(child)
+        return clone
+
+    return replaced(model).eval()
+
+
+def int4_weights_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A view of `model` whose decoder `nn.Linear` layers are `Int4Linear` (int4 weights, a scale per 128 inputs)
+    where their inputs split into whole groups, `Int8Linear` elsewhere and for the LM head (the largest single
+    weight, and the most sensitive); every other module is shared with `model`."""
+    head = model.get_output_embeddings()
+
+    def make(linear: torch.nn.Linear) -> torch.nn.Module:
+        if linear is head or not Int4Linear.fits(linear):
+            return Int8Linear.from_linear(linear)
+        return Int4Linear.from_linear(linear)
+
+    return _with_linears(model, make)
 
 
 def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreTrainedModel:
@@ -446,7 +572,9 @@ class _ImplicitDrafts:
         target: PreTrainedModel,
         quantization: DraftQuantization,
         ids: torch.Tensor | None,
+        calibration: torch.Tensor | None = None,
     ) -> PreparedDraft:
+        """The entry for these options, made (`_build`, with `calibration` for AUTO) where there is none."""
         owner = target if draft == AUTO_DRAFT else draft
         quantization = DraftQuantization(quantization)
         key = (draft == AUTO_DRAFT, quantization, None if ids is None else ids.numpy().tobytes())
@@ -454,7 +582,7 @@ class _ImplicitDrafts:
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            prepared = _build(draft, target, quantization, ids)
+            prepared = _build(draft, target, quantization, ids, calibration)
             if prepared.model is owner and not prepared.step_seconds:  # nothing made or decided: runs as given
                 return prepared
             stored = replace(prepared, model=None) if prepared.model is owner else prepared

@@ -1,0 +1,232 @@
+"""One speculative round on the real pair, phase by phase, against the memory-bandwidth floor of each phase.
+
+    python benchmarks/round_profile.py                        # Qwen2.5-Coder 1.5B target, 0.5B draft, K=4
+    python benchmarks/round_profile.py --load-from gguf --lookahead 8 --context 256
+
+Prints, on the machine it runs on (`lscpu`'s model name and flags first):
+1. the machine's memory bandwidth: the median time to read a 1 GiB tensor (`sum`, the threads torch uses), and the
+   rate the small-rows kernel reads a large bf16 weight at one row (its path named);
+2. per phase of one round, in ms (median of `--repeats`), the bytes it must read, the floor (bytes / bandwidth) and
+   its multiple of the floor:
+   - a draft step (one token) in each form the draft can take here (as given on the kernel where its plan puts
+     one row, dynamic int8, int8 weights on the kernel);
+   - the target's forward over 1 and over K+1 positions with the default kernel plan, split by module hooks into
+     the linears (the LM head apart), attention (without its linears), norms, and the rest (embedding, rotary
+     embedding, residuals, the model's Python, the hooks' own cost);
+   - processors and acceptance (sampling, T=0.7, top_p=0.95, over K+1 positions of the real vocabulary);
+   - the caches' rollback (a crop of the rejected positions) and the round's one host sync.
+Whatever is far from its floor is the next thing to fix. Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+import hf_specsample  # noqa: F401  (registers draft_model=)
+from hf_specsample import DraftQuantization, LinearKernel
+from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
+from hf_specsample.kernels.small_rows import KernelPlan
+from hf_specsample.lookahead import weight_bytes
+from hf_specsample.prepare.prepared_draft import _compact_forms
+from hf_specsample.transformers_api import cache_kwargs, output_cache
+from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
+from hf_specsample.verify.rejection import speculative_accept
+from hf_specsample_bench.measure import cpu_name
+from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
+from hf_specsample_bench.prompts import PromptSet, load_prompts
+
+GIB = 2**30
+
+
+def median_seconds(function, repeats: int, warm_up: int = 1) -> float:
+    for _ in range(warm_up):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth(repeats: int) -> float:
+    """Bytes per second of reading a 1 GiB fp32 tensor (`sum`) with torch's threads."""
+    data = torch.ones(GIB // 4, dtype=torch.float32)
+    return GIB / median_seconds(lambda: data.sum(), repeats)
+
+
+def kernel_read_rate(repeats: int) -> tuple[float, str]:
+    """Bytes per second the small-rows kernel reads a 512 MiB bf16 weight at one row; its path."""
+    weight = torch.randn(2**18, 1024).to(torch.bfloat16)  # 512 MiB
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    seconds = median_seconds(lambda: small_rows.small_rows_linear(x, weight), repeats)
+    return weight.numel() * 2 / seconds, str(small_rows.best_path())
+
+
+class ModuleClock:
+    """Wall time spent in modules, by category, through forward pre/post hooks (nested categories subtract)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.handles = []
+        head = model.get_output_embeddings()
+        for module in model.modules():
+            category = self.category(module, head)
+            if category is not None:
+                self.handles.append(module.register_forward_pre_hook(self._enter))
+                self.handles.append(module.register_forward_hook(self._leave(category)))
+        self._stack: list[float] = []
+
+    @staticmethod
+    def category(module: torch.nn.Module, head: torch.nn.Module) -> str | None:
+        name = type(module).__name__
+        if module is head:
+            return "LM head"
+        if isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear)) or name == "Linear":  # "Linear": fbgemm's
+            return "linears"
+        if name.endswith("Attention"):
+            return "attention (without its linears)"
+        if "Norm" in name:
+            return "norms"
+        return None
+
+    def _enter(self, module, args):
+        self._stack.append(time.perf_counter())
+
+    def _leave(self, category):
+        def hook(module, args, output):
+            start = self._stack.pop()
+            elapsed = time.perf_counter() - start
+            self.seconds[category] += elapsed
+            if category == "linears" and self._stack:  # inside an attention module: not the attention's own time
+                self.seconds["attention (without its linears)"] -= elapsed
+
+        return hook
+
+    def reset(self):
+        self.seconds.clear()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def forward_profile(model, ids, context_ids, width: int, plan: KernelPlan, repeats: int) -> dict[str, float]:
+    """Median seconds of a forward over `width` positions after `context_ids`, and its split by module category."""
+    cache = output_cache(model(context_ids, use_cache=True))
+    step = ids[:, -width:]
+
+    def forward():
+        with plan.applied(width):
+            model(step, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=width)
+        cache.crop(-width)
+
+    total = median_seconds(forward, repeats)
+    clock = ModuleClock(model)
+    splits = []
+    for _ in range(repeats):
+        clock.reset()
+        forward()
+        splits.append(dict(clock.seconds))
+    clock.remove()
+    split = {key: statistics.median(entry.get(key, 0.0) for entry in splits) for key in splits[0]}
+    split["rest (embedding, rotary, residuals, Python, hooks)"] = total - sum(split.values())
+    return {"total": total, **split}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load-from", type=LoadPath, choices=list(LoadPath), default=LoadPath.CHECKPOINT)
+    parser.add_argument("--lookahead", type=int, default=4, help="K: the round verifies K+1 positions")
+    parser.add_argument("--context", type=int, default=128, help="tokens in the caches before the round")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}")
+    bandwidth = read_bandwidth(args.repeats)
+    problem = small_rows.load().problem
+    kernel_rate, path = kernel_read_rate(args.repeats) if problem is None else (float("nan"), problem)
+    print(f"memory bandwidth (reading 1 GiB, sum): {bandwidth / 1e9:.1f} GB/s; the small-rows kernel ({path}) reads a "
+          f"512 MiB bf16 weight at one row at {kernel_rate / 1e9:.1f} GB/s")  # fmt: skip
+    target, draft, tokenizer = load_pair(KnownPair.QWEN_CODER, torch.bfloat16, path=args.load_from)
+    print(f"Qwen2.5-Coder 1.5B target, 0.5B draft, bf16, loaded from {args.load_from}; K={args.lookahead}, "
+          f"{args.context} cached tokens")  # fmt: skip
+    text = load_prompts(PromptSet.HUMANEVAL, 1, offset=100)[0].text
+    ids = tokenizer(text * 8, return_tensors="pt")["input_ids"][:, : args.context + args.lookahead + 1]
+    context_ids, width = ids[:, : args.context], args.lookahead + 1
+    rows = []
+
+    def row(phase: str, seconds: float, read_bytes: float | None):
+        floor = read_bytes / bandwidth if read_bytes else None
+        rows.append((phase, seconds * 1e3, read_bytes, floor))
+
+    # 1. the draft's single-token step, in each form
+    forms = {DraftQuantization.NONE: draft, **{form: make(draft) for form, make in _compact_forms(draft).items()}}
+    for form, model in forms.items():
+        plan = KernelPlan.for_model(model, LinearKernel.AUTO, role="draft")
+        profile = forward_profile(model, ids, context_ids, 1, plan, args.repeats)
+        row(f"draft step, {form}", profile["total"], weight_bytes(model))
+        for key, seconds in profile.items():
+            if key != "total":
+                row(f"  {key}", seconds, None)
+
+    # 2. the target's forward over 1 and K+1 positions, split
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO, role="target")
+    print(f"target kernel plan: {plan.reason}")
+    target_bytes = weight_bytes(target)
+    head_bytes = target.get_output_embeddings().weight.numel() * 2
+    for positions in (1, width):
+        profile = forward_profile(target, ids, context_ids, positions, plan, args.repeats)
+        row(f"target forward, {positions} position(s)", profile["total"], target_bytes)
+        for key, seconds in profile.items():
+            if key != "total":
+                share = {"LM head": head_bytes, "linears": target_bytes - head_bytes}.get(key)
+                row(f"  {key}", seconds, share)
+
+    # 3. processors and acceptance over K+1 positions: the models' own logits on the prompt's text
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.95)])
+    processor = PositionwiseProcessor(processors, batch_size=1)
+    logits = target(ids).logits[:, -width:].float()  # (1, K + 1, vocab)
+    draft_logits = draft(ids).logits[:, -width:-1].float()  # (1, K, vocab)
+    draft_probs = probabilities(processor(ids, [ids.shape[1] - width], draft_logits, [0]))
+    tokens = ids[:, -args.lookahead :]
+    generator = torch.Generator().manual_seed(0)
+
+    def accept():
+        scores = processor(ids, [ids.shape[1] - width], logits, [0])
+        return speculative_accept(tokens, draft_probs, probabilities(scores), generator)
+
+    row(f"processors + acceptance (T=0.7, top_p=0.95), {width} positions", median_seconds(accept, args.repeats), None)
+    verdict = accept()
+    row("host sync (num_accepted.tolist())", median_seconds(lambda: verdict.num_accepted.tolist(), args.repeats), None)
+
+    # 4. rollback: both caches drop the rejected half of the round's positions
+    def rollback():
+        for model in (target, draft):
+            cache = DynamicCache(config=model.config)
+            model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            start = time.perf_counter()
+            cache.crop(-(width // 2))
+            rollback.seconds += time.perf_counter() - start
+
+    rollback.seconds = 0.0
+    for _ in range(3):
+        rollback()
+    row("rollback (crop both caches)", rollback.seconds / 3, None)
+
+    print(f"\n{'phase':<58} {'ms':>8} {'MB read':>8} {'floor ms':>8} {'x floor':>7}")
+    for phase, ms, read_bytes, floor in rows:
+        mb = f"{read_bytes / 1e6:8.0f}" if read_bytes else f"{'':>8}"
+        floor_text = f"{floor * 1e3:8.1f} {ms / (floor * 1e3):6.2f}x" if floor else ""
+        print(f"{phase:<58} {ms:8.1f} {mb} {floor_text}")
+
+
+if __name__ == "__main__":
+    main()
