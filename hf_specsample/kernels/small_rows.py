@@ -460,10 +460,13 @@ def _timed_plan(weight: torch.Tensor) -> KernelPlan:
     def next_part():
         return slices[next(turn) % len(slices)]
 
+    # Warm-up: every slice once by each method. The first touch of a weight loaded from a memory-mapped file pages it
+    # in, and a path's first call pays one-time costs (threads waking, AMX's tile state): timed, they made the first
+    # widths look several times slower for both methods and decided them by noise.
     warm = torch.randn(1, weight.shape[1], generator=generator).to(torch.bfloat16)
-    for _ in range(3):  # the first calls pay one-time costs (threads waking, a path's first use of AMX tiles)
-        F.linear(warm, next_part())
-        small_rows_linear(warm, next_part())
+    for part in slices:
+        F.linear(warm, part)
+        small_rows_linear(warm, part)
     timings = {}
     for rows in (*range(1, MAX_ROWS + 1), PROMPT_PROBE_ROWS):
         x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
