@@ -160,6 +160,9 @@ class SpeculativeDecoder:
         if self.tensor_parallel:  # every rank must draw the same randomness (see distributed.py)
             generator = distributed.shared_generator(generator, input_ids.device)
         self.generator = generator
+        # A seeded call repeats its sample in any process, and tensor-parallel ranks must run identical rounds: no
+        # choice below may then depend on the clock (the draft's form, the kernel plans, K).
+        reproducible = generator is not None
 
         vocab_size = validation.vocab_size(model)
         self.verification = config.verification
@@ -175,8 +178,10 @@ class SpeculativeDecoder:
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
                 special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
-                calibration=_calibration(input_ids, model_kwargs.get("attention_mask")),
+                calibration=_calibration(input_ids, model_kwargs.get("attention_mask")), clock_free=reproducible,
             )  # fmt: skip
+            if self.tensor_parallel:
+                distributed.check_same_draft(draft.quantization, draft.vocabulary, input_ids.device)
 
         # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
         # recovered/bonus token fit (one spare column).
@@ -189,7 +194,6 @@ class SpeculativeDecoder:
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0
         # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (compiled ones do not need it).
-        reproducible = generator is not None
         kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target") if compiled is None else None
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,

@@ -9,6 +9,8 @@ drift apart, whatever their floating point does.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 import torch.distributed as dist
 
@@ -46,6 +48,29 @@ def _from_rank_zero(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         buffer = buffer.to(torch.int32)  # gloo has no uint8 broadcast on every build
     dist.broadcast(buffer, src=0)
     return buffer.cpu()
+
+
+def check_same_draft(form: Enum, vocabulary: torch.Tensor | None, device: torch.device) -> None:
+    """Refuse, on every rank, a draft whose form or vocabulary differs between ranks (a `PreparedDraft` each rank
+    made with different options): their proposals, and so the shapes of the target's collectives, would differ.
+
+    Two all-reduces of 2 integers (min and max of the form's index and of the vocabulary's checksum), on `device`
+    under NCCL.
+    """
+    forms = list(type(form))
+    checksum = 0 if vocabulary is None else int(vocabulary.long().sum()) * 31 + vocabulary.numel()
+    values = torch.tensor([forms.index(form), checksum], dtype=torch.long, device=_broadcast_device(device))
+    low, high = values.clone(), values.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low.cpu(), high.cpu()):
+        raise ValueError(
+            f"The tensor-parallel ranks run different drafts (this rank: {form}, "
+            f"{'full vocabulary' if vocabulary is None else f'{vocabulary.numel()} token vocabulary'}): every rank "
+            "must propose the same tokens. Pass the same prepare_draft(...) options on every rank, with an explicit "
+            "quantization= (AUTO chooses without the clock for a tensor-parallel target), or let generate() prepare "
+            "the draft."
+        )
 
 
 def broadcast_verdict(verdict: Verdict) -> Verdict:

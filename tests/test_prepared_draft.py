@@ -312,3 +312,49 @@ def test_prompt_lookup_statistics_name_the_drafter(pair):
     target, _ = pair
     out = greedy(target, draft_model="prompt_lookup", return_dict_in_generate=True)
     assert out.speculative_stats.draft_form == "prompt_lookup"
+
+
+# --- a seeded call (and a tensor-parallel target, tests/test_tensor_parallel.py) chooses without the clock ---
+
+
+def test_a_seeded_call_chooses_the_form_without_the_clock(pair, as_given_steps_faster):
+    """A seeded sample must repeat in another process, where timings differ: AUTO then times nothing and takes the
+    first form made in `CLOCK_FREE_ORDER`; an unseeded call with the same options still times (its own entry)."""
+    from hf_specsample.prepare.prepared_draft import CLOCK_FREE_ORDER
+
+    target, _ = pair
+    draft = perturbed_copy(target, seed=8, scale=0.1)
+    generator = torch.Generator().manual_seed(0)
+    out = target.generate(PROMPT, do_sample=True, max_new_tokens=12, pad_token_id=PAD, draft_model=draft,
+                          generator=generator, return_dict_in_generate=True)  # fmt: skip
+    expected = next(form for form in CLOCK_FREE_ORDER if str(form) in FORMS)
+    assert as_given_steps_faster == []  # nothing timed
+    assert out.speculative_stats.draft_form.startswith(f"{expected} (chosen without the clock, weights read per step")
+    timed = greedy(target, draft_model=draft, return_dict_in_generate=True)
+    assert as_given_steps_faster == [len(FORMS)]  # the timed choice is its own entry
+    assert timed.speculative_stats.draft_form.startswith("none (timed per step")
+    again = target.generate(PROMPT, do_sample=True, max_new_tokens=12, pad_token_id=PAD, draft_model=draft,
+                            generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(again.sequences, out.sequences) and as_given_steps_faster == [len(FORMS)]
+
+
+def test_a_seeded_call_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_given_steps_faster):
+    """With a prompt long enough to calibrate on, the clock-free choice is the best expected speedup with each
+    form's cost taken as its weight bytes per step over the target's."""
+    from hf_specsample.lookahead import expected_speedup, weight_bytes
+
+    target, _ = pair
+    draft = perturbed_copy(target, seed=9, scale=0.1)
+    prompt = torch.arange(1, 41)[None, :] % 60 + 1  # (1, 40): calibration text
+    out = target.generate(prompt, do_sample=True, max_new_tokens=8, pad_token_id=PAD, draft_model=draft,
+                          generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)  # fmt: skip
+    assert as_given_steps_faster == []
+    prepared = draft_for_call(draft, target, DraftQuantization.AUTO, None, special_ids=[],
+                              calibration=prompt[0], clock_free=True)  # fmt: skip
+    assert set(prepared.acceptance) == set(prepared.step_bytes) and len(prepared.step_bytes) >= len(FORMS)
+    value = {
+        form: expected_speedup(rate, prepared.step_bytes[form] / weight_bytes(target))
+        for form, rate in prepared.acceptance.items()
+    }
+    assert prepared.quantization is max(value, key=value.get)
+    assert out.speculative_stats.draft_form == prepared.form and as_given_steps_faster == []

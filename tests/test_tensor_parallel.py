@@ -39,6 +39,13 @@ def test_two_ranks_accept_the_same_tokens(tmp_path):
     assert all(result["tp_size"] == 2 for result in ranks)
     assert ranks[0]["sampled"] == ranks[1]["sampled"]  # despite different global seeds per rank
     assert ranks[0]["greedy"] == ranks[1]["greedy"]
+    # The draft's form is chosen without the clock (timings differ between processes), the same on every rank.
+    assert ranks[0]["draft_form"] == ranks[1]["draft_form"]
+    assert "chosen without the clock" in ranks[0]["draft_form"]
+    assert ranks[0]["prepared_form"] == ranks[1]["prepared_form"]
+    assert "chosen without the clock" in ranks[0]["prepared_form"]
+    # Drafts prepared differently per rank: refused on every rank, with what to do.
+    assert all("ranks run different drafts" in (result["refusal"] or "") for result in ranks)
     prompt = torch.tensor([[1, 5, 9, 17, 33], [1, 2, 3, 4, 5]])
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     assert ranks[0]["greedy"] == expected.tolist()  # the sharded target's greedy output is the model's own

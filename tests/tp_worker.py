@@ -27,8 +27,19 @@ sampled = target.generate(
     num_lookahead=3,
     return_dict_in_generate=True,
 )
+# Each rank prepares a different draft form: every rank must refuse before any round (not abort in a collective).
+mismatched = hf_specsample.prepare_draft(draft, target, quantization="none" if rank == 0 else "int8")
+try:
+    target.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, draft_model=mismatched)
+    refusal = None
+except ValueError as error:
+    refusal = str(error)
+prepared = hf_specsample.prepare_draft(draft, target)  # AUTO: chosen without the clock for a sharded target
 result = {
     "rank": rank,
+    "draft_form": sampled.speculative_stats.draft_form,
+    "prepared_form": prepared.form,
+    "refusal": refusal,
     "tp_size": target.tp_size,
     "greedy": greedy.tolist(),
     "sampled": sampled.sequences.tolist(),

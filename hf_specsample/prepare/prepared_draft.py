@@ -35,11 +35,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
+from .. import distributed
 from ..cache import row_ops
 from ..kernels import small_rows
 from ..kernels.quantized_linear import Int4Linear, Int8Linear
 from ..kernels.small_rows import KernelPlan
-from ..lookahead import expected_speedup
+from ..lookahead import expected_speedup, weight_bytes
 from ..options import DraftQuantization, LinearKernel, NamedDraft
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers, vocab_size
@@ -64,12 +65,14 @@ class PreparedDraft:
         vocabulary: `(n,)` long, sorted: the token ids the model's logits stand for (its first n logit columns), an
             FR-Spec subset; None: the draft's own ids ``0 .. width - 1``.
         width: the logit width of the draft as given (before a compact head).
-        quantization: what was applied: INT8 (an int8 copy) or NONE.
+        quantization: the form that drafts: NONE (as given), INT8, INT8_WEIGHTS or INT4_WEIGHTS.
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
         acceptance: where AUTO weighed the forms against calibration text: each form's expected acceptance rate
             (`draft_timing.acceptance`); empty otherwise.
         step_seconds: where AUTO timed the forms: seconds per single-token step of each (INT8 and NONE), the
             faster of which is `model`; empty where nothing was timed.
+        step_bytes: where AUTO chose without the clock (a seeded call, a tensor-parallel target): the weight bytes a
+            single-token step of each form reads (`lookahead.weight_bytes`), its stand-in for time; else empty.
         tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
             `generate()` uses them when it is given no tokenizers, or these very objects.
         shared_vocabulary: the tokens those tokenizers share (`proposers.cross_vocab.shared_vocabulary`, built once here
@@ -83,6 +86,7 @@ class PreparedDraft:
     self_draft_of: weakref.ref | None = None
     step_seconds: dict[DraftQuantization, float] = field(default_factory=dict)
     acceptance: dict[DraftQuantization, float] = field(default_factory=dict)
+    step_bytes: dict[DraftQuantization, int] = field(default_factory=dict)
     tokenizers: tuple[Any, Any] | None = None
     shared_vocabulary: SharedVocabulary | None = None
 
@@ -94,7 +98,12 @@ class PreparedDraft:
             for form, seconds in self.step_seconds.items()
         )
         accepted = ", ".join(f"{form} {rate:.2f}" for form, rate in self.acceptance.items())
-        parts = [f"timed per step: {timed}" if timed else "", f"acceptance: {accepted}" if accepted else ""]
+        weighed = ", ".join(f"{form} {size / 1e6:.1f} MB" for form, size in self.step_bytes.items())
+        parts = [
+            f"timed per step: {timed}" if timed else "",
+            f"chosen without the clock, weights read per step: {weighed}" if weighed else "",
+            f"acceptance: {accepted}" if accepted else "",
+        ]
         details = "; ".join(part for part in parts if part)
         return f"{self.quantization}" + (f" ({details})" if details else "")
 
@@ -172,6 +181,9 @@ def prepare_draft(
             form with the highest expected speedup wins, int4 weights included. `generate(draft_model=draft)` uses
             its first call's prompt. Not for a draft with another tokenizer.
 
+    For a tensor-parallel target, AUTO chooses without the clock (as a seeded `generate()` call does, see
+    `_build`), so that every rank prepares the same form.
+
     Returns:
         A `PreparedDraft`. An int8 copy is a snapshot of the draft's weights: prepare again after changing them.
 
@@ -188,7 +200,8 @@ def prepare_draft(
         raise ValueError(_OTHER_TOKENIZER_VOCABULARY)
     quantization = DraftQuantization(quantization)
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_token_ids(target.generation_config))
-    prepared = _build(draft, target, quantization, ids, None if other_tokenizer else calibration)
+    clock_free = distributed.is_tensor_parallel(target)  # every rank must choose the same form
+    prepared = _build(draft, target, quantization, ids, None if other_tokenizer else calibration, clock_free)
     if not other_tokenizer:
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, vocab_size(target), prepared.width)
@@ -210,6 +223,7 @@ def draft_for_call(
     special_ids: list[int],
     other_tokenizer: bool = False,
     calibration: torch.Tensor | None = None,
+    clock_free: bool = False,
 ) -> PreparedDraft:
     """The prepared draft one `generate()` call runs: the caller's `PreparedDraft` as it is, or the implicit one.
 
@@ -220,6 +234,8 @@ def draft_for_call(
             draft is made under AUTO, its forms are weighed by acceptance on it too (`_build`).
         other_tokenizer: the draft reads another tokenizer's ids (`validation.check_tokenizers`): it may be
             quantized, but neither restricted to an FR-Spec vocabulary nor made from the target.
+        clock_free: the call's output must not depend on the clock (a seeded call, a tensor-parallel target): AUTO
+            then chooses the implicit draft's form without timing (`_build`).
     """
     if other_tokenizer:
         prepared_vocabulary = isinstance(draft, PreparedDraft) and draft.vocabulary is not None
@@ -239,7 +255,7 @@ def draft_for_call(
             )
         return draft
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_ids)
-    return _IMPLICIT.get(draft, target, quantization, ids, None if other_tokenizer else calibration)
+    return _IMPLICIT.get(draft, target, quantization, ids, None if other_tokenizer else calibration, clock_free)
 
 
 def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
@@ -253,6 +269,7 @@ def _build(
     quantization: DraftQuantization,
     ids: torch.Tensor | None,
     calibration: torch.Tensor | None = None,
+    clock_free: bool = False,
 ) -> PreparedDraft:
     """Make the prepared draft: the model ("auto": the target), its compact head, then the form asked for.
 
@@ -261,6 +278,11 @@ def _build(
     fastest step wins (those forms draft alike). With it (token ids of representative text), `int4_weights` joins
     where it runs, the target is timed too and each form's acceptance is measured on the text: the form with the
     highest expected speedup (`lookahead.expected_speedup`) wins.
+
+    AUTO with `clock_free` (a seeded call, whose sample must repeat in another process; a tensor-parallel target,
+    whose ranks must run the same draft): nothing is timed. Without `calibration`, the first form made among
+    `CLOCK_FREE_ORDER`; with it, the expected speedup with each form's cost taken as its weight bytes per step over
+    the target's (`lookahead.weight_bytes`: decoding reads every weight once per step).
     """
     is_auto = draft == AUTO_DRAFT
     model = target if is_auto else draft
@@ -294,6 +316,8 @@ def _build(
     if len(forms) == 1:
         ((form, made),) = forms.items()
         return PreparedDraft(made, ids, width, form, self_draft_of)
+    if clock_free:
+        return _chosen_without_clock(forms, target, ids, width, self_draft_of, calibration)
     timings = time_forms(forms, target if calibration is not None else None)
     seconds = timings.drafts
     logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
@@ -305,6 +329,34 @@ def _build(
     value = {form: expected_speedup(rates[form], seconds[form] / timings.target) for form in forms}
     best = max(value, key=value.get)
     return PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
+
+
+# AUTO's choice without calibration text or clock: int8 weights on the small-rows kernel (made only where it is built),
+# torch's dynamic int8, the draft as given. The int8 forms read about a quarter of float32's bytes, half of bf16's.
+CLOCK_FREE_ORDER = (DraftQuantization.INT8_WEIGHTS, DraftQuantization.INT8, DraftQuantization.NONE)
+
+
+def _chosen_without_clock(
+    forms: dict[DraftQuantization, PreTrainedModel],
+    target: PreTrainedModel,
+    ids: torch.Tensor | None,
+    width: int,
+    self_draft_of: weakref.ref | None,
+    calibration: torch.Tensor | None,
+) -> PreparedDraft:
+    """AUTO's choice among `forms` that depends only on the weights and the calibration text (see `_build`)."""
+    sizes = {form: weight_bytes(made) for form, made in forms.items()}
+    if calibration is None:
+        chosen = next(form for form in CLOCK_FREE_ORDER if form in forms)
+        return PreparedDraft(forms[chosen], ids, width, chosen, self_draft_of, step_bytes=sizes)
+    plan = KernelPlan.for_model(target, LinearKernel.AUTO, clock_free=True, role="target")
+    rates = dict(
+        zip(forms, acceptance(target, list(forms.values()), calibration, plan.applied(calibration.numel()), ids))
+    )
+    target_bytes = max(1, weight_bytes(target))
+    value = {form: expected_speedup(rates[form], sizes[form] / target_bytes) for form in forms}
+    best = max(value, key=value.get)  # ties: the first form, in `forms`' order
+    return PreparedDraft(forms[best], ids, width, best, self_draft_of, acceptance=rates, step_bytes=sizes)
 
 
 _CANNOT_MAKE = {
@@ -573,17 +625,21 @@ class _ImplicitDrafts:
         quantization: DraftQuantization,
         ids: torch.Tensor | None,
         calibration: torch.Tensor | None = None,
+        clock_free: bool = False,
     ) -> PreparedDraft:
-        """The entry for these options, made (`_build`, with `calibration` for AUTO) where there is none."""
+        """The entry for these options, made (`_build`, with `calibration` and `clock_free` for AUTO) where there
+        is none. A clock-free choice is kept apart from a timed one: the same options may choose differently."""
         owner = target if draft == AUTO_DRAFT else draft
         quantization = DraftQuantization(quantization)
-        key = (draft == AUTO_DRAFT, quantization, None if ids is None else ids.numpy().tobytes())
+        how = clock_free and quantization is DraftQuantization.AUTO
+        key = (draft == AUTO_DRAFT, quantization, None if ids is None else ids.numpy().tobytes(), how)
         weights = _named_weights(owner)
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            prepared = _build(draft, target, quantization, ids, calibration)
-            if prepared.model is owner and not prepared.step_seconds:  # nothing made or decided: runs as given
+            prepared = _build(draft, target, quantization, ids, calibration, clock_free)
+            decided = prepared.step_seconds or prepared.step_bytes
+            if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared
             stored = replace(prepared, model=None) if prepared.model is owner else prepared
             entries[key] = _Entry(stored, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
