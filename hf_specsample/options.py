@@ -90,9 +90,12 @@ class SpeculativeConfig:
         max_lookahead: upper bound of the adaptive K.
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
-        draft_quantization: "auto" (default: for a float draft that runs on the CPU, the fastest of its forms here,
-            timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the small-rows kernel; kept
-            while the draft model lives and its weights do not change), "int8", "int8_weights" or "none". See
+        draft_quantization: "auto" (default: for a float draft that runs on the CPU, the form with the best
+            expected speedup here, timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the
+            small-rows kernel and, with a prompt of 16 tokens or more to measure acceptance on, an int4-weights
+            copy; kept while the draft model lives and its weights do not change. A seeded call (`generator=`) and
+            a tensor-parallel target choose from the weights alone, without the clock: `int8_weights` where the
+            kernel builds, else `int8`, else as given), "int8", "int8_weights", "int4_weights" or "none". See
             `prepare_draft`; with a `PreparedDraft` as `draft_model=`, set it there instead.
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.

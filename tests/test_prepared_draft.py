@@ -338,23 +338,42 @@ def test_a_seeded_call_chooses_the_form_without_the_clock(pair, as_given_steps_f
     assert torch.equal(again.sequences, out.sequences) and as_given_steps_faster == [len(FORMS)]
 
 
-def test_a_seeded_call_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_given_steps_faster):
-    """With a prompt long enough to calibrate on, the clock-free choice is the best expected speedup with each
-    form's cost taken as its weight bytes per step over the target's."""
+def test_a_seeded_calls_draft_does_not_depend_on_earlier_calls(pair):
+    """Clock-free, the implicit draft is chosen from the weights alone, not from the first call's prompt: a long
+    prompt's seeded sample is the same whether or not a short-prompt call prepared the draft before it."""
+    target, _ = pair
+    fresh = perturbed_copy(target, seed=9, scale=0.1)
+    used = copy.deepcopy(fresh)
+    long_prompt = torch.arange(1, 41)[None, :] % 60 + 1  # (1, 40): long enough to calibrate on
+
+    def seeded(draft, prompt):
+        return target.generate(prompt, do_sample=True, max_new_tokens=16, pad_token_id=PAD, draft_model=draft,
+                               generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)  # fmt: skip
+
+    alone = seeded(fresh, long_prompt)
+    seeded(used, PROMPT)
+    after = seeded(used, long_prompt)
+    assert torch.equal(alone.sequences, after.sequences)
+    assert alone.speculative_stats.draft_form == after.speculative_stats.draft_form
+    assert "acceptance" not in alone.speculative_stats.draft_form  # the prompt did not weigh in
+
+
+def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_given_steps_faster):
+    """`prepare_draft(..., calibration=)` for a tensor-parallel target: no clock; the best expected speedup with
+    each form's cost taken as its weight bytes per step over the target's."""
     from hf_specsample.lookahead import expected_speedup, weight_bytes
+    from hf_specsample.prepare.prepared_draft import _build
 
     target, _ = pair
-    draft = perturbed_copy(target, seed=9, scale=0.1)
-    prompt = torch.arange(1, 41)[None, :] % 60 + 1  # (1, 40): calibration text
-    out = target.generate(prompt, do_sample=True, max_new_tokens=8, pad_token_id=PAD, draft_model=draft,
-                          generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)  # fmt: skip
+    draft = perturbed_copy(target, seed=10, scale=0.1)
+    calibration = torch.arange(1, 41) % 60 + 1
+    prepared = _build(draft, target, DraftQuantization.AUTO, None, calibration, clock_free=True)
     assert as_given_steps_faster == []
-    prepared = draft_for_call(draft, target, DraftQuantization.AUTO, None, special_ids=[],
-                              calibration=prompt[0], clock_free=True)  # fmt: skip
     assert set(prepared.acceptance) == set(prepared.step_bytes) and len(prepared.step_bytes) >= len(FORMS)
     value = {
         form: expected_speedup(rate, prepared.step_bytes[form] / weight_bytes(target))
         for form, rate in prepared.acceptance.items()
     }
     assert prepared.quantization is max(value, key=value.get)
-    assert out.speculative_stats.draft_form == prepared.form and as_given_steps_faster == []
+    again = _build(draft, target, DraftQuantization.AUTO, None, calibration, clock_free=True)
+    assert again.quantization is prepared.quantization and again.acceptance == prepared.acceptance

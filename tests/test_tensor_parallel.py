@@ -46,6 +46,7 @@ def test_two_ranks_accept_the_same_tokens(tmp_path):
     assert "chosen without the clock" in ranks[0]["prepared_form"]
     # Drafts prepared differently per rank: refused on every rank, with what to do.
     assert all("ranks run different drafts" in (result["refusal"] or "") for result in ranks)
+    assert all("holds in shards" in (result["auto_refusal"] or "") for result in ranks)
     prompt = torch.tensor([[1, 5, 9, 17, 33], [1, 2, 3, 4, 5]])
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     assert ranks[0]["greedy"] == expected.tolist()  # the sharded target's greedy output is the model's own

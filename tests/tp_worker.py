@@ -5,13 +5,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_specsample  # noqa: F401
 
 target_dir, draft_dir, out_path = sys.argv[1:4]
 torch.set_num_threads(1)
-target = AutoModelForCausalLM.from_pretrained(target_dir, tp_plan="auto", dtype=torch.float32)
+target = AutoModelForCausalLM.from_pretrained(
+    target_dir, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
+)
 draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)  # replicated on every rank
 rank = dist.get_rank()
 torch.manual_seed(1000 + rank)  # different global RNG per rank: the loop must share draws itself
@@ -35,11 +37,17 @@ try:
 except ValueError as error:
     refusal = str(error)
 prepared = hf_specsample.prepare_draft(draft, target)  # AUTO: chosen without the clock for a sharded target
+try:  # a draft made from the target's weights, which each rank holds in shards: refused on every rank alike
+    target.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, draft_model="auto")
+    auto_refusal = None
+except ValueError as error:
+    auto_refusal = str(error)
 result = {
     "rank": rank,
     "draft_form": sampled.speculative_stats.draft_form,
     "prepared_form": prepared.form,
     "refusal": refusal,
+    "auto_refusal": auto_refusal,
     "tp_size": target.tp_size,
     "greedy": greedy.tolist(),
     "sampled": sampled.sequences.tolist(),

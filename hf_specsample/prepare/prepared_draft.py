@@ -98,7 +98,7 @@ class PreparedDraft:
             for form, seconds in self.step_seconds.items()
         )
         accepted = ", ".join(f"{form} {rate:.2f}" for form, rate in self.acceptance.items())
-        weighed = ", ".join(f"{form} {size / 1e6:.1f} MB" for form, size in self.step_bytes.items())
+        weighed = ", ".join(f"{form} {_megabytes(size)}" for form, size in self.step_bytes.items())
         parts = [
             f"timed per step: {timed}" if timed else "",
             f"chosen without the clock, weights read per step: {weighed}" if weighed else "",
@@ -235,7 +235,8 @@ def draft_for_call(
         other_tokenizer: the draft reads another tokenizer's ids (`validation.check_tokenizers`): it may be
             quantized, but neither restricted to an FR-Spec vocabulary nor made from the target.
         clock_free: the call's output must not depend on the clock (a seeded call, a tensor-parallel target): AUTO
-            then chooses the implicit draft's form without timing (`_build`).
+            then chooses the implicit draft's form without timing and without `calibration` (`_build`), so that
+            the choice depends on the draft's weights only, not on which call prepared it first.
     """
     if other_tokenizer:
         prepared_vocabulary = isinstance(draft, PreparedDraft) and draft.vocabulary is not None
@@ -255,7 +256,10 @@ def draft_for_call(
             )
         return draft
     ids = vocabulary_ids(vocabulary, _shared_width(draft, target), special_ids)
-    return _IMPLICIT.get(draft, target, quantization, ids, None if other_tokenizer else calibration, clock_free)
+    # Clock-free, the implicit draft is chosen from the weights alone: weighed on this call's prompt, the choice (so
+    # a seeded sample) would depend on which call first prepared the draft in this process.
+    calibration = None if other_tokenizer or clock_free else calibration
+    return _IMPLICIT.get(draft, target, quantization, ids, calibration, clock_free)
 
 
 def _shared_width(draft: PreTrainedModel | str, target: PreTrainedModel) -> int:
@@ -285,6 +289,12 @@ def _build(
     the target's (`lookahead.weight_bytes`: decoding reads every weight once per step).
     """
     is_auto = draft == AUTO_DRAFT
+    if is_auto and distributed.is_tensor_parallel(target):  # every rank raises alike, before any collective
+        raise ValueError(
+            "draft_model='auto' builds the draft from the target's weights, which a tensor-parallel target holds in "
+            "shards (one per rank). Load a small model of the same tokenizer on every rank and pass it as "
+            "draft_model= (a replica per rank), or use draft_model='prompt_lookup'."
+        )
     model = target if is_auto else draft
     width = vocab_size(model)
     makers = _compact_forms(model)
@@ -329,6 +339,10 @@ def _build(
     value = {form: expected_speedup(rates[form], seconds[form] / timings.target) for form in forms}
     best = max(value, key=value.get)
     return PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
 
 # AUTO's choice without calibration text or clock: int8 weights on the small-rows kernel (made only where it is built),
