@@ -39,4 +39,5 @@ out = target.generate(
 if dist.get_rank() == 0:  # every rank holds the same output
     print(tokenizer.decode(out.sequences[0], skip_special_tokens=True))
     print(f"stats (target sharded over {target.tp_size} ranks): {out.speculative_stats}")
+dist.barrier()  # no rank tears gloo down while a peer still uses it (an abort at exit otherwise, now and then)
 dist.destroy_process_group()

@@ -55,3 +55,5 @@ result = {
 }
 with open(f"{out_path}.{rank}", "w") as handle:
     json.dump(result, handle)
+dist.barrier()  # no rank tears gloo down while a peer still uses it (see examples/tensor_parallel.py)
+dist.destroy_process_group()
