@@ -429,17 +429,8 @@ def _target_cache(
     implementation = generation_config.cache_implementation
     if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
         return cache, None
-    if implementation == "offloaded_static" or getattr(cache, "offloading", False):
-        raise ValueError(
-            "`draft_model=` does not run offloaded caches (each round rolls rejected slots back on the device). Use "
-            "cache_implementation='static' (or the default dynamic cache)."
-        )
+    # `validation.check_cache_plan` refused offloaded caches and compile=True for a target that cannot compile.
     problem = compile_problem(model)
-    if config.compile and problem is not None:
-        raise ValueError(
-            f"SpeculativeConfig(compile=True) cannot compile this target: {problem}. Drop compile=True (the target "
-            "then runs eagerly), or load the target without that setting."
-        )
     fresh = cache is None or (not caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache))
     # At least max_length slots; as many as generate() allocated (it keeps the largest size seen, so that compiled
     # code is not recompiled for a new size) or `max_cache_len` asks for.
