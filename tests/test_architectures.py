@@ -9,7 +9,7 @@ For each architecture (sliding-window variants with a window of 4 slots, so ever
 
 import pytest
 import torch
-from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, tiny_arch, with_cache
+from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, second_turns, tiny_arch
 
 VOCAB = 48
 NEW_TOKENS = 14
@@ -93,15 +93,8 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
     assert_same_cache(cache_of(plain), cache_of(speculative), cached_mask)
 
     # A second chat turn reusing each call's cache (the whole conversation as input ids, as plain generate() wants).
-    turn = torch.tensor([[11, 12, 13]] * ids.shape[0])
-    second_ids = torch.cat([plain.sequences, turn], dim=1)
-    second_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :]), torch.ones_like(turn)], 1)
     kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain_2 = target.generate(second_ids, attention_mask=second_mask, **with_cache(cache_of(plain)), **kwargs)
-    speculative_2 = target.generate(
-        second_ids, attention_mask=second_mask, **with_cache(cache_of(speculative)), draft_model=draft,
-        num_lookahead=3, **kwargs,
-    )  # fmt: skip
+    plain_2, speculative_2 = second_turns(target, draft, plain, speculative, mask, ids.shape[1], **kwargs)
     assert speculative_2.tolist() == plain_2.tolist()
 
 

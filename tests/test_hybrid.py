@@ -18,7 +18,7 @@ import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution, sampled_pvalue
 from test_architectures import NEW_TOKENS, PROMPTS, batch
-from tiny import PAD, cache_of, perturbed_copy, prepared_processors, tiny_arch, with_cache
+from tiny import PAD, cache_of, perturbed_copy, prepared_processors, second_turns, tiny_arch, with_cache
 
 from hf_specsample import SpeculativeConfig, transformers_api
 from hf_specsample.cache import checkpoints, linear_states
@@ -134,15 +134,8 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
     cached_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1]
     assert_same_keys(cache_of(plain), cache_of(speculative), cached_mask)
 
-    turn = torch.tensor([[11, 12, 13]] * ids.shape[0])
-    second_ids = torch.cat([plain.sequences, turn], dim=1)
-    second_mask = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :]), torch.ones_like(turn)], 1)
     kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain_2 = target.generate(second_ids, attention_mask=second_mask, **with_cache(cache_of(plain)), **kwargs)
-    speculative_2 = target.generate(
-        second_ids, attention_mask=second_mask, **with_cache(cache_of(speculative)), draft_model=draft,
-        num_lookahead=3, **kwargs,
-    )  # fmt: skip
+    plain_2, speculative_2 = second_turns(target, draft, plain, speculative, mask, ids.shape[1], **kwargs)
     assert speculative_2.tolist() == plain_2.tolist(), name
 
 

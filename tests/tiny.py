@@ -23,6 +23,25 @@ def with_cache(cache) -> dict:
     return {CACHE: cache}
 
 
+def second_turns(target, draft, plain, speculative, mask: torch.Tensor, prompt_length: int, **kwargs):
+    """A second chat turn from each first call's returned cache: (plain `generate()`'s, `draft_model=`'s) sequences.
+
+    `plain` / `speculative` are the first calls' outputs (`return_dict_in_generate=True`) on a prompt of
+    `prompt_length` columns with `mask` `(batch, prompt_length)`; the turn appends 3 tokens to plain's whole
+    conversation (as plain `generate()` wants the input ids with a cache). `kwargs`: the calls' generation options.
+    """
+    turn = torch.tensor([[11, 12, 13]] * plain.sequences.shape[0])
+    ids = torch.cat([plain.sequences, turn], dim=1)
+    answered = torch.ones_like(plain.sequences[:, prompt_length:])
+    second_mask = torch.cat([mask, answered, torch.ones_like(turn)], dim=1)
+    plain_2 = target.generate(ids, attention_mask=second_mask, **with_cache(cache_of(plain)), **kwargs)
+    speculative_2 = target.generate(
+        ids, attention_mask=second_mask, **with_cache(cache_of(speculative)), draft_model=draft, num_lookahead=3,
+        **kwargs,
+    )  # fmt: skip
+    return plain_2, speculative_2
+
+
 def tiny_lm(
     seed: int,
     vocab_size: int = 8,
