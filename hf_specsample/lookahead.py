@@ -12,7 +12,7 @@ keeps up to date while generating:
   `StaticCosts`). It grows with K where verification is compute-bound
   (large batches, bitsandbytes 4-bit, eager bf16 on AVX2 CPUs), often convexly (compiled: flat up to a few
   positions, then steep), so it is kept per K observed and interpolated between them; K grows by at most one
-  beyond the largest K observed.
+  beyond the largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it).
 
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used when a
@@ -29,6 +29,7 @@ the first round of a prompt ending in padding, the width of a lookup round), han
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ from .options import DEFAULT_MAX_LOOKAHEAD
 if TYPE_CHECKING:
     from .options import SpeculativeConfig
 
+LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
 # Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
@@ -114,14 +116,21 @@ class MeasuredCosts:
 
     Args:
         decay: per round, how much earlier observations still count.
+        growth: how far K may go beyond the largest K observed: to ``max(largest + 1, growth * largest)``. 1 (a
+            model draft): one more, since each extra draft step costs d for sure and v's line is a guess. 2 (prompt
+            lookup): doubling, since an unobserved width then risks only the verification's slope and an n-gram
+            continuation is either copied whole or rejected early (the +1 ramp took 8 of a code edit's 25 rounds to
+            reach the 10 tokens transformers' lookup proposes from its first round).
         draft_step_prior: seconds of one draft step measured before the call (`PreparedDraft.step_seconds`, where
             `draft_quantization="auto"` timed the draft's forms), the starting estimate of d; it counts as one
             drafted token (a bare single-row forward, without the processing and sampling a round adds) and fades
             with `decay`. None: d is unknown until a round drafts.
     """
 
-    def __init__(self, decay: float, draft_step_prior: float | None = None):
-        self.decay = decay
+    def __init__(self, decay: float, draft_step_prior: float | None = None, growth: float = 1.0):
+        if growth < 1:
+            raise ValueError(f"growth must be at least 1, got {growth}.")
+        self.decay, self.growth = decay, growth
         prior_weight = 0.0 if draft_step_prior is None else 1.0
         self.draft_step = _DecayedMean(draft_step_prior or 0.0, weight=prior_weight, decay=decay)
         self.verify: dict[int, _DecayedMean] = {}  # K -> decayed mean of v(K)
@@ -163,8 +172,10 @@ class MeasuredCosts:
         return max(1e-9, v0 + slope * (lookahead - k0))
 
     def largest_lookahead(self, max_lookahead: int) -> int:
-        """The largest K worth trying now: one beyond the largest K observed (its cost is a guess until then)."""
-        return min(max_lookahead, max(self.verify, default=0) + 1)
+        """The largest K worth trying now: one beyond the largest K observed, or `growth` times it (its cost is a
+        guess until then)."""
+        largest = max(self.verify, default=0)
+        return min(max_lookahead, max(largest + 1, math.ceil(self.growth * largest)))
 
 
 def weight_bytes(model: PreTrainedModel) -> int:
@@ -260,9 +271,10 @@ class AdaptiveLookahead(LookaheadPolicy):
         # the interval doubles (up to 8x) while probes keep confirming that drafting does not pay
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
         draft_step_seconds: float | None = None,  # a draft step timed before the call: the measured costs' prior
+        growth: float = 1.0,  # how fast K may exceed the K's observed (`MeasuredCosts`' growth)
     ):
         self.max_lookahead = max_lookahead
-        self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds)
+        self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds, growth)
         self.first_lookahead = min(first_lookahead, max_lookahead)
         self.probe_every = probe_every
         self.alpha = _DecayedMean(alpha_prior, weight=alpha_prior_weight, decay=decay)
@@ -392,7 +404,7 @@ class RoundLookahead:
         if lookup_only:
             widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
             config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
-            policy = config.make_policy(reproducible, cost_ratio=0.0, batch_size=batch_size)
+            policy = config.make_policy(reproducible, cost_ratio=0.0, batch_size=batch_size, lookup_only=True)
             return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
         policy = config.make_policy(reproducible, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds)
         return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)

@@ -161,7 +161,12 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
 
     def make_policy(
-        self, reproducible: bool, cost_ratio: float, batch_size: int = 1, draft_step_seconds: float | None = None
+        self,
+        reproducible: bool,
+        cost_ratio: float,
+        batch_size: int = 1,
+        draft_step_seconds: float | None = None,
+        lookup_only: bool = False,
     ) -> "LookaheadPolicy":
         """A fresh policy for one generate() call (`lookahead.RoundLookahead.for_call` calls it and caps its K).
 
@@ -172,8 +177,17 @@ class SpeculativeConfig:
             batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
             draft_step_seconds: the draft's step time measured before the call, if any: the starting estimate of
                 the wall-clock costs (`MeasuredCosts`); unused by clock-free `StaticCosts`.
+            lookup_only: drafting by prompt lookup alone (no draft step to pay per token): the wall-clock policy
+                starts at `LOOKUP_FIRST_LOOKAHEAD` tokens and may double the widest K observed
+                (`MeasuredCosts`' growth), instead of starting at 2 and adding one.
         """
-        from .lookahead import STATIC_VERIFY_SLOPE, AdaptiveLookahead, FixedLookahead, StaticCosts  # options: a leaf
+        from .lookahead import (  # options: a leaf
+            LOOKUP_FIRST_LOOKAHEAD,
+            STATIC_VERIFY_SLOPE,
+            AdaptiveLookahead,
+            FixedLookahead,
+            StaticCosts,
+        )
 
         if self.lookahead_policy is not None:
             return self.lookahead_policy()
@@ -182,6 +196,9 @@ class SpeculativeConfig:
         if reproducible:
             costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
             return AdaptiveLookahead(self.max_lookahead, costs=costs)
+        if lookup_only:
+            first = min(LOOKUP_FIRST_LOOKAHEAD, self.max_lookahead)
+            return AdaptiveLookahead(self.max_lookahead, first_lookahead=first, growth=2.0)
         return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds)
 
     @classmethod

@@ -272,6 +272,34 @@ def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
     assert fixed.widths([10]) == RoundWidths(model=3, lookup=3) and not fixed.needs_timing
 
 
+def test_lookup_alone_starts_at_four_and_doubles_its_widest_k():
+    """Drafting by lookup costs nothing per token: a good copy reaches N in three rounds, not eight (+1 per round)."""
+    alone = RoundLookahead.for_call(
+        SpeculativeConfig(), reproducible=False, batch_size=1, max_length=1000, prompt_ends_in_padding=False,
+        lookup_tokens=10, lookup_only=True,
+    )  # fmt: skip
+    widths = []
+    for round_ in range(6):
+        k = alone.widths([10]).lookup
+        widths.append(k)
+        record = RoundRecord(k, k, k, 0.0, 0.15 + 0.001 * k, prefill=round_ == 0)  # all accepted, flat costs
+        alone.observe(record, model_steps=0)
+    assert widths[:2] == [4, 4] and widths[2] == 8 and widths[3:] == [10, 10, 10]
+    # a model draft keeps the one-step growth: each extra token costs a draft step for sure
+    model = AdaptiveLookahead(max_lookahead=10)
+    for k in (2, 2):
+        model.observe(RoundRecord(k, k, k, 0.01 * k, 0.15))
+    assert model.costs.largest_lookahead(10) == 3
+
+
+def test_measured_costs_growth():
+    costs = AdaptiveLookahead(growth=2.0).costs
+    costs.observe(RoundRecord(3, 0, 1, 0.03, 0.2))
+    assert costs.largest_lookahead(16) == 6 and costs.largest_lookahead(5) == 5
+    with pytest.raises(ValueError, match="growth must be at least 1"):
+        AdaptiveLookahead(growth=0.5)
+
+
 def test_a_measured_draft_step_is_the_starting_estimate_of_the_draft_cost():
     blind, primed = AdaptiveLookahead(), AdaptiveLookahead(draft_step_seconds=0.05)
     assert primed.costs.draft_seconds() == 0.05 and not primed.costs.ready  # v(K) is not known yet
