@@ -8,7 +8,7 @@ from exact import sampled_pvalue
 from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig, frequent_tokens
-from hf_specsample.kernels.quantized_linear import Int8Linear
+from hf_specsample.kernels.quantized_linear import Int8Linear, SiblingProjection
 from hf_specsample.lookahead import weight_bytes
 from hf_specsample.prepare.prepared_draft import (
     DraftQuantization,
@@ -129,7 +129,8 @@ def test_sampling_exact_with_a_vocabulary_subset(settings):
 def test_auto_self_draft_on_cpu_is_an_int8_copy_of_the_target(pair):
     target, _ = pair
     prepared = prepare_draft("auto", target)  # the target's int8 or int8-weights copy, whichever steps faster
-    assert isinstance(prepared.model.model.layers[1].mlp.up_proj, (INT8_LINEAR, Int8Linear))
+    up = prepared.model.model.layers[1].mlp.up_proj
+    assert isinstance(up.fused if isinstance(up, SiblingProjection) else up, (INT8_LINEAR, Int8Linear))
     assert len(prepared.model.model.layers) == len(target.model.layers)
     assert torch.equal(greedy(target, draft_model="auto"), greedy(target))  # the default (adaptive) policy
     # A fixed K: the adaptive K follows wall-clock costs, so its acceptance rate varied with the machine's load.

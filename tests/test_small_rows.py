@@ -596,3 +596,99 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     assert prepared.quantization == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate
     assert "acceptance: none 0.90" in prepared.form
     assert prepare_draft(draft, target).quantization == "int8_weights"  # no calibration: int4 is not considered
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, id=str(path)) for path in small_rows.READS[torch.int8]])
+@pytest.mark.parametrize("x_dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float16, torch.float16), (torch.float32, None)])  # fmt: skip
+def test_int8_weights_take_every_activation_and_bias_dtype(built, path, x_dtype, bias_dtype):
+    """The VNNI path reads bf16 and fp32 x (and a bias of the same dtype) directly and writes x's dtype; every other
+    mix goes through fp32: each returns x's dtype, within the path's rounding of the fp32 reference."""
+    if path not in small_rows.paths():
+        pytest.skip(f"this CPU has no {path} path")
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(-127, 128, (37, 200), generator=generator, dtype=torch.int8)
+    scale = torch.rand(37, generator=generator) / 64
+    dense = weight.float() * scale[:, None]
+    x = torch.randn(5, 200, generator=generator).to(x_dtype)
+    bias = None if bias_dtype is None else torch.randn(37, generator=generator).to(bias_dtype)
+    out = small_rows.small_rows_linear_int8(x, weight, scale, bias, path=path)
+    expected = F.linear(x.float(), dense, None if bias is None else bias.float())
+    bound = x.float().abs() @ dense.abs().T + (0 if bias is None else bias.float().abs())
+    slack = x.float().abs().amax(1, keepdim=True) / 254 * dense.abs().sum(1)[None, :]  # VNNI rounds x to int8
+    assert out.dtype == x_dtype and out.shape == (5, 37)
+    assert ((out.float() - expected).abs() <= 2**-7 * bound + 1e-5 + slack).all()
+
+
+def sibling_copy_pair(make):
+    """A tiny Llama (q/k/v with biases, gate/up) and its compact copy with and without fused siblings."""
+    import hf_specsample.prepare.prepared_draft as prepared_draft
+
+    model = tiny_lm(seed=0, vocab_size=32, layers=2, hidden=64).to(torch.bfloat16)
+    for layer in model.model.layers:  # q/k/v biases as Qwen2 has them (k and v here, q without: zeros fused in)
+        attention = layer.self_attn
+        for name in ("k_proj", "v_proj"):
+            old = getattr(attention, name)
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=True).to(torch.bfloat16)
+            new.weight.data.copy_(old.weight.data)
+            torch.nn.init.normal_(new.bias, std=0.5)
+            setattr(attention, name, new)
+    fused = make(model)
+    groups, prepared_draft.SIBLING_GROUPS = prepared_draft.SIBLING_GROUPS, ()
+    try:
+        separate = make(model)
+    finally:
+        prepared_draft.SIBLING_GROUPS = groups
+    return model, fused, separate
+
+
+@pytest.mark.parametrize("form", ["int8_weights", "int4_weights"])
+@torch.no_grad()
+def test_sibling_projections_compute_what_separate_ones_do(built, form):
+    """q/k/v and gate/up of a compact draft run as one kernel call each and give the separate layers' outputs bit
+    for bit (per-row scales round each row as alone), in and out of inference mode (an inference tensor has no
+    version counter: the step timing of `draft_quantization="auto"` runs there), one token or several."""
+    from hf_specsample.kernels.quantized_linear import SiblingProjection
+    from hf_specsample.lookahead import weight_bytes
+    from hf_specsample.prepare.draft_timing import decode_step_seconds
+    from hf_specsample.prepare.prepared_draft import int4_weights_copy, int8_weights_copy
+
+    if form == "int4_weights" and small_rows.best_path(torch.uint8) is KernelPath.SCALAR:
+        pytest.skip("int4 weights need a vector path that reads them")
+    make = int8_weights_copy if form == "int8_weights" else int4_weights_copy
+    model, fused, separate = sibling_copy_pair(make)
+    layer = fused.model.layers[0]
+    siblings = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    assert all(isinstance(sibling, SiblingProjection) for sibling in siblings)
+    assert siblings[0].fused is siblings[2].fused and layer.mlp.gate_proj.fused is layer.mlp.up_proj.fused
+    assert not isinstance(separate.model.layers[0].self_attn.q_proj, SiblingProjection)
+    q_zero_biases = 2 * 64 * 2  # 2 layers x 64 bf16 zeros: q has no bias of its own
+    assert weight_bytes(fused) == weight_bytes(separate) + q_zero_biases  # the fused module counted once
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert torch.equal(fused(ids).logits, separate(ids).logits)
+    assert torch.equal(fused(ids[:, :1]).logits, separate(ids[:, :1]).logits)
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, separate(ids).logits)
+    assert all(seconds < float("inf") for seconds in decode_step_seconds([fused, separate]))
+
+
+@torch.no_grad()
+def test_a_sibling_given_another_input_projects_that_input(built):
+    """A kept output is handed only to a sibling called with the very input it was computed from, unmodified, and
+    only once; any other call computes its own projection."""
+    from hf_specsample.prepare.prepared_draft import int8_weights_copy
+
+    model, fused, separate = sibling_copy_pair(int8_weights_copy)
+    q, k, v = (getattr(fused.model.layers[0].self_attn, name) for name in ("q_proj", "k_proj", "v_proj"))
+    k_alone, v_alone = separate.model.layers[0].self_attn.k_proj, separate.model.layers[0].self_attn.v_proj
+    generator = torch.Generator().manual_seed(0)
+    x, other = (torch.randn(1, 3, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    q(x)
+    assert torch.equal(k(other), k_alone(other))  # another input: its own projection
+    first = k(x)
+    assert torch.equal(first, k_alone(x))
+    again = k(x)  # handed out once: computed afresh
+    assert again is not first and torch.equal(again, first)
+    q(x)
+    x.mul_(2)  # the input changed in place: the kept outputs are stale
+    assert torch.equal(v(x), v_alone(x))

@@ -333,7 +333,11 @@ HF_VNNI inline void tile_vnni(const uint8_t* x, const int8_t* w, int32_t* y, int
   for (int j = 0; j < NB; j++)
     for (int i = 0; i < MB; i++) acc[j][i] = _mm512_setzero_si512();
   int64_t k = 0;
+  // the next tile's bytes (the weight rows after these NB), NB lines per step: short rows (a few hundred k's) end
+  // before the hardware prefetchers ramp up, so the tile after this one is asked for while this one is summed
+  const char* next = reinterpret_cast<const char*>(w + NB * K);
   for (; k + 64 <= K; k += 64) {
+    for (int j = 0; j < NB; j++) _mm_prefetch(next + (k / 64 * NB + j) * 64, _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512(w + j * K + k);
     for (int i = 0; i < MB; i++) {
@@ -530,14 +534,15 @@ void run_rows_int4(const X* x, const uint8_t* w, const float* scale, float* y, i
 }
 
 // Each row of x rounded to int8 with its own scale (max |x| / 127), stored as value + 128 (uint8, for vpdpbusd).
-void quantize_rows(const float* x, int64_t M, int64_t K, uint8_t* out, float* scales) {
+template <typename X>
+void quantize_rows(const X* x, int64_t M, int64_t K, uint8_t* out, float* scales) {
   for (int64_t m = 0; m < M; m++) {
     float largest = 0.0f;
-    for (int64_t k = 0; k < K; k++) largest = std::max(largest, std::abs(x[m * K + k]));
+    for (int64_t k = 0; k < K; k++) largest = std::max(largest, std::abs(static_cast<float>(x[m * K + k])));
     const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
     scales[m] = scale;
     for (int64_t k = 0; k < K; k++) {
-      const float value = std::nearbyint(x[m * K + k] / scale);
+      const float value = std::nearbyint(static_cast<float>(x[m * K + k]) / scale);
       out[m * K + k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(value, -127.0f, 127.0f)) + 128);
     }
   }
@@ -565,9 +570,12 @@ std::vector<float> int4_corrections(const uint8_t* w, const float* scale, int64_
 }
 
 #ifdef HF_X86
-// int8 weights on avx512_vnni: y[m][n] = (sum_k q[m][k] * w[n][k] - 128 * row_sum[n]) * x_scale[m] * scale[n].
-void run_vnni(const float* x, const int8_t* w, const float* scale, const int32_t* row_sums, float* y, int64_t M,
-              int64_t K, int64_t N) {
+// int8 weights on avx512_vnni: y[m][n] = (sum_k q[m][k] * w[n][k] - 128 * row_sum[n]) * x_scale[m] * scale[n]
+// (+ bias[n]), x and y in x's own dtype X (bf16 or fp32: no converted copy of x, no fp32 copy of y), bias in B. The
+// fp32 value is rounded to X once, after the bias, as `finish` rounds the other paths' outputs.
+template <typename X, typename B>
+void run_vnni(const X* x, const int8_t* w, const float* scale, const int32_t* row_sums, const B* bias, X* y,
+              int64_t M, int64_t K, int64_t N) {
   std::vector<uint8_t> quantized(M * K);
   std::vector<float> x_scales(M);
   quantize_rows(x, M, K, quantized.data(), x_scales.data());
@@ -578,8 +586,11 @@ void run_vnni(const float* x, const int8_t* w, const float* scale, const int32_t
     });
   });
   for (int64_t m = 0; m < M; m++)
-    for (int64_t n = 0; n < N; n++)
-      y[m * N + n] = static_cast<float>(sums[m * N + n] - 128 * row_sums[n]) * x_scales[m] * scale[n];
+    for (int64_t n = 0; n < N; n++) {
+      float value = static_cast<float>(sums[m * N + n] - 128 * row_sums[n]) * x_scales[m] * scale[n];
+      if (bias != nullptr) value += static_cast<float>(bias[n]);
+      y[m * N + n] = static_cast<X>(value);
+    }
 }
 
 // int4 weights on avx512_vnni (groups of 128): x rounded to int8 per row, reordered per group as the packed weight's
@@ -722,6 +733,28 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
               "small_rows_linear_int8: one fp32 scale per weight row expected");
   const Path path = chosen(requested, kInt8Weights);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+#ifdef HF_X86
+  if (path == kAvx512Vnni) {
+    // the weight rows' sums (the layer keeps them; computed here otherwise, at the cost of reading the weight twice)
+    const at::Tensor sums = row_sums.has_value() && row_sums->defined()
+                                ? row_sums->to(at::kInt).contiguous()
+                                : weight.sum(1, /*keepdim=*/false, at::kInt).contiguous();
+    TORCH_CHECK(sums.numel() == N, "small_rows_linear_int8: one row sum per weight row expected");
+    const bool has_bias = bias.has_value() && bias->defined();
+    const auto kind = x.scalar_type();
+    const bool direct = (kind == at::kBFloat16 || kind == at::kFloat) &&
+                        (!has_bias || bias->scalar_type() == kind) && (!has_bias || bias->is_contiguous());
+    const at::Tensor xc = direct ? x.contiguous() : x.to(at::kFloat).contiguous();
+    const at::Tensor bc = has_bias ? (direct ? *bias : bias->to(at::kFloat).contiguous()) : at::Tensor();
+    at::Tensor y = at::empty({M, N}, xc.options());
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "small_rows_linear_int8", [&] {
+      run_vnni<scalar_t, scalar_t>(xc.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                   sums.data_ptr<int32_t>(), has_bias ? bc.data_ptr<scalar_t>() : nullptr,
+                                   y.data_ptr<scalar_t>(), M, K, N);
+    });
+    return direct ? y : y.to(x.scalar_type());
+  }
+#endif
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
@@ -732,14 +765,6 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
 #ifdef HF_X86
   if (path == kAvx2) run_rows<kAvx2>(xp, wp, sp, yp, M, K, N);
   if (path == kAvx512) run_rows<kAvx512>(xp, wp, sp, yp, M, K, N);
-  if (path == kAvx512Vnni) {
-    // the weight rows' sums (the layer keeps them; computed here otherwise, at the cost of reading the weight twice)
-    const at::Tensor sums = row_sums.has_value() && row_sums->defined()
-                                ? row_sums->to(at::kInt).contiguous()
-                                : weight.sum(1, /*keepdim=*/false, at::kInt).contiguous();
-    TORCH_CHECK(sums.numel() == N, "small_rows_linear_int8: one row sum per weight row expected");
-    run_vnni(xp, wp, sp, sums.data_ptr<int32_t>(), yp, M, K, N);
-  }
 #endif
   return finish(y, bias, x);
 }

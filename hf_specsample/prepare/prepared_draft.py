@@ -38,7 +38,7 @@ from transformers.utils.quantization_config import QuantizationMethod
 from .. import distributed
 from ..cache import row_ops
 from ..kernels import small_rows
-from ..kernels.quantized_linear import Int4Linear, Int8Linear
+from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, fuse_siblings
 from ..kernels.small_rows import KernelPlan
 from ..lookahead import expected_speedup, weight_bytes
 from ..options import DraftQuantization, LinearKernel, NamedDraft
@@ -536,7 +536,14 @@ def _with_linears(model: PreTrainedModel, make) -> PreTrainedModel:
 
     def replaced(module: torch.nn.Module) -> torch.nn.Module:
         clone = shallow_clone(module)
+        for names in SIBLING_GROUPS:  # projections of one input: one kernel call (`SiblingProjection`)
+            group = [getattr(module, name, None) for name in names]
+            if all(_fusable(linear, group[0]) and id(linear) not in kept for linear in group):
+                for name, sibling in zip(names, fuse_siblings(group, make)):
+                    clone._modules[name] = sibling
         for name, child in module.named_children():
+            if clone._modules[name] is not child:
+                continue  # fused above
             if isinstance(child, torch.nn.Linear) and id(child) not in kept:
                 clone._modules[name] = make(child)
             elif any(isinstance(inner, torch.nn.Linear) for inner in child.modules()):
@@ -544,6 +551,15 @@ def _with_linears(model: PreTrainedModel, make) -> PreTrainedModel:
         return clone
 
     return replaced(model).eval()
+
+
+def _fusable(linear, first) -> bool:
+    return (
+        type(linear) is torch.nn.Linear
+        and linear.in_features == first.in_features
+        and linear.weight.dtype == first.weight.dtype
+        and linear.weight.device == first.weight.device
+    )
 
 
 def int4_weights_copy(model: PreTrainedModel) -> PreTrainedModel:
