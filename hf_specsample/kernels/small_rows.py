@@ -441,13 +441,17 @@ def _check_against_eager(weight: torch.Tensor) -> str | None:
     return None
 
 
+# Timed calls per width and method (after one warm-up call each), medians compared. With 3 a width whose costs are
+# within a few percent (the AMX path at 11 rows of Qwen2.5's head: 0.69 against 0.71 ms) fell to either side by noise,
+# leaving holes in the plan between widths the kernel won; 7 cost 0.1 s more per model.
+TIMED_REPEATS = 7
 PROBE_WEIGHT_ROWS = 4096  # weight rows per timed call (12.6 MB of Qwen2.5's head); calls step through the weight
 
 
 @torch.no_grad()
 def _timed_plan(weight: torch.Tensor) -> KernelPlan:
     """Time the kernel against eager `F.linear` on `weight` at every round width 1..`MAX_ROWS` and at a prompt's
-    `PROMPT_PROBE_ROWS` rows; the kernel serves the widths where it is faster (about 0.2-0.5 s in all).
+    `PROMPT_PROBE_ROWS` rows; the kernel serves the widths where it is faster (about 0.3-0.6 s in all).
 
     Each timed call reads the next `PROBE_WEIGHT_ROWS` rows of the weight (wrapping around), so that a large weight
     is read from memory as a forward reads it, not from cache; eager and kernel calls alternate.
@@ -472,7 +476,7 @@ def _timed_plan(weight: torch.Tensor) -> KernelPlan:
         x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
         part = slices[0][:1024] if rows == PROMPT_PROBE_ROWS else None  # a prompt's width is compute-bound
         eager, kernel = [], []
-        for repeat in range(4):
+        for repeat in range(TIMED_REPEATS + 1):
             for method, times in ((F.linear, eager), (small_rows_linear, kernel)):
                 chosen = part if part is not None else next_part()
                 start = time.perf_counter()
