@@ -446,7 +446,14 @@ def test_auto_decides_each_width_on_its_own(built, monkeypatch):
             time.sleep(0.003)
         return real(x, weight, bias, path)
 
+    class SlowEager:  # eager 1 ms slower at every width: on a tiny weight both take microseconds, decided by noise
+        @staticmethod
+        def linear(*args, **kwargs):
+            time.sleep(0.001)
+            return F.linear(*args, **kwargs)
+
     monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
+    monkeypatch.setattr(small_rows, "F", SlowEager)
     target, _ = bf16_pair(hidden=64)
     plan = KernelPlan.for_model(target, LinearKernel.AUTO)
     assert plan.widths == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
