@@ -571,10 +571,10 @@ std::vector<float> int4_corrections(const uint8_t* w, const float* scale, int64_
 
 #ifdef HF_X86
 // int8 weights on avx512_vnni: y[m][n] = (sum_k q[m][k] * w[n][k] - 128 * row_sum[n]) * x_scale[m] * scale[n]
-// (+ bias[n]), x and y in x's own dtype X (bf16 or fp32: no converted copy of x, no fp32 copy of y), bias in B. The
-// fp32 value is rounded to X once, after the bias, as `finish` rounds the other paths' outputs.
-template <typename X, typename B>
-void run_vnni(const X* x, const int8_t* w, const float* scale, const int32_t* row_sums, const B* bias, X* y,
+// (+ bias[n]), x, bias and y in one dtype X (bf16 or fp32: no converted copy of x, no fp32 copy of y). The fp32
+// value is rounded to X once, after the bias, as `finish` rounds the other paths' outputs.
+template <typename X>
+void run_vnni(const X* x, const int8_t* w, const float* scale, const int32_t* row_sums, const X* bias, X* y,
               int64_t M, int64_t K, int64_t N) {
   std::vector<uint8_t> quantized(M * K);
   std::vector<float> x_scales(M);
@@ -743,14 +743,14 @@ at::Tensor small_rows_linear_int8(const at::Tensor& x, const at::Tensor& weight,
     const bool has_bias = bias.has_value() && bias->defined();
     const auto kind = x.scalar_type();
     const bool direct = (kind == at::kBFloat16 || kind == at::kFloat) &&
-                        (!has_bias || bias->scalar_type() == kind) && (!has_bias || bias->is_contiguous());
+                        (!has_bias || (bias->scalar_type() == kind && bias->is_contiguous()));
     const at::Tensor xc = direct ? x.contiguous() : x.to(at::kFloat).contiguous();
     const at::Tensor bc = has_bias ? (direct ? *bias : bias->to(at::kFloat).contiguous()) : at::Tensor();
     at::Tensor y = at::empty({M, N}, xc.options());
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "small_rows_linear_int8", [&] {
-      run_vnni<scalar_t, scalar_t>(xc.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                   sums.data_ptr<int32_t>(), has_bias ? bc.data_ptr<scalar_t>() : nullptr,
-                                   y.data_ptr<scalar_t>(), M, K, N);
+      run_vnni<scalar_t>(xc.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                         sums.data_ptr<int32_t>(), has_bias ? bc.data_ptr<scalar_t>() : nullptr,
+                         y.data_ptr<scalar_t>(), M, K, N);
     });
     return direct ? y : y.to(x.scalar_type());
   }
