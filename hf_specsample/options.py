@@ -197,8 +197,7 @@ class SpeculativeConfig:
             costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
             return AdaptiveLookahead(self.max_lookahead, costs=costs)
         if lookup_only:
-            first = min(LOOKUP_FIRST_LOOKAHEAD, self.max_lookahead)
-            return AdaptiveLookahead(self.max_lookahead, first_lookahead=first, growth=2.0)
+            return AdaptiveLookahead(self.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0)
         return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds)
 
     @classmethod
