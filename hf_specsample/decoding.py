@@ -251,7 +251,7 @@ class SpeculativeDecoder:
             draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
             return DraftModelProposer(
                 draft.model, self.sequences, self.processor, self.do_sample, self.generator, draft_ids, vocab_size,
-                kernel=kernel,
+                kernel=kernel, wide=draft.wide,
             )  # fmt: skip
         target_tokenizer, draft_tokenizer = other_tokenizers
         if draft.shared_vocabulary is not None and _same_objects(other_tokenizers, draft.tokenizers):
@@ -268,7 +268,7 @@ class SpeculativeDecoder:
         inputs = DraftIdBuffer(self.sequences, shared, TextBridge(target_tokenizer, draft_tokenizer))
         return DraftModelProposer(
             draft.model, self.sequences, self.processor, self.do_sample, self.generator, shared.target_ids,
-            vocab_size, columns=shared.draft_columns, inputs=inputs, kernel=kernel,
+            vocab_size, columns=shared.draft_columns, inputs=inputs, kernel=kernel, wide=draft.wide,
         )  # fmt: skip
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:

@@ -117,9 +117,12 @@ def _seed_and_threads():
     yield
 
 
-def _timed_forms(monkeypatch, **seconds: float) -> list:
+def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: float) -> list:
     """Make `DraftQuantization.AUTO`'s timing report these figures per form (tiny models step fastest as given);
-    returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened."""
+    returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened.
+
+    Prompt forwards (`prepared_draft.time_wide_forwards`, called with [the chosen compact form, the draft as given])
+    are timed faster on the draft as given from `wide_faster_from` positions on (None: never)."""
     from hf_specsample import DraftQuantization
     from hf_specsample.prepare.prepared_draft import FormTimings
 
@@ -130,7 +133,12 @@ def _timed_forms(monkeypatch, **seconds: float) -> list:
         calls.append(len(forms))
         return FormTimings({form: figures[form] for form in forms}, 0.01 if target is not None else None)
 
+    def fake_wide(models, width):
+        plain_faster = wide_faster_from is not None and width >= wide_faster_from
+        return [0.002, 0.001] if plain_faster else [0.001, 0.002]
+
     monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_forms", fake)
+    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_wide_forwards", fake_wide)
     return calls
 
 

@@ -14,6 +14,8 @@ mask over all the cache's slots (masked beyond the pointer), so shapes stay fixe
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
 a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt. Eager forwards
 run in the context of the model's `kernels.small_rows.KernelPlan`, if any (the small-rows linear kernel for rounds).
+A model may also have `WideForwards`: another model of the same layout (a compact draft's float original) that runs
+its eager forwards of many positions (the prompt), where that was timed faster; both write the same cache.
 
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled
 back; every rollback trims them back to the window. So a rollback can drop only positions fed since the previous
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -63,6 +66,18 @@ def input_device(model: PreTrainedModel) -> torch.device:
     return embeddings.weight.device if embeddings.weight.device.type != "meta" else torch.device("cpu")
 
 
+class WideForwards(NamedTuple):
+    """Eager forwards of at least `from_rows` rows (batch * positions: a prompt) run on `model` instead.
+
+    `model` has the same architecture, config and logit layout as the model it stands in for (a compact draft's
+    float original: `prepare.prepared_draft.PreparedDraft.wide`), so the cache either writes serves the other. Only
+    for a draft: what a draft computes changes how often its proposals are accepted, never what is sampled.
+    """
+
+    model: PreTrainedModel
+    from_rows: int
+
+
 class CachedModel:
     """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
@@ -76,6 +91,7 @@ class CachedModel:
         forward_passes: number of forward calls made so far.
         compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
         kernel: the small-rows kernel plan eager forwards run under (None: plain eager).
+        wide: where eager forwards of many rows run on another model (`WideForwards`; None: all on `model`).
     """
 
     def __init__(
@@ -90,6 +106,7 @@ class CachedModel:
         kernel: KernelPlan | None = None,
         source: Sequences | None = None,
         single_step: bool = False,
+        wide: WideForwards | None = None,
     ):
         """
         Args:
@@ -109,6 +126,8 @@ class CachedModel:
                 recurrent states re-feeds kept positions from it. Needed for models with recurrent states only.
             single_step: feed one position per forward once the cache holds a state (a draft whose recurrent
                 layers cannot continue a multi-token forward from it: `transformers_api.scan_restarts_from_zero`).
+            wide: eager forwards of at least `wide.from_rows` rows run on `wide.model`, plain eager (no kernel plan:
+                it was timed so). For a draft only (see `WideForwards`).
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -123,6 +142,7 @@ class CachedModel:
         assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
         self.compiled, self.compiled_widths = compiled, compiled_widths
         self.kernel = kernel
+        self.wide = wide
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers (and convolution windows) be rolled back
         hybrid = any(True for _ in linear_states.linear_layers(self.cache))
@@ -268,6 +288,8 @@ class CachedModel:
             input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
         if compiled:
             logits = self.compiled(input_ids=input_ids, **kwargs).logits
+        elif self.wide is not None and rows * width >= self.wide.from_rows:
+            logits = self.wide.model(input_ids=input_ids, **kwargs).logits
         else:
             with self.kernel.applied(rows * width) if self.kernel is not None else contextlib.nullcontext():
                 logits = self.model(input_ids=input_ids, **kwargs).logits

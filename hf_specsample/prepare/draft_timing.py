@@ -12,6 +12,8 @@ tokens per round against step time (`lookahead.expected_speedup`).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from .. import transformers_api
 
 TIMED_STEPS = 3  # single-token forwards timed per form (after one untimed warm-up step); the minimum counts
 TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to
+TIMED_WIDE = 2  # forwards timed per model and width in `forward_seconds` (after one untimed warm-up forward)
 
 
 @torch.inference_mode()
@@ -61,6 +64,40 @@ def decode_step_seconds(
             if step > 0 and caches[index] is not None:
                 best[index] = min(best[index], time.perf_counter() - start)
     return best
+
+
+@torch.inference_mode()
+def forward_seconds(models: Sequence[PreTrainedModel], width: int, repeats: int = TIMED_WIDE) -> list[float]:
+    """Seconds of one forward of each model over `width` positions from an empty cache (batch 1), interleaved; a
+    model's figure is its fastest forward after one warm-up. inf where a model's forward raised a RuntimeError.
+
+    What a prompt costs each form of a draft: the small-rows kernel that makes a compact form's single-token step
+    cheap reads its weights once per few rows, so over many rows a float GEMM can win (`PreparedDraft.wide`).
+    """
+    device = next(models[0].parameters()).device
+    vocab = min(model.get_input_embeddings().weight.shape[0] for model in models)
+    ids = (torch.arange(width, device=device) % vocab)[None, :]  # (1, width)
+    best = [float("inf")] * len(models)
+    failed = [False] * len(models)
+    for attempt in range(repeats + 1):
+        for index, model in enumerate(models):
+            if failed[index]:
+                continue
+            start = time.perf_counter()
+            failed[index] = _prompt_forward(model, ids) is None
+            if attempt > 0 and not failed[index]:
+                best[index] = min(best[index], time.perf_counter() - start)
+    return [math.inf if fail else seconds for fail, seconds in zip(failed, best)]
+
+
+def _prompt_forward(model: PreTrainedModel, ids: torch.Tensor):
+    """The logits of the last of `ids`' `(1, n)` positions as the loop's prompt forward computes them (logits of the
+    last position only, where the model takes `logits_to_keep`), or None where the forward raised a RuntimeError."""
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    try:
+        return model(ids, use_cache=True, **keep).logits
+    except RuntimeError:
+        return None
 
 
 def _forward(model: PreTrainedModel, ids: torch.Tensor, cache, context):

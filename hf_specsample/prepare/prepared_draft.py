@@ -6,7 +6,10 @@ Three levers, each an argument of `prepare_draft` (and an option of `Speculative
   of Qwen2.5-Coder-0.5B: 41 ms int8 against 132 ms bf16 on one CPU, 27 ms against 50 ms on another. Quantization
   changes the draft's distribution a little (acceptance moves by a few points either way) and the output
   distribution not at all. Default AUTO: for a float draft on the CPU, both forms are timed at first use
-  (`prepare/draft_timing.py`) and the faster one drafts; elsewhere the draft runs as given.
+  (`prepare/draft_timing.py`) and the faster one drafts; elsewhere the draft runs as given. A compact form's
+  kernel is made for a few rows: over a prompt the float draft is often faster (Qwen2.5-Coder-0.5B on a Xeon with
+  AMX, 110 positions: 148 ms bf16 against 284 ms int8 weights), so AUTO also times both over prompt widths and the
+  draft's forwards of many positions run on its float original where that was faster (`PreparedDraft.wide`).
 - `vocabulary` (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
   logits processing shrink. Exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset); the cost is that a token outside the subset can never be drafted.
@@ -37,6 +40,7 @@ from transformers.utils.quantization_config import QuantizationMethod
 
 from .. import distributed
 from ..cache import row_ops
+from ..cache.cached_model import WideForwards
 from ..kernels import small_rows
 from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, fuse_siblings
 from ..kernels.small_rows import KernelPlan
@@ -44,7 +48,7 @@ from ..lookahead import expected_speedup, weight_bytes
 from ..options import DraftQuantization, LinearKernel, NamedDraft
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers, vocab_size
-from .draft_timing import acceptance, decode_step_seconds
+from .draft_timing import acceptance, decode_step_seconds, forward_seconds
 from .self_draft import default_layers_to_keep, layer_skip_draft, shallow_clone
 from .vocabulary import special_token_ids, vocabulary_ids
 
@@ -77,6 +81,11 @@ class PreparedDraft:
             `generate()` uses them when it is given no tokenizers, or these very objects.
         shared_vocabulary: the tokens those tokenizers share (`proposers.cross_vocab.shared_vocabulary`, built once here
             instead of in every call).
+        wide: where AUTO timed `model` (a compact form) against the draft as given over prompt widths and the latter
+            was faster: the draft as given (same logit layout) and the rows from which it runs the draft's forwards
+            (`cache.cached_model.WideForwards`: the prompt, a chat turn); None: every forward runs on `model`. The
+            prepared draft then keeps the draft as given alive too.
+        wide_seconds: those timings: per timed width, seconds of one forward of `model`'s form and of NONE.
     """
 
     model: PreTrainedModel
@@ -89,6 +98,8 @@ class PreparedDraft:
     step_bytes: dict[DraftQuantization, int] = field(default_factory=dict)
     tokenizers: tuple[Any, Any] | None = None
     shared_vocabulary: SharedVocabulary | None = None
+    wide: WideForwards | None = None
+    wide_seconds: dict[int, dict[DraftQuantization, float]] = field(default_factory=dict)
 
     @property
     def form(self) -> str:
@@ -99,8 +110,16 @@ class PreparedDraft:
         )
         accepted = ", ".join(f"{form} {rate:.2f}" for form, rate in self.acceptance.items())
         weighed = ", ".join(f"{form} {_megabytes(size)}" for form, size in self.step_bytes.items())
+        prompts = "; ".join(
+            f"{width} positions: " + ", ".join(f"{form} {seconds * 1e3:.1f} ms" for form, seconds in by_form.items())
+            for width, by_form in self.wide_seconds.items()
+        )
+        wide = (
+            f"forwards of {self.wide.from_rows}+ positions on the draft as given" if self.wide is not None else ""
+        ) + (f" (timed over {prompts})" if prompts else "")
         parts = [
             f"timed per step: {timed}" if timed else "",
+            wide,
             f"chosen without the clock, weights read per step: {weighed}" if weighed else "",
             f"acceptance: {accepted}" if accepted else "",
         ]
@@ -168,7 +187,8 @@ def prepare_draft(
             here: as given, INT8 (torch's dynamic int8), INT8_WEIGHTS (int8 weights on the small-rows kernel) and,
             with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 BF16), each weighed by its measured
             acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts only), or
-            NONE.
+            NONE. Where AUTO chose a compact form, it also times it against the draft as given over prompt widths
+            (`WIDE_WIDTHS`); the draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
             `generation_config`); None (default): every id. Not with a draft of another tokenizer.
@@ -333,12 +353,39 @@ def _build(
     logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
     if calibration is None or not math.isfinite(timings.target or math.inf):
         fastest = min(seconds, key=seconds.get)
-        return PreparedDraft(forms[fastest], ids, width, fastest, self_draft_of, step_seconds=seconds)
+        prepared = PreparedDraft(forms[fastest], ids, width, fastest, self_draft_of, step_seconds=seconds)
+        return _with_wide_forwards(prepared, forms)
     target_context = KernelPlan.for_model(target, LinearKernel.AUTO, role="target").applied(calibration.numel())
     rates = dict(zip(forms, acceptance(target, list(forms.values()), calibration, target_context, ids)))
     value = {form: expected_speedup(rates[form], seconds[form] / timings.target) for form in forms}
     best = max(value, key=value.get)
-    return PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
+    prepared = PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
+    return _with_wide_forwards(prepared, forms)
+
+
+# Prompt widths at which AUTO times a compact form against the draft as given, narrowest first: the compact form's
+# kernel pays per few rows, a float GEMM per many, so the float's lead grows with the width.
+WIDE_WIDTHS = (32, 128)
+
+
+def _with_wide_forwards(prepared: PreparedDraft, forms: dict[DraftQuantization, PreTrainedModel]) -> PreparedDraft:
+    """`prepared` with `wide` set where the draft as given (`forms[NONE]`) runs a prompt faster than the chosen
+    compact form: from the narrowest width of `WIDE_WIDTHS` at which it was timed faster (`time_wide_forwards`)."""
+    plain = forms.get(DraftQuantization.NONE)
+    if plain is None or prepared.quantization is DraftQuantization.NONE:
+        return prepared
+    timed: dict[int, dict[DraftQuantization, float]] = {}
+    for width in WIDE_WIDTHS:
+        compact_seconds, plain_seconds = time_wide_forwards([prepared.model, plain], width)
+        timed[width] = {prepared.quantization: compact_seconds, DraftQuantization.NONE: plain_seconds}
+        if plain_seconds < compact_seconds:
+            return replace(prepared, wide=WideForwards(plain, width), wide_seconds=timed)
+    return replace(prepared, wide_seconds=timed)
+
+
+def time_wide_forwards(models: list[PreTrainedModel], width: int) -> list[float]:
+    """Seconds of one prompt forward of `width` positions of each model (`draft_timing.forward_seconds`)."""
+    return forward_seconds(models, width)
 
 
 def _megabytes(size: int) -> str:
@@ -621,7 +668,7 @@ def _named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
 
 
 class _Entry(NamedTuple):
-    prepared: PreparedDraft  # `model` None where the owner runs as given (an entry never references its key)
+    prepared: PreparedDraft  # `model` (`wide.model`) None where it is the owner: an entry never references its key
     weights: tuple[_TensorState, ...]  # the owner's parameters and buffers when `prepared` was made
 
     def is_current(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
@@ -672,10 +719,16 @@ class _ImplicitDrafts:
             if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared
             stored = replace(prepared, model=None) if prepared.model is owner else prepared
+            if prepared.wide is not None and prepared.wide.model is owner:
+                stored = replace(stored, wide=prepared.wide._replace(model=None))
             entries[key] = _Entry(stored, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
         self._entries[owner] = entries
         prepared = entries[key].prepared
-        return prepared if prepared.model is not None else replace(prepared, model=owner)
+        if prepared.model is None:
+            prepared = replace(prepared, model=owner)
+        if prepared.wide is not None and prepared.wide.model is None:
+            prepared = replace(prepared, wide=prepared.wide._replace(model=owner))
+        return prepared
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._entries.values())

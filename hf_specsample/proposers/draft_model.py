@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .. import transformers_api
-from ..cache.cached_model import CachedModel
+from ..cache.cached_model import CachedModel, WideForwards
 from ..kernels.small_rows import KernelPlan
 from ..lookahead import RoundWidths
 from ..sequences import Sequences
@@ -54,6 +54,7 @@ class DraftModelProposer(Proposer):
         columns: torch.Tensor | None = None,
         inputs: DraftIdBuffer | None = None,
         kernel: KernelPlan | None = None,
+        wide: WideForwards | None = None,
     ):
         """
         Args:
@@ -67,6 +68,7 @@ class DraftModelProposer(Proposer):
             columns: `(n,)` the draft's logit columns standing for `vocabulary`; None: the first n.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
             kernel: the small-rows kernel plan the draft's forwards run under (None: plain eager).
+            wide: where the draft's forwards of many positions (the prompt) run on its float original (None: none).
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
@@ -80,7 +82,7 @@ class DraftModelProposer(Proposer):
         cache = DynamicCache() if inputs is not None else None
         self.runner = CachedModel(
             draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel, source=reads,
-            single_step=transformers_api.scan_restarts_from_zero(draft_model),
+            single_step=transformers_api.scan_restarts_from_zero(draft_model), wide=wide,
         )  # fmt: skip
         reads.rows.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
