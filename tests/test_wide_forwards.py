@@ -145,23 +145,28 @@ def test_no_prompt_timing_where_the_draft_runs_as_given_or_without_the_clock(pai
     assert timed == []
 
 
-def test_the_implicit_entry_never_holds_the_draft_it_runs_prompts_on(pair, monkeypatch):
+@pytest.mark.parametrize("self_draft", [False, True], ids=["draft", "auto"])
+def test_the_implicit_entry_never_holds_the_model_it_runs_prompts_on(pair, monkeypatch, self_draft):
+    """The float model the prompt runs on is the entry's key (the draft; the target for "auto"): it is put back on
+    each call, never stored, so the entry is freed with it."""
     from conftest import _timed_forms
 
     _timed_forms(monkeypatch, wide_faster_from=32, int8=0.001, none=0.003, int8_weights=0.002)
-    target, _ = pair
     entries = len(_IMPLICIT)
 
     def make_and_use():
-        draft = perturbed_copy(target, seed=3, scale=0.1)
+        target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3)
+        draft = "auto" if self_draft else perturbed_copy(target, seed=3, scale=0.1)
+        owner = target if self_draft else draft
         prepared = draft_for_call(draft, target, DraftQuantization.AUTO, None, [])
-        assert prepared.wide is not None and prepared.wide.model is draft
+        assert prepared.wide is not None and prepared.wide.model is owner
         again = draft_for_call(draft, target, DraftQuantization.AUTO, None, [])
-        assert again.model is prepared.model and again.wide.model is draft  # the entry, with the draft put back
+        assert again.model is prepared.model and again.wide.model is owner  # the entry, with the owner put back
         out = target.generate(PROMPT, draft_model=draft, do_sample=False, max_new_tokens=5, pad_token_id=PAD,
                               return_dict_in_generate=True)  # fmt: skip
-        assert "forwards of 32+ positions on the draft as given" in out.speculative_stats.draft_form
-        return {"draft": weakref.ref(draft), "prepared model": weakref.ref(prepared.model)}
+        source = "the target" if self_draft else "the draft as given"
+        assert f"forwards of 32+ positions on {source}" in out.speculative_stats.draft_form
+        return {"owner": weakref.ref(owner), "prepared model": weakref.ref(prepared.model)}
 
     references = make_and_use()
     gc.collect()

@@ -114,9 +114,10 @@ class PreparedDraft:
             f"{width} positions: " + ", ".join(f"{form} {seconds * 1e3:.1f} ms" for form, seconds in by_form.items())
             for width, by_form in self.wide_seconds.items()
         )
-        wide = (
-            f"forwards of {self.wide.from_rows}+ positions on the draft as given" if self.wide is not None else ""
-        ) + (f" (timed over {prompts})" if prompts else "")
+        source = "the target" if self.self_draft_of is not None else "the draft as given"
+        wide = (f"forwards of {self.wide.from_rows}+ positions on {source}" if self.wide is not None else "") + (
+            f" (timed over {prompts})" if prompts else ""
+        )
         parts = [
             f"timed per step: {timed}" if timed else "",
             wide,
@@ -354,13 +355,13 @@ def _build(
     if calibration is None or not math.isfinite(timings.target or math.inf):
         fastest = min(seconds, key=seconds.get)
         prepared = PreparedDraft(forms[fastest], ids, width, fastest, self_draft_of, step_seconds=seconds)
-        return _with_wide_forwards(prepared, forms)
+        return _with_wide_forwards(prepared, model)
     target_context = KernelPlan.for_model(target, LinearKernel.AUTO, role="target").applied(calibration.numel())
     rates = dict(zip(forms, acceptance(target, list(forms.values()), calibration, target_context, ids)))
     value = {form: expected_speedup(rates[form], seconds[form] / timings.target) for form in forms}
     best = max(value, key=value.get)
     prepared = PreparedDraft(forms[best], ids, width, best, self_draft_of, step_seconds=seconds, acceptance=rates)
-    return _with_wide_forwards(prepared, forms)
+    return _with_wide_forwards(prepared, model)
 
 
 # Prompt widths at which AUTO times a compact form against the draft as given, narrowest first: the compact form's
@@ -368,11 +369,11 @@ def _build(
 WIDE_WIDTHS = (32, 128)
 
 
-def _with_wide_forwards(prepared: PreparedDraft, forms: dict[DraftQuantization, PreTrainedModel]) -> PreparedDraft:
-    """`prepared` with `wide` set where the draft as given (`forms[NONE]`) runs a prompt faster than the chosen
-    compact form: from the narrowest width of `WIDE_WIDTHS` at which it was timed faster (`time_wide_forwards`)."""
-    plain = forms.get(DraftQuantization.NONE)
-    if plain is None or prepared.quantization is DraftQuantization.NONE:
+def _with_wide_forwards(prepared: PreparedDraft, plain: PreTrainedModel) -> PreparedDraft:
+    """`prepared` with `wide` set where `plain`, the float model its compact form was made from (the draft as given,
+    or its FR-Spec view; the target for "auto"), runs a prompt faster than that form: from the narrowest width of
+    `WIDE_WIDTHS` at which it was timed faster (`time_wide_forwards`)."""
+    if prepared.quantization is DraftQuantization.NONE:
         return prepared
     timed: dict[int, dict[DraftQuantization, float]] = {}
     for width in WIDE_WIDTHS:
