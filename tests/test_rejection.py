@@ -112,6 +112,18 @@ def test_sample_from_weights_follows_unnormalised_weights():
     assert _chisquare_pvalue(counts[weights > 0], weights[weights > 0]) > 1e-3
 
 
+def test_sample_from_weights_edges(monkeypatch):
+    """A row of zeros draws index 0; NaN / inf rows draw an index in range (flagged elsewhere); the largest uniform
+    draws the last positive weight, never a trailing zero one (nor a weight below the float64 sum's resolution)."""
+    weights = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, float("nan"), 1.0, 0.0], [1.0, float("inf"), 0.0, 0.0]])
+    draws = sample_from_weights(weights, torch.Generator().manual_seed(0))
+    assert draws[0] == 0 and ((draws >= 0) & (draws < 4)).all()
+    just_below_one = 1.0 - 2.0**-53
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.full(shape, just_below_one, dtype=kwargs["dtype"]))
+    tiny_last = torch.tensor([[3.0, 0.0, 1e-300, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0, 0.0]])
+    assert sample_from_weights(tiny_last).tolist() == [0, 2]
+
+
 def test_sample_from_weights_is_reproducible_with_a_generator():
     weights = torch.rand(100, V)
     first = sample_from_weights(weights, torch.Generator().manual_seed(7))

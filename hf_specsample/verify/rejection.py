@@ -48,19 +48,31 @@ class Verdict(NamedTuple):
 def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one index per row with probability proportional to `weights`, without a host sync.
 
-    Uses the exponential race: ``argmax(w_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks ``i`` with probability
-    ``w_i / sum(w)``. The weights need not be normalised; zero weights are never picked unless the whole row is zero.
+    By the inverse CDF: one uniform ``u`` per row, and the first index whose float64 running sum of the weights
+    exceeds ``u`` times the row's total. Index ``i`` is drawn when that point falls in ``[c_{i-1}, c_i)``, an interval
+    of width ``w_i``; a zero weight leaves the running sum unchanged, so it is never drawn unless the whole row is zero
+    (then index 0). One random number per row instead of one per entry: 0.18 ms against 2.6 ms for the exponential
+    race (``argmax(w_i / E_i)``) over Qwen2.5's 151,936 entries on a 2-core Xeon, where a draft step takes ~32 ms.
 
     Args:
         weights: `(..., vocab)` non-negative float.
-        generator: optional generator; its device may differ from `weights`' device (the noise is moved).
+        generator: optional generator; its device may differ from `weights`' device (the uniforms are moved).
 
     Returns:
         `(...)` long, the sampled indices.
     """
+    running = torch.cumsum(weights.double(), dim=-1)  # (..., vocab), non-decreasing
+    total = running[..., -1:].contiguous()  # (..., 1)
     noise_device = generator.device if generator is not None else weights.device
-    noise = torch.empty(weights.shape, dtype=torch.float32, device=noise_device).exponential_(generator=generator)
-    return torch.argmax(weights.float() / noise.to(weights.device), dim=-1)
+    # 53 random bits (a float32 uniform has 24: tokens below 2^-24 would be drawn off their probability)
+    uniform = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=noise_device)
+    uniform = uniform.to(weights.device)  # (..., 1) in [0, 1)
+    index = torch.searchsorted(running, uniform * total, right=True)  # (..., 1): first running sum > u * total
+    # u * total can round up to total itself (u within 2^-53 of 1): then no sum exceeds it. The last positive weight
+    # is where the running sum first reaches the total (0 for a row of zeros).
+    last = torch.searchsorted(running, total, right=False)  # (..., 1)
+    # A row with NaN or inf weights draws some index in range (the caller flags such rows: `flag_nonfinite`).
+    return torch.minimum(index, last).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
 def uniform_like(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
