@@ -129,6 +129,23 @@ def test_auto_runs_prompts_on_the_float_draft_from_the_narrowest_width_timed_fas
     assert all(set(by_form) == forms for by_form in prepared.wide_seconds.values())
 
 
+@torch.no_grad()
+def test_no_prompt_forwards_on_a_draft_of_another_dtype(monkeypatch):
+    """The dynamic-int8 copy computes in float32: a bf16 draft's keys could not join its cache (sdpa refuses mixed
+    dtypes), so AUTO neither times nor uses the bf16 draft for its prompts, and generation runs."""
+    from conftest import _timed_forms
+
+    _timed_forms(monkeypatch, wide_faster_from=32, int8=0.001, none=0.003, int8_weights=0.002)
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3).to(torch.bfloat16)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    prepared = prepare_draft(draft, target)
+    assert prepared.quantization is DraftQuantization.INT8 and prepared.model.dtype == torch.float32
+    assert prepared.wide is None and prepared.wide_seconds == {}
+    kwargs = dict(do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    out = target.generate(PROMPT, draft_model=prepared, num_lookahead=3, **kwargs)
+    assert out.tolist() == target.generate(PROMPT, **kwargs).tolist()
+
+
 def test_no_prompt_timing_where_the_draft_runs_as_given_or_without_the_clock(pair, monkeypatch):
     from conftest import _timed_forms
 

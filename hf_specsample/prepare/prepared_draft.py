@@ -372,8 +372,9 @@ WIDE_WIDTHS = (32, 128)
 def _with_wide_forwards(prepared: PreparedDraft, plain: PreTrainedModel) -> PreparedDraft:
     """`prepared` with `wide` set where `plain`, the float model its compact form was made from (the draft as given,
     or its FR-Spec view; the target for "auto"), runs a prompt faster than that form: from the narrowest width of
-    `WIDE_WIDTHS` at which it was timed faster (`time_wide_forwards`)."""
-    if prepared.quantization is DraftQuantization.NONE:
+    `WIDE_WIDTHS` at which it was timed faster (`time_wide_forwards`). Not where the two compute in different dtypes
+    (the dynamic-int8 copy runs in float32, a bf16 draft's keys are bf16): they could not share a cache."""
+    if prepared.quantization is DraftQuantization.NONE or prepared.model.dtype != plain.dtype:
         return prepared
     timed: dict[int, dict[DraftQuantization, float]] = {}
     for width in WIDE_WIDTHS:
