@@ -214,6 +214,8 @@ class SpeculativeDecoder:
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
         self.stats.linear_kernel = f"target {kernel.reason}" if kernel is not None else "target compiled"
         self.drafter: Proposer
+        self.model_drafter: DraftModelProposer | None = None
+        self.draft_step: CompiledForward | None = None
         if draft is None:
             self.drafter = lookup
         else:
@@ -225,7 +227,9 @@ class SpeculativeDecoder:
             else:
                 draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
-            self.drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
+            self.draft_step = _draft_step(draft) if config.compile_draft else None
+            self.model_drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
+            self.drafter = self.model_drafter
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
                 self.drafter = LookupThenModelProposer(self.drafter, lookup)
         # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -251,7 +255,7 @@ class SpeculativeDecoder:
             draft_ids = draft.ids_for(model)  # (subset,) the ids its logits stand for, or None: all of the target's
             return DraftModelProposer(
                 draft.model, self.sequences, self.processor, self.do_sample, self.generator, draft_ids, vocab_size,
-                kernel=kernel, wide=draft.wide,
+                kernel=kernel, wide=draft.wide, step=self.draft_step,
             )  # fmt: skip
         target_tokenizer, draft_tokenizer = other_tokenizers
         if draft.shared_vocabulary is not None and _same_objects(other_tokenizers, draft.tokenizers):
@@ -269,12 +273,16 @@ class SpeculativeDecoder:
         return DraftModelProposer(
             draft.model, self.sequences, self.processor, self.do_sample, self.generator, shared.target_ids,
             vocab_size, columns=shared.draft_columns, inputs=inputs, kernel=kernel, wide=draft.wide,
+            step=self.draft_step,
         )  # fmt: skip
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
             self.streamer.put(self.sequences.tokens[:, : self.sequences.prompt_length].cpu())
         self.target.warm_up()  # compile now, outside every round (the prompt then runs compiled too)
+        draft_compile_before = self.draft_step.compile_seconds if self.draft_step is not None else 0.0
+        if self.model_drafter is not None and self.draft_step is not None:
+            self.model_drafter.warm_up()  # the draft's compiled step too
         while self.sequences.num_active > 0:
             self.round(self.lookahead.widths(self.sequences.lengths))
         if self.streamer is not None:
@@ -284,6 +292,8 @@ class SpeculativeDecoder:
         self.stats.draft_forward_passes = self.drafter.forward_passes
         if self.target.compiled is not None:
             self.stats.compile_seconds = self.target.compiled.compile_seconds - self._compile_seconds_before
+        if self.draft_step is not None:
+            self.stats.draft_compile_seconds = self.draft_step.compile_seconds - draft_compile_before
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
@@ -313,8 +323,8 @@ class SpeculativeDecoder:
         self.lookahead.observe(record, proposal.model_steps)
 
     def _compilations(self) -> int:
-        compiled = self.target.compiled
-        return compiled.compilations if compiled is not None else 0
+        """Compilations so far by the target's compiled forward and the draft's compiled step."""
+        return sum(compiled.compilations for compiled in (self.target.compiled, self.draft_step) if compiled)
 
     def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
@@ -449,6 +459,20 @@ def _target_cache(
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+
+
+def _draft_step(draft: PreparedDraft) -> CompiledForward:
+    """The compiled single-token step of `draft` (`SpeculativeConfig(compile_draft=True)`), or a ValueError saying
+    why it cannot compile, raised before any forward."""
+    problem = compile_problem(draft.model)
+    if problem is None and draft.quantization is DraftQuantization.INT8:
+        problem = "its form, torch's dynamic int8 linears, does not compile"
+    if problem is not None:
+        raise ValueError(
+            f"compile_draft=True cannot compile this draft: {problem}. Use draft_quantization='int8_weights' (or "
+            "'auto', 'none') for a compiled draft, or leave compile_draft=False."
+        )
+    return compiled_forward(draft.step_model(), CompileSettings.for_draft_steps())
 
 
 def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -31,6 +31,9 @@ class SpeculativeStats:
     # A compiled target forward (`SpeculativeConfig(compile=True)` or `compile_config=`): seconds spent compiling in
     # this call (0.0 when compiled code was reused from an earlier call); None when the target ran eagerly.
     compile_seconds: float | None = None
+    # The draft's single-token steps compiled (`SpeculativeConfig(compile_draft=True)`): seconds spent compiling them
+    # in this call (0.0 when compiled code was reused from an earlier call); None when they ran eagerly.
+    draft_compile_seconds: float | None = None
     # What ran the eager forwards' linear layers (`SpeculativeConfig.linear_kernel`): per model, the small-rows
     # kernel's plan and why (its timing against eager F.linear, or why it is off); "" before a call.
     linear_kernel: str = ""
@@ -135,6 +138,11 @@ class SpeculativeStats:
             + (
                 f", compiled target ({self.compile_seconds:.1f} s compiling)"
                 if self.compile_seconds is not None
+                else ""
+            )
+            + (
+                f", compiled draft steps ({self.draft_compile_seconds:.1f} s compiling)"
+                if self.draft_compile_seconds is not None
                 else ""
             )
         )

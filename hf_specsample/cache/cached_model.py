@@ -93,6 +93,7 @@ class CachedModel:
         compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
         kernel: the small-rows kernel plan eager forwards run under (None: plain eager).
         wide: where eager forwards of many rows run on another model (`WideForwards`; None: all on `model`).
+        step: the compiled forward single-position forwards run on (None: eager).
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class CachedModel:
         source: Sequences | None = None,
         single_step: bool = False,
         wide: WideForwards | None = None,
+        step: CompiledForward | None = None,
     ):
         """
         Args:
@@ -129,6 +131,10 @@ class CachedModel:
                 layers cannot continue a multi-token forward from it: `transformers_api.scan_restarts_from_zero`).
             wide: eager forwards of at least `wide.from_rows` rows run on `wide.model`, plain eager (no kernel plan:
                 it was timed so). For a draft only (see `WideForwards`).
+            step: forwards of one position per row on this cache run on `step`, a compiled forward of `model` or of
+                a view of the same weights (`PreparedDraft.step_model`), outside the kernel plan (its linears are
+                the kernel's operators or inductor's). For a draft only: compiled logits differ by rounding, which
+                changes how often its proposals are accepted, never what is sampled. Not for hybrid models.
         """
         self.model = model
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -144,10 +150,12 @@ class CachedModel:
         self.compiled, self.compiled_widths = compiled, compiled_widths
         self.kernel = kernel
         self.wide = wide
+        self.step = step
+        self._step_model = step.model_ref() if step is not None else None  # held: `step` refers to it weakly
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers (and convolution windows) be rolled back
         hybrid = any(True for _ in linear_states.linear_layers(self.cache))
-        assert compiled is None or not hybrid, "hybrid models run eagerly (their convolution history grows)"
+        assert (compiled is None and step is None) or not hybrid, "hybrid models run eagerly (their states roll back)"
         self.states = StateCheckpoints(self.cache) if hybrid else None
         self.source, self.single_step = source, single_step
         self.refeed_passes = 0
@@ -285,10 +293,13 @@ class CachedModel:
             kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
-        if compiled:
+        stepped = not compiled and self.step is not None and width == 1 and cache is self.cache
+        if compiled or stepped:  # dynamo guards on strides: row-major inputs, as the warm-up's
             input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
         if compiled:
             logits = self.compiled(input_ids=input_ids, **kwargs).logits
+        elif stepped:
+            logits = self.step(input_ids=input_ids, **kwargs).logits
         elif self.wide is not None and rows * width >= self.wide.from_rows:
             logits = self.wide.model(input_ids=input_ids, **kwargs).logits
         else:
@@ -318,6 +329,26 @@ class CachedModel:
         if self.compiled.needs_warm_up(rows):
             self._dummy_forward(self.compiled, rows)
             self.compiled.warm(rows)
+
+    def warm_step(self) -> None:
+        """Compile the single-position step now, on a throwaway cache of this call's rows, so that no round pays for
+        it: two positions of id 0 eagerly, then single positions through `step` on keys as an eager forward, a step
+        and a rollback leave them (dynamo guards on their strides, and rounds meet all three). This cache is not
+        touched."""
+        if self.step is None:
+            return
+        rows, device = self.slot_is_real.shape[0], self.input_device
+        scratch = DynamicCache(config=self.model.config)
+        kwargs = {self._cache_name: scratch, "use_cache": True}
+        first = {"position_ids": torch.arange(2, device=device).repeat(rows, 1)} if self._takes_position_ids else {}
+        self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
+        then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
+        if self._takes_logits_to_keep:
+            then["logits_to_keep"] = 1
+        for crop_first in (False, False, True):  # keys as a forward leaves them, as a step does, as a rollback does
+            if crop_first:
+                row_ops.crop(scratch, 1)
+            self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
 
     def _dummy_forward(self, forward, rows: int) -> None:
         """Two positions of id 0 after the write pointer, then the pointer moves back."""

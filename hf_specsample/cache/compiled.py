@@ -75,6 +75,15 @@ class CompileSettings:
         return cls(compile_kwargs=(("dynamic", None), ("mode", "reduce-overhead")))
 
     @classmethod
+    def for_draft_steps(cls) -> "CompileSettings":
+        """What `SpeculativeConfig(compile_draft=True)` uses for a draft's single-token steps on its dynamic cache:
+        inductor fuses the step's many small operators (norms, rotary, attention's reshapes, residuals), about a
+        third of a compact draft's step on a CPU. Symbolic sizes (the cache grows every step; dynamo specialises
+        one row apart from several). No freezing: the weights stay inputs, so a change to them is read, and a
+        compact draft's linears are the small-rows kernel's operators either way."""
+        return cls(compile_kwargs=(("dynamic", True),))
+
+    @classmethod
     def from_compile_config(cls, compile_config: Any) -> "CompileSettings":
         """transformers' `CompileConfig`, as plain `generate()` applies it (`torch.compile(**config.to_dict())`).
 

@@ -146,6 +146,18 @@ class SiblingProjection(torch.nn.Module):
         self.shared.keep(x, parts, taken=self.start)
         return parts[self.start]
 
+    def standalone(self) -> torch.nn.Module:
+        """This projection as a layer of its own (`Int8Linear` / `Int4Linear`) over its rows of the fused weight:
+        views, no weight copied. For compiled code, which traces every call: the hand-off between siblings is Python
+        state that dynamo would guard on (a recompilation per layer) instead of computing once."""
+        end = self.start + self.width
+        fused, bias = self.fused, None if self.fused.bias is None else self.fused.bias[self.start : end]
+        if isinstance(fused, Int8Linear):
+            return Int8Linear(fused.weight[self.start : end], fused.scale[self.start : end], bias)
+        if isinstance(fused, Int4Linear):
+            return Int4Linear(fused.packed[self.start : end], fused.scale[self.start : end], fused.group, bias)
+        raise TypeError(f"no standalone form of a sibling of {type(fused).__name__}")
+
     def extra_repr(self) -> str:
         end = self.start + self.width
         return f"in_features={self.in_features}, out_features={self.width}, columns {self.start}..{end} of the fused"

@@ -84,7 +84,19 @@ def load() -> Build:
     except Exception as error:  # noqa: BLE001 (any build failure means: run eagerly, and say why)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return Build(f"the small-rows kernel could not be built ({type(error).__name__}: {first_line})", 0.0)
+    _register_fakes()
     return Build(None, time.perf_counter() - start)
+
+
+def _register_fakes() -> None:
+    """Output shapes of the linear operators for `torch.compile` (`SpeculativeConfig(compile_draft=True)` traces a
+    compact draft's forward through them): `(M, K)` x and `(N, ...)` weights give `(M, N)` in x's dtype."""
+
+    def fake(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    for name in ("small_rows_linear", "small_rows_linear_int8", "small_rows_linear_int4"):
+        torch.library.register_fake(f"hf_specsample::{name}")(fake)
 
 
 class KernelPath(str, enum.Enum):
@@ -117,8 +129,10 @@ READS = {
 
 def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
     """The path the kernel runs here by default for bf16 weights (`small_rows_linear`), int8 ones
-    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`)."""
-    return next(path for path in paths() if path in READS[weights])
+    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`): the first path of
+    `READS[weights]` (each form's order, fastest first) that this CPU runs."""
+    here = paths()
+    return next(path for path in READS[weights] if path in here)
 
 
 def _path_index(path: KernelPath | None) -> int:

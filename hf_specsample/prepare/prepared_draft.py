@@ -42,7 +42,7 @@ from .. import distributed
 from ..cache import row_ops
 from ..cache.cached_model import WideForwards
 from ..kernels import small_rows
-from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, fuse_siblings
+from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, SiblingProjection, fuse_siblings
 from ..kernels.small_rows import KernelPlan
 from ..lookahead import expected_speedup, weight_bytes
 from ..options import DraftQuantization, LinearKernel, NamedDraft
@@ -100,6 +100,16 @@ class PreparedDraft:
     shared_vocabulary: SharedVocabulary | None = None
     wide: WideForwards | None = None
     wide_seconds: dict[int, dict[DraftQuantization, float]] = field(default_factory=dict)
+    # (model, its `step_model` view), once made; shared with the copies `replace` makes (the implicit cache hands
+    # out one per call), so that every call compiles the same view once
+    _step_model: list[tuple[PreTrainedModel, PreTrainedModel]] = field(default_factory=list, repr=False)
+
+    def step_model(self) -> PreTrainedModel:
+        """`model` as compiled single-token steps run it (`SpeculativeConfig(compile_draft=True)`): the same weights,
+        with a compact form's fused sibling projections as layers of their own (`without_siblings`). Made once."""
+        if not self._step_model or self._step_model[0][0] is not self.model:
+            self._step_model[:] = [(self.model, without_siblings(self.model))]
+        return self._step_model[0][1]
 
     @property
     def form(self) -> str:
@@ -609,6 +619,28 @@ def _fusable(linear, first) -> bool:
         and linear.weight.dtype == first.weight.dtype
         and linear.weight.device == first.weight.device
     )
+
+
+def without_siblings(model: PreTrainedModel) -> PreTrainedModel:
+    """A view of `model` in which each `SiblingProjection` is a layer of its own over its rows of the fused weight
+    (`SiblingProjection.standalone`: views, no weight copied); `model` itself where it has none.
+
+    Compiled code traces every call: one kernel call for q/k/v saves a few microseconds of eager dispatch, which
+    compiled code does not pay, while the siblings' hand-off (Python state keyed by the input tensor) would make
+    dynamo guard and recompile per layer."""
+    if not any(isinstance(module, SiblingProjection) for module in model.modules()):
+        return model
+
+    def replaced(module: torch.nn.Module) -> torch.nn.Module:
+        clone = shallow_clone(module)
+        for name, child in module.named_children():
+            if isinstance(child, SiblingProjection):
+                clone._modules[name] = child.standalone()
+            elif any(isinstance(inner, SiblingProjection) for inner in child.modules()):
+                clone._modules[name] = replaced(child)
+        return clone
+
+    return replaced(model).eval()
 
 
 def int4_weights_copy(model: PreTrainedModel) -> PreTrainedModel:

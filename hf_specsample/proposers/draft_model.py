@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .. import transformers_api
 from ..cache.cached_model import CachedModel, WideForwards
+from ..cache.compiled import CompiledForward
 from ..kernels.small_rows import KernelPlan
 from ..lookahead import RoundWidths
 from ..sequences import Sequences
@@ -55,6 +56,7 @@ class DraftModelProposer(Proposer):
         inputs: DraftIdBuffer | None = None,
         kernel: KernelPlan | None = None,
         wide: WideForwards | None = None,
+        step: CompiledForward | None = None,
     ):
         """
         Args:
@@ -69,6 +71,7 @@ class DraftModelProposer(Proposer):
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
             kernel: the small-rows kernel plan the draft's forwards run under (None: plain eager).
             wide: where the draft's forwards of many positions (the prompt) run on its float original (None: none).
+            step: the compiled forward the draft's single-token steps run on (None: eager; see `CachedModel`).
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
@@ -82,7 +85,7 @@ class DraftModelProposer(Proposer):
         cache = DynamicCache() if inputs is not None else None
         self.runner = CachedModel(
             draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel, source=reads,
-            single_step=transformers_api.scan_restarts_from_zero(draft_model), wide=wide,
+            single_step=transformers_api.scan_restarts_from_zero(draft_model), wide=wide, step=step,
         )  # fmt: skip
         reads.rows.attach(self.runner)
         self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
@@ -97,6 +100,10 @@ class DraftModelProposer(Proposer):
     @property
     def forward_passes(self) -> int:
         return self.runner.forward_passes
+
+    def warm_up(self) -> None:
+        """Compile the draft's single-token step now, if it runs compiled, so that no round pays for it."""
+        self.runner.warm_step()
 
     def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
         """Draft `widths.model` (K) tokens after every active row's committed tokens (see `Proposer.get_candidates`).
