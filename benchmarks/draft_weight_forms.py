@@ -53,9 +53,7 @@ def main() -> None:
     small_rows.load()
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; paths here: {[str(p) for p in small_rows.paths()]}")
     print(f"memory bandwidth (reading 1 GiB): {bandwidth() / 1e9:.1f} GB/s")
-    print(
-        f"default paths: int8 {small_rows.best_path(torch.int8)}, int4 {small_rows.best_path(torch.uint8)}"
-    )
+    print(f"default paths: int8 {small_rows.best_path(torch.int8)}, int4 {small_rows.best_path(torch.uint8)}")
     torch.manual_seed(0)
     here = set(small_rows.paths())
     with torch.inference_mode():
@@ -72,14 +70,14 @@ def main() -> None:
                 cells = []
                 for path in small_rows.READS[torch.int8]:
                     if path in here and path is not KernelPath.SCALAR:
-                        seconds = median_seconds(lambda: [
+                        seconds = median_seconds(lambda x=x, path=path, int8=int8: [
                             small_rows.small_rows_linear_int8(x, q.weight, q.scale, None, path, q.row_sums)
                             for q in int8
                         ]) / count  # fmt: skip
                         cells.append(f"int8 {path} {seconds * 1e6:6.0f} us {bytes8 / seconds / 1e9:5.1f} GB/s")
                 for path in small_rows.READS[torch.uint8]:
                     if path in here and path is not KernelPath.SCALAR:
-                        seconds = median_seconds(lambda: [
+                        seconds = median_seconds(lambda x=x, path=path, int4=int4: [
                             small_rows.small_rows_linear_int4(x, q.packed, q.scale, q.group, None, path, q.corrections)
                             for q in int4
                         ]) / count  # fmt: skip

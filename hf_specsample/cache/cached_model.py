@@ -293,7 +293,9 @@ class CachedModel:
             kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
         if self.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
-        stepped = not compiled and self.step is not None and width == 1 and cache is self.cache
+        stepped = (
+            not compiled and self.step is not None and width == 1 and cache is self.cache and self.step.ready_for(rows)
+        )
         if compiled or stepped:  # dynamo guards on strides: row-major inputs, as the warm-up's
             input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
         if compiled:
@@ -345,10 +347,16 @@ class CachedModel:
         then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
         if self._takes_logits_to_keep:
             then["logits_to_keep"] = 1
+        masked = not bool(self.slot_is_real.all())  # padded rows: the rounds' steps take a mask (`_forward`)
         for crop_first in (False, False, True):  # keys as a forward leaves them, as a step does, as a rollback does
             if crop_first:
                 row_ops.crop(scratch, 1)
+            if masked:
+                slots = row_ops.total_slots(scratch) + 1
+                then["attention_mask"] = torch.ones((rows, slots), dtype=torch.long).to(device)
             self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
+        self.step.warm(rows)  # steps of this many rows (one, or several) run compiled; a batch that shrinks to one
+        # row finishes eagerly rather than compile again in the middle of a call (as the target's compiled forward)
 
     def _dummy_forward(self, forward, rows: int) -> None:
         """Two positions of id 0 after the write pointer, then the pointer moves back."""

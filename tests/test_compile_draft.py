@@ -1,0 +1,144 @@
+"""`SpeculativeConfig(compile_draft=True)`: the draft's single-token steps run compiled (tiny models compile in
+seconds). What the draft computes changes only how often its proposals are accepted: greedy output stays the
+target's own and samples follow the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exact import sampled_pvalue
+from tiny import PAD, perturbed_copy, tiny_lm
+
+from hf_specsample import SpeculativeConfig
+from hf_specsample.cache.compiled import CompiledForward
+from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.quantized_linear import SiblingProjection
+from hf_specsample.kernels.small_rows import KernelPath
+from hf_specsample.prepare.prepared_draft import int4_weights_copy, int8_weights_copy, without_siblings
+
+PROMPT = torch.tensor([[1, 5, 2, 5]])
+BATCH = torch.tensor([[PAD, PAD, 1, 5], [1, 5, 2, 5]])  # left-padded rows: the draft's steps take a mask
+BATCH_MASK = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+
+
+@pytest.fixture(scope="module")
+def built():
+    build = small_rows.load()
+    if build.problem is not None:
+        pytest.skip(build.problem)
+    return build
+
+
+def pair():
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def count_steps(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the input ids every compiled forward is called with."""
+    calls = []
+    real = CompiledForward.__call__
+
+    def counting(self, **kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(CompiledForward, "__call__", counting)
+    return calls
+
+
+def greedy(model, inputs=PROMPT, **kwargs):
+    mask = BATCH_MASK if inputs is BATCH else None
+    return model.generate(inputs, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["none", "int8_weights"])
+@pytest.mark.parametrize("inputs", [PROMPT, BATCH], ids=["one row", "padded rows"])
+@torch.no_grad()
+def test_greedy_with_compiled_draft_steps_equals_plain(built, monkeypatch, form, inputs):
+    target, draft = pair()
+    calls = count_steps(monkeypatch)
+    config = SpeculativeConfig(compile_draft=True, draft_quantization=form)
+    out = greedy(target, inputs, draft_model=draft, num_lookahead=3, speculative_config=config,
+                 return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.tolist() == greedy(target, inputs).tolist()
+    stats = out.speculative_stats
+    assert stats.draft_compile_seconds is not None and "compiled draft steps" in str(stats)
+    assert calls and all(shape == (inputs.shape[0], 1) for shape in calls)  # single-token steps of every row
+    # the rounds' steps ran compiled too, not only the warm-up's three
+    assert len(calls) > 3 and stats.draft_forward_passes > 0
+
+
+@torch.no_grad()
+def test_a_second_call_reuses_the_compiled_steps(built):
+    target, draft = pair()
+    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    first = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
+    second = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
+    assert first.speculative_stats.draft_compile_seconds > 0.0
+    assert second.speculative_stats.draft_compile_seconds == 0.0  # the prepared draft's view, compiled once
+    assert first.sequences.tolist() == second.sequences.tolist()
+
+
+@pytest.mark.parametrize("form", ["none", "int8_weights"])
+@torch.no_grad()
+def test_sampling_with_compiled_draft_steps_is_exact(built, monkeypatch, form):
+    target, draft = pair()
+    calls = count_steps(monkeypatch)
+    config = SpeculativeConfig(compile_draft=True, draft_quantization=form)
+    pvalue = sampled_pvalue(
+        target, PROMPT, num_tokens=3, rows=4000, seed=4, settings=dict(temperature=0.9, top_k=5),
+        draft_model=draft, num_lookahead=2, speculative_config=config,
+    )  # fmt: skip
+    assert pvalue > 1e-3
+    assert len(calls) > 3  # the rounds drafted through the compiled step
+
+
+@torch.no_grad()
+def test_sampling_test_catches_a_compiled_step_whose_probabilities_are_not_the_drafts(built, monkeypatch):
+    """Power: proposals drawn from another distribution than the one the compiled step reports (its
+    probabilities cubed) fail the same test."""
+    from hf_specsample.proposers import draft_model
+
+    target, draft = pair()
+    real = draft_model.sample_from_weights
+    monkeypatch.setattr(draft_model, "sample_from_weights", lambda weights, generator: real(weights**3, generator))
+    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    pvalue = sampled_pvalue(
+        target, PROMPT, num_tokens=3, rows=4000, seed=4, settings=dict(temperature=0.9, top_k=5),
+        draft_model=draft, num_lookahead=2, speculative_config=config,
+    )  # fmt: skip
+    assert pvalue < 1e-3
+
+
+def test_compile_draft_is_refused_before_any_forward_where_the_draft_cannot_compile(built):
+    target, draft = pair()
+    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8")
+    with pytest.raises(ValueError, match="compile_draft=True cannot compile this draft: its form, torch's dynamic"):
+        greedy(target, draft_model=draft, speculative_config=config)
+    with pytest.raises(TypeError, match="compile_draft must be True or False"):
+        SpeculativeConfig(compile_draft="yes")
+
+
+@pytest.mark.parametrize("form", ["int8_weights", "int4_weights"])
+@torch.no_grad()
+def test_without_siblings_shares_the_weights_and_computes_the_same(built, form):
+    """The view compiled steps run: each sibling a layer of its own over its rows of the fused weight (no copy),
+    computing what the fused form computes, bit for bit."""
+    if form == "int4_weights" and small_rows.best_path(torch.uint8) is KernelPath.SCALAR:
+        pytest.skip("int4 weights need a vector path that reads them")
+    model = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=128).to(torch.bfloat16)
+    fused = (int8_weights_copy if form == "int8_weights" else int4_weights_copy)(model)
+    view = without_siblings(fused)
+    assert any(isinstance(module, SiblingProjection) for module in fused.modules())
+    assert not any(isinstance(module, SiblingProjection) for module in view.modules())
+    attention, fused_attention = view.model.layers[0].self_attn, fused.model.layers[0].self_attn
+    name = "weight" if form == "int8_weights" else "packed"
+    shared = getattr(fused_attention.q_proj.fused, name)
+    for projection in ("q_proj", "k_proj", "v_proj"):
+        weight = getattr(getattr(attention, projection), name)
+        assert weight.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert torch.equal(view(ids).logits, fused(ids).logits)
+    assert torch.equal(view(ids[:, :1]).logits, fused(ids[:, :1]).logits)
+    assert without_siblings(model) is model  # nothing fused: the model itself
