@@ -142,6 +142,10 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
             draft_model=prepared, speculative_config=SpeculativeConfig(linear_kernel="off")
         ),
         "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),
+        # the default with the draft's single-token steps compiled (its warm-up call compiles them)
+        "hf_specsample compiled draft": dict(
+            draft_model=prepared, speculative_config=SpeculativeConfig(compile_draft=True)
+        ),
     }
 
 

@@ -30,11 +30,12 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import DraftQuantization, LinearKernel
+from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
 from hf_specsample.kernels.small_rows import KernelPlan
 from hf_specsample.lookahead import weight_bytes
-from hf_specsample.prepare.prepared_draft import _compact_forms
+from hf_specsample.prepare.prepared_draft import _compact_forms, without_siblings
 from hf_specsample.transformers_api import cache_kwargs, output_cache
 from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import speculative_accept
@@ -141,12 +142,33 @@ def forward_profile(model, ids, context_ids, width: int, plan: KernelPlan, repea
     return {"total": total, **split}
 
 
+def compiled_step_seconds(model, ids, context_ids, repeats: int) -> tuple[float, float]:
+    """Median seconds of a compiled single-token step of a compact draft after `context_ids` (its sibling-free view,
+    `CompileSettings.for_draft_steps`, as the loop runs it), and the seconds its compilation took."""
+    compiled = compiled_forward(without_siblings(model), CompileSettings.for_draft_steps())
+    cache = output_cache(model(context_ids, use_cache=True))
+    step = ids[:, -1:].clone()
+    position = torch.tensor([[context_ids.shape[1]]])
+
+    def forward():
+        compiled(input_ids=step, **cache_kwargs(model, cache), use_cache=True, position_ids=position)
+        cache.crop(-1)
+
+    for _ in range(2):  # compiles (keys as the prompt left them, then as a rollback leaves them)
+        forward()
+    return median_seconds(forward, repeats), compiled.compile_seconds
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load-from", type=LoadPath, choices=list(LoadPath), default=LoadPath.CHECKPOINT)
     parser.add_argument("--lookahead", type=int, default=4, help="K: the round verifies K+1 positions")
     parser.add_argument("--context", type=int, default=128, help="tokens in the caches before the round")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--compiled-draft", action="store_true",
+        help="also time the kernel forms' steps compiled (compile_draft=True; about 40 s of compiling per form)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
@@ -176,6 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         for key, seconds in profile.items():
             if key != "total":
                 row(f"  {key}", seconds, None)
+    if args.compiled_draft:  # the kernel forms' steps as `SpeculativeConfig(compile_draft=True)` runs them
+        for form in (DraftQuantization.INT8_WEIGHTS, DraftQuantization.INT4_WEIGHTS):
+            if form in forms:
+                seconds, compiling = compiled_step_seconds(forms[form], ids, context_ids, args.repeats)
+                row(f"draft step, {form}, compiled ({compiling:.0f} s compiling)", seconds, weight_bytes(forms[form]))
 
     # 2. the target's forward over 1 and K+1 positions, split
     plan = KernelPlan.for_model(target, LinearKernel.AUTO, role="target")
