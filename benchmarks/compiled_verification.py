@@ -146,6 +146,11 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
         "hf_specsample compiled draft": dict(
             draft_model=prepared, speculative_config=SpeculativeConfig(compile_draft=True)
         ),
+        # a fixed K (opt-in rows): the draft's step cost alone, apart from the adaptive policy's choices
+        "hf_specsample K=5": dict(draft_model=prepared, num_lookahead=5),
+        "hf_specsample K=5 compiled draft": dict(
+            draft_model=prepared, num_lookahead=5, speculative_config=SpeculativeConfig(compile_draft=True)
+        ),
     }
 
 
@@ -153,7 +158,7 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
 # compile_config) ran at 0.52 tok/s on the first held-out prompt (its eager assisted generation: 4.10) and then
 # aborted the whole process at the second, inside its compiled kernel ("index out of bounds: 0 <= tmp10 < ks1";
 # Xeon-SPR, 2026-11-25): by default it would take every other row down with it.
-OPT_IN = {"assistant static+compiled"}
+OPT_IN = {"assistant static+compiled", "hf_specsample K=5", "hf_specsample K=5 compiled draft"}
 
 
 def run_method(target, inputs, kwargs: dict, settings: dict, new_tokens: int, pad: int):

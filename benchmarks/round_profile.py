@@ -145,7 +145,8 @@ def forward_profile(model, ids, context_ids, width: int, plan: KernelPlan, repea
 def compiled_step_seconds(model, ids, context_ids, repeats: int) -> tuple[float, float]:
     """Median seconds of a compiled single-token step of a compact draft after `context_ids` (its sibling-free view,
     `CompileSettings.for_draft_steps`, as the loop runs it), and the seconds its compilation took."""
-    compiled = compiled_forward(without_siblings(model), CompileSettings.for_draft_steps())
+    view = without_siblings(model)  # held here: the compiled forward refers to it weakly
+    compiled = compiled_forward(view, CompileSettings.for_draft_steps())
     cache = output_cache(model(context_ids, use_cache=True))
     step = ids[:, -1:].clone()
     position = torch.tensor([[context_ids.shape[1]]])
