@@ -196,7 +196,7 @@ def prepare_draft(
         target: the model whose `generate()` will use the draft.
         quantization: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed
             here: as given, INT8 (torch's dynamic int8), INT8_WEIGHTS (int8 weights on the small-rows kernel) and,
-            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 BF16), each weighed by its measured
+            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16), each weighed by its measured
             acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts only), or
             NONE. Where AUTO chose a compact form, it also times it against the draft as given over prompt widths
             (`WIDE_WIDTHS`); the draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
