@@ -13,15 +13,12 @@ asserted.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
 from hf_specsample.kernels.small_rows import KernelPath
-from hf_specsample_bench.measure import cpu_name
+from hf_specsample_bench.measure import cpu_name, median_ms, read_bandwidth
 
 SHAPES = {  # (out, in) of Qwen2.5-0.5B's linears, as the compact forms hold them
     "q/k/v fused": (1152, 896),
@@ -33,26 +30,10 @@ SHAPES = {  # (out, in) of Qwen2.5-0.5B's linears, as the compact forms hold the
 LAYERS = 24  # distinct weights per shape (the LM head: 2)
 
 
-def median_seconds(function, repeats: int = 30, warm_up: int = 3) -> float:
-    for _ in range(warm_up):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bandwidth() -> float:
-    data = torch.ones(2**28)  # 1 GiB of fp32
-    return data.numel() * 4 / median_seconds(data.sum, repeats=5)
-
-
 def main() -> None:
     small_rows.load()
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; paths here: {[str(p) for p in small_rows.paths()]}")
-    print(f"memory bandwidth (reading 1 GiB): {bandwidth() / 1e9:.1f} GB/s")
+    print(f"memory bandwidth (reading 1 GiB): {read_bandwidth() / 1e9:.1f} GB/s")
     print(f"default paths: int8 {small_rows.best_path(torch.int8)}, int4 {small_rows.best_path(torch.uint8)}")
     torch.manual_seed(0)
     here = set(small_rows.paths())
@@ -70,17 +51,17 @@ def main() -> None:
                 cells = []
                 for path in small_rows.READS[torch.int8]:
                     if path in here and path is not KernelPath.SCALAR:
-                        seconds = median_seconds(lambda x=x, path=path, int8=int8: [
+                        seconds = median_ms(lambda x=x, path=path, int8=int8: [
                             small_rows.small_rows_linear_int8(x, q.weight, q.scale, None, path, q.row_sums)
                             for q in int8
-                        ]) / count  # fmt: skip
+                        ], repeats=30, warm_up=3) / 1e3 / count  # fmt: skip
                         cells.append(f"int8 {path} {seconds * 1e6:6.0f} us {bytes8 / seconds / 1e9:5.1f} GB/s")
                 for path in small_rows.READS[torch.uint8]:
                     if path in here and path is not KernelPath.SCALAR:
-                        seconds = median_seconds(lambda x=x, path=path, int4=int4: [
+                        seconds = median_ms(lambda x=x, path=path, int4=int4: [
                             small_rows.small_rows_linear_int4(x, q.packed, q.scale, q.group, None, path, q.corrections)
                             for q in int4
-                        ]) / count  # fmt: skip
+                        ], repeats=30, warm_up=3) / 1e3 / count  # fmt: skip
                         cells.append(f"int4 {path} {seconds * 1e6:6.0f} us {bytes4 / seconds / 1e9:5.1f} GB/s")
                 print(f"{name:<14} ({out_features}, {in_features}) M={rows}: " + " | ".join(cells), flush=True)
 

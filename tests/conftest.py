@@ -174,3 +174,14 @@ def draft(target):
     from tiny import perturbed_copy
 
     return perturbed_copy(target, seed=1, scale=0.1)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The small-rows kernel, built (or loaded) once; tests that need it skip where it cannot be built here."""
+    from hf_specsample.kernels import small_rows
+
+    build = small_rows.load()
+    if build.problem is not None:
+        pytest.skip(build.problem)
+    return build

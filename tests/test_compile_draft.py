@@ -21,14 +21,6 @@ BATCH = torch.tensor([[PAD, PAD, 1, 5], [1, 5, 2, 5]])  # left-padded rows: the 
 BATCH_MASK = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
 
 
-@pytest.fixture(scope="module")
-def built():
-    build = small_rows.load()
-    if build.problem is not None:
-        pytest.skip(build.problem)
-    return build
-
-
 def pair():
     target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
     return target, perturbed_copy(target, seed=1, scale=0.3)

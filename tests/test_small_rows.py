@@ -28,14 +28,6 @@ PROMPT = torch.tensor([[1, 5, 2, 5]])
 DRAFT_AS_GIVEN = dict(draft_quantization="none")
 
 
-@pytest.fixture(scope="module")
-def built():
-    build = small_rows.load()
-    if build.problem is not None:
-        pytest.skip(build.problem)
-    return build
-
-
 def bf16_pair(vocab_size=16, hidden=32):
     target = tiny_lm(seed=0, vocab_size=vocab_size, layers=2, hidden=hidden).to(torch.bfloat16)
     return target, perturbed_copy(target, seed=1, scale=0.3)
