@@ -134,3 +134,22 @@ def test_without_siblings_shares_the_weights_and_computes_the_same(built, form):
     assert torch.equal(view(ids).logits, fused(ids).logits)
     assert torch.equal(view(ids[:, :1]).logits, fused(ids[:, :1]).logits)
     assert without_siblings(model) is model  # nothing fused: the model itself
+
+
+@pytest.mark.parametrize("name", ["mistral_sliding", "gemma2"])
+@torch.no_grad()
+def test_sliding_window_drafts_run_compiled_past_the_window(built, monkeypatch, name):
+    """A draft whose cache layers record their past and trim to a window (4 slots here) runs compiled steps past the
+    window, and greedy output is the target's own. (Passing the window takes another code path in the cache layer:
+    dynamo compiles it then, once; a round that compiled is kept out of the policy's cost estimates.)"""
+    from tiny import arch_draft, tiny_arch
+
+    target = tiny_arch(name, seed=0)
+    draft = arch_draft(target, seed=1)
+    calls = count_steps(monkeypatch)
+    config = SpeculativeConfig(compile_draft=True)
+    out = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model=draft,
+                          num_lookahead=3, speculative_config=config, return_dict_in_generate=True)  # fmt: skip
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
+    assert out.sequences.tolist() == plain.tolist()
+    assert len(calls) > 3 + 5  # the warm-up's three, and steps in the rounds (the cache then holds 8+ slots)

@@ -341,6 +341,7 @@ class CachedModel:
             return
         rows, device = self.slot_is_real.shape[0], self.input_device
         scratch = DynamicCache(config=self.model.config)
+        scratch.activate_past_recording()  # as this cache records (sliding windows): one code path, one graph
         kwargs = {self._cache_name: scratch, "use_cache": True}
         first = {"position_ids": torch.arange(2, device=device).repeat(rows, 1)} if self._takes_position_ids else {}
         self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
