@@ -175,6 +175,8 @@ class SpeculativeDecoder:
                     "nothing to act on. Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
                 )
         else:
+            if config.compile_draft:  # before any forward (AUTO's timings included)
+                _check_draft_compiles(draft_model, model)
             draft = draft_for_call(
                 draft_model, model, config.draft_quantization, config.draft_vocabulary,
                 special_token_ids(generation_config), other_tokenizer=other_tokenizers is not None,
@@ -227,7 +229,7 @@ class SpeculativeDecoder:
             else:
                 draft_kernel = KernelPlan.for_model(draft.model, config.linear_kernel, reproducible, "draft")
             self.stats.linear_kernel += f"; draft {draft_kernel.reason}"
-            self.draft_step = _draft_step(draft) if config.compile_draft else None
+            self.draft_step, eager_steps = _draft_step(draft) if config.compile_draft else (None, None)
             self.model_drafter = self.draft_proposer(draft, model, vocab_size, other_tokenizers, draft_kernel)
             self.drafter = self.model_drafter
             if lookup_tokens is not None:  # transformers' argument: n-gram continuations first, the model elsewhere
@@ -239,6 +241,8 @@ class SpeculativeDecoder:
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, batch)
         self.stats.draft_form = draft.form if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
+        if draft is not None and config.compile_draft and self.draft_step is None:
+            self.stats.draft_form += f"; its steps run eagerly under compile_draft: {eager_steps}"
         devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
         self.timer = PhaseTimer(self.lookahead.needs_timing, devices)
 
@@ -461,18 +465,28 @@ CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
 
 
-def _draft_step(draft: PreparedDraft) -> CompiledForward:
-    """The compiled single-token step of `draft` (`SpeculativeConfig(compile_draft=True)`), or a ValueError saying
-    why it cannot compile, raised before any forward."""
-    problem = compile_problem(draft.model)
-    if problem is None and draft.quantization is DraftQuantization.INT8:
-        problem = "its form, torch's dynamic int8 linears, does not compile"
+def _check_draft_compiles(draft_model: Any, target: PreTrainedModel) -> None:
+    """Refuse `compile_draft=True`, before any forward, for a draft whose forward cannot compile (a hybrid model,
+    an offloaded one, a quantization transformers marks not compileable, a tensor-parallel one)."""
+    if draft_model == NamedDraft.AUTO:
+        draft = target
+    else:
+        draft = draft_model.model if isinstance(draft_model, PreparedDraft) else draft_model
+    problem = compile_problem(draft)
     if problem is not None:
         raise ValueError(
-            f"compile_draft=True cannot compile this draft: {problem}. Use draft_quantization='int8_weights' (or "
-            "'auto', 'none') for a compiled draft, or leave compile_draft=False."
+            f"compile_draft=True cannot compile this draft: {problem}. Leave compile_draft=False for this draft (its "
+            "steps then run eagerly), or pass a draft whose forward compiles."
         )
-    return compiled_forward(draft.step_model(), CompileSettings.for_draft_steps())
+
+
+def _draft_step(draft: PreparedDraft) -> tuple[CompiledForward | None, str | None]:
+    """The compiled single-token step of `draft` (`SpeculativeConfig(compile_draft=True)`), or None and why its steps
+    run eagerly: torch's dynamic int8 form (which AUTO may choose) breaks a compiled graph at every linear (its
+    packed weights are script objects dynamo cannot trace), so compiling it would only add the breaks' cost."""
+    if draft.quantization is DraftQuantization.INT8:
+        return None, "torch's dynamic int8 linears break compiled graphs (draft_quantization='int8_weights' compiles)"
+    return compiled_forward(draft.step_model(), CompileSettings.for_draft_steps()), None
 
 
 def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

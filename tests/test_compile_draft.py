@@ -104,12 +104,35 @@ def test_sampling_test_catches_a_compiled_step_whose_probabilities_are_not_the_d
 
 
 def test_compile_draft_is_refused_before_any_forward_where_the_draft_cannot_compile(built):
-    target, draft = pair()
-    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8")
-    with pytest.raises(ValueError, match="compile_draft=True cannot compile this draft: its form, torch's dynamic"):
-        greedy(target, draft_model=draft, speculative_config=config)
+    """A hybrid draft (its states roll back in eager forwards only) is refused before the draft or the target runs
+    (AUTO's timings included), with what to do instead."""
+    from hf_specsample_bench.hybrids import tiny_hybrid
+
+    target = tiny_lm(seed=0, vocab_size=48, layers=2, hidden=32)
+    hybrid = tiny_hybrid("lfm2", seed=1, vocab_size=48)
+    forwards = []
+    for model in (target, hybrid):
+        model.register_forward_hook(lambda *args: forwards.append(1))
+    config = SpeculativeConfig(compile_draft=True)
+    with pytest.raises(ValueError, match="compile_draft=True cannot compile this draft: it keeps convolution"):
+        greedy(target, draft_model=hybrid, speculative_config=config)
+    assert not forwards
     with pytest.raises(TypeError, match="compile_draft must be True or False"):
         SpeculativeConfig(compile_draft="yes")
+
+
+@torch.no_grad()
+def test_torchs_dynamic_int8_form_drafts_eagerly_and_says_so(built, monkeypatch):
+    """Its linears break a compiled graph each (packed script objects): where that form drafts (forced here, or
+    chosen by AUTO), the steps run eagerly, exactly, and the statistics say why."""
+    target, draft = pair()
+    calls = count_steps(monkeypatch)
+    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8")
+    out = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
+    assert out.sequences.tolist() == greedy(target).tolist()
+    stats = out.speculative_stats
+    assert not calls and stats.draft_compile_seconds is None
+    assert "its steps run eagerly under compile_draft: torch's dynamic int8" in stats.draft_form
 
 
 @pytest.mark.parametrize("form", ["int8_weights", "int4_weights"])
@@ -153,3 +176,52 @@ def test_sliding_window_drafts_run_compiled_past_the_window(built, monkeypatch, 
     plain = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
     assert out.sequences.tolist() == plain.tolist()
     assert len(calls) > 3 + 5  # the warm-up's three, and steps in the rounds (the cache then holds 8+ slots)
+
+
+@torch.no_grad()
+def test_rows_that_diverge_compile_nothing_in_the_rounds(built, monkeypatch):
+    """Unpadded rows that commit different counts leave masked slots: the warm-up compiled the masked step too."""
+    from hf_specsample.cache.cached_model import CachedModel
+
+    target, draft = pair()
+    warmed = []
+    real = CachedModel.warm_step
+
+    def recording(self):
+        real(self)
+        if self.step is not None:
+            warmed.append((self.step, self.step.compilations))
+
+    monkeypatch.setattr(CachedModel, "warm_step", recording)
+    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    target.generate(
+        PROMPT.repeat(3, 1), do_sample=True, max_new_tokens=16, pad_token_id=PAD, draft_model=draft, num_lookahead=3,
+        generator=torch.Generator().manual_seed(0), speculative_config=config, temperature=1.5,
+    )  # fmt: skip
+    ((step, compilations),) = warmed
+    assert compilations > 0 and step.compilations == compilations  # nothing compiled after the warm-up
+
+
+def test_a_draft_used_with_compiled_steps_is_freed_with_its_last_reference(built, monkeypatch):
+    """Where AUTO keeps the draft as given (timed fastest), the implicit cache's entry does not hold it through the
+    compiled step's model: the draft is freed with its last reference."""
+    import gc
+    import weakref
+
+    from hf_specsample import DraftQuantization
+    from hf_specsample.prepare import prepared_draft
+
+    def none_fastest(forms, target=None):
+        seconds = {form: 0.001 if form is DraftQuantization.NONE else 0.002 for form in forms}
+        return prepared_draft.FormTimings(seconds, None)
+
+    monkeypatch.setattr(prepared_draft, "time_forms", none_fastest)
+    target, draft = pair()
+    out = greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(compile_draft=True),
+                 return_dict_in_generate=True)  # fmt: skip
+    assert out.speculative_stats.draft_form.startswith("none (timed per step")
+    assert out.speculative_stats.draft_compile_seconds > 0.0
+    alive = weakref.ref(draft)
+    del draft
+    gc.collect()
+    assert alive() is None

@@ -301,6 +301,7 @@ class CachedModel:
         if compiled:
             logits = self.compiled(input_ids=input_ids, **kwargs).logits
         elif stepped:
+            _contiguous_attention(cache)
             logits = self.step(input_ids=input_ids, **kwargs).logits
         elif self.wide is not None and rows * width >= self.wide.from_rows:
             logits = self.wide.model(input_ids=input_ids, **kwargs).logits
@@ -333,29 +334,37 @@ class CachedModel:
             self.compiled.warm(rows)
 
     def warm_step(self) -> None:
-        """Compile the single-position step now, on a throwaway cache of this call's rows, so that no round pays for
-        it: two positions of id 0 eagerly, then single positions through `step` on keys as an eager forward, a step
-        and a rollback leave them (dynamo guards on their strides, and rounds meet all three). This cache is not
-        touched."""
+        """Compile the single-position step now, on a throwaway cache like this one, so that no round pays for it.
+
+        Two positions of id 0 eagerly, then single positions through `step` (the keys made contiguous first, as
+        `_forward` does: dynamo guards on their strides); with several rows also with an attention mask (rows that
+        commit different counts leave masked slots: a mask is another graph), and with one only where this call's
+        slots are masked already. This cache is not touched.
+        """
         if self.step is None:
             return
         rows, device = self.slot_is_real.shape[0], self.input_device
-        scratch = DynamicCache(config=self.model.config)
-        scratch.activate_past_recording()  # as this cache records (sliding windows): one code path, one graph
-        kwargs = {self._cache_name: scratch, "use_cache": True}
-        first = {"position_ids": torch.arange(2, device=device).repeat(rows, 1)} if self._takes_position_ids else {}
-        self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
-        then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
-        if self._takes_logits_to_keep:
-            then["logits_to_keep"] = 1
-        masked = not bool(self.slot_is_real.all())  # padded rows: the rounds' steps take a mask (`_forward`)
-        for crop_first in (False, False, True):  # keys as a forward leaves them, as a step does, as a rollback does
-            if crop_first:
-                row_ops.crop(scratch, 1)
-            if masked:
-                slots = row_ops.total_slots(scratch) + 1
-                then["attention_mask"] = torch.ones((rows, slots), dtype=torch.long).to(device)
-            self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
+        masked_now = not bool(self.slot_is_real.all())
+        for masked in (True,) if masked_now else (False, True) if rows > 1 else (False,):
+            # made as this cache was (dynamo guards on how a cache makes its layers): from the config, or layer by
+            # layer as it grows (a draft with another tokenizer keeps full layers: `DynamicCache()`)
+            grown = getattr(self.cache, "layer_class_to_replicate", None) is not None
+            scratch = DynamicCache() if grown else DynamicCache(config=self.model.config)
+            scratch.activate_past_recording()  # as this cache records (sliding windows): one code path, one graph
+            kwargs = {self._cache_name: scratch, "use_cache": True}
+            first = {"position_ids": torch.arange(2, device=device).repeat(rows, 1)} if self._takes_position_ids else {}
+            self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
+            then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
+            if self._takes_logits_to_keep:
+                then["logits_to_keep"] = 1
+            for crop_first in (False, True):  # as a forward leaves the keys, as a rollback does (made contiguous)
+                if crop_first:
+                    row_ops.crop(scratch, 1)
+                _contiguous_attention(scratch)
+                if masked:
+                    slots = row_ops.total_slots(scratch) + 1
+                    then["attention_mask"] = torch.ones((rows, slots), dtype=torch.long).to(device)
+                self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
         self.step.warm(rows)  # steps of this many rows (one, or several) run compiled; a batch that shrinks to one
         # row finishes eagerly rather than compile again in the middle of a call (as the target's compiled forward)
 
@@ -518,6 +527,17 @@ def _positions_to_keep(width: int, num_logits: int, device: torch.device, compil
     if not compiled:
         return num_logits
     return torch.arange(width - max(num_logits, 2), width, device=device)  # a length of 1 would be specialised too
+
+
+def _contiguous_attention(cache: Cache) -> None:
+    """Every attention layer's keys and values as contiguous tensors (what a forward's concatenation leaves): a
+    rollback leaves views of longer tensors and a per-row move other layouts, and dynamo guards on strides, so a
+    compiled step would compile again for each. A copy of the cache at most once per round (after a rollback)."""
+    for layer in row_ops.attention_layers(cache):
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                setattr(layer, name, tensor.contiguous())
 
 
 def _fresh(value):

@@ -100,16 +100,21 @@ class PreparedDraft:
     shared_vocabulary: SharedVocabulary | None = None
     wide: WideForwards | None = None
     wide_seconds: dict[int, dict[DraftQuantization, float]] = field(default_factory=dict)
-    # (model, its `step_model` view), once made; shared with the copies `replace` makes (the implicit cache hands
-    # out one per call), so that every call compiles the same view once
-    _step_model: list[tuple[PreTrainedModel, PreTrainedModel]] = field(default_factory=list, repr=False)
+    # (a weak reference to `model`, its `step_model` view), once made; shared with the copies `replace` makes (the
+    # implicit cache hands out one per call), so that every call compiles the same view once. Weak: the implicit
+    # cache's stored entry must not hold the draft it is keyed by
+    _step_model: list[tuple[weakref.ref, PreTrainedModel]] = field(default_factory=list, repr=False)
 
     def step_model(self) -> PreTrainedModel:
         """`model` as compiled single-token steps run it (`SpeculativeConfig(compile_draft=True)`): the same weights,
-        with a compact form's fused sibling projections as layers of their own (`without_siblings`). Made once."""
-        if not self._step_model or self._step_model[0][0] is not self.model:
-            self._step_model[:] = [(self.model, without_siblings(self.model))]
-        return self._step_model[0][1]
+        with a compact form's fused sibling projections as layers of their own (`without_siblings`; made once), or
+        `model` itself where it has none."""
+        if self._step_model and self._step_model[0][0]() is self.model:
+            return self._step_model[0][1]
+        view = without_siblings(self.model)
+        if view is not self.model:  # a view holds the compact copy's modules, never the draft as given
+            self._step_model[:] = [(weakref.ref(self.model), view)]
+        return view
 
     @property
     def form(self) -> str:
@@ -196,10 +201,11 @@ def prepare_draft(
         target: the model whose `generate()` will use the draft.
         quantization: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed
             here: as given, INT8 (torch's dynamic int8), INT8_WEIGHTS (int8 weights on the small-rows kernel) and,
-            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16), each weighed by its measured
-            acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts only), or
-            NONE. Where AUTO chose a compact form, it also times it against the draft as given over prompt widths
-            (`WIDE_WIDTHS`); the draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
+            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16), each weighed by its
+            measured acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts
+            only), or NONE. Where AUTO chose a compact form, it also times it against the draft as given over
+            prompt widths (`WIDE_WIDTHS`); the draft's forwards of many positions run on the faster
+            (`PreparedDraft.wide`).
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
             `generation_config`); None (default): every id. Not with a draft of another tokenizer.
