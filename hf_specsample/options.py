@@ -122,7 +122,8 @@ class SpeculativeConfig:
             draft; `SpeculativeStats.draft_compile_seconds`); later calls with the same prepared draft reuse it.
             False (default): eager. What is sampled does not change (compiled logits differ by rounding, which moves
             only how often proposals are accepted). Refused, before any forward, for drafts that cannot compile
-            (hybrid models, offloaded or non-compileable quantized drafts, torch's dynamic int8 form).
+            (hybrid models; offloaded, tensor-parallel or non-compileable quantized drafts). torch's dynamic int8
+            form drafts eagerly (its linears break compiled graphs), and `SpeculativeStats.draft_form` says so.
         linear_kernel: "auto" (default), "on" or "off": eager forwards of at most 16 positions (times rows) of a CPU
             model with bf16 weights run their linear layers on hf_specsample's small-rows kernel
             (`kernels/small_rows.py`), which reads each weight once for all rows. "auto" builds it once per machine
