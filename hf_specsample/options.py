@@ -118,7 +118,7 @@ class SpeculativeConfig:
             the draft's dynamic cache; `cache.compiled.CompileSettings.for_draft_steps`). A compact draft's step
             streams a few hundred MB and then spends about a third of its time in hundreds of small eager operators
             (norms, rotary, attention's reshapes): compiled, they fuse (Qwen2.5-0.5B int8 weights on a 2-core Xeon:
-            32 -> 26 ms a step). The first call compiles, before its first round (about 35 s on 2 cores for a 0.5B
+            35.2 -> 27.1 ms a step). The first call compiles, before its first round (44-78 s on 2 cores for a 0.5B
             draft; `SpeculativeStats.draft_compile_seconds`); later calls with the same prepared draft reuse it.
             False (default): eager. What is sampled does not change (compiled logits differ by rounding, which moves
             only how often proposals are accepted). Refused, before any forward, for drafts that cannot compile
