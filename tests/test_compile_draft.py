@@ -27,12 +27,14 @@ def pair():
 
 
 def count_steps(monkeypatch) -> list[tuple[int, ...]]:
-    """The shapes of the input ids every compiled forward is called with."""
+    """The shapes of the input ids every compiled forward of a round is called with (the warm-up's, at position 2 of
+    a throwaway cache, are left out: every prompt here is longer)."""
     calls = []
     real = CompiledForward.__call__
 
     def counting(self, **kwargs):
-        calls.append(tuple(kwargs["input_ids"].shape))
+        if int(kwargs["position_ids"].min()) > 2:
+            calls.append(tuple(kwargs["input_ids"].shape))
         return real(self, **kwargs)
 
     monkeypatch.setattr(CompiledForward, "__call__", counting)
@@ -58,7 +60,7 @@ def test_greedy_with_compiled_draft_steps_equals_plain(built, monkeypatch, form,
     assert stats.draft_compile_seconds is not None and "compiled draft steps" in str(stats)
     assert calls and all(shape == (inputs.shape[0], 1) for shape in calls)  # single-token steps of every row
     # the rounds' steps ran compiled too, not only the warm-up's three
-    assert len(calls) > 3 and stats.draft_forward_passes > 0
+    assert stats.draft_forward_passes > 0
 
 
 @torch.no_grad()
@@ -83,7 +85,7 @@ def test_sampling_with_compiled_draft_steps_is_exact(built, monkeypatch, form):
         draft_model=draft, num_lookahead=2, speculative_config=config,
     )  # fmt: skip
     assert pvalue > 1e-3
-    assert len(calls) > 3  # the rounds drafted through the compiled step
+    assert calls  # the rounds drafted through the compiled step
 
 
 @torch.no_grad()
@@ -175,7 +177,7 @@ def test_sliding_window_drafts_run_compiled_past_the_window(built, monkeypatch, 
                           num_lookahead=3, speculative_config=config, return_dict_in_generate=True)  # fmt: skip
     plain = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
     assert out.sequences.tolist() == plain.tolist()
-    assert len(calls) > 3 + 5  # the warm-up's three, and steps in the rounds (the cache then holds 8+ slots)
+    assert len(calls) > 5 and all(shape == (1, 1) for shape in calls)  # steps in the rounds, past the window
 
 
 @torch.no_grad()

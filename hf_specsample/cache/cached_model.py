@@ -357,14 +357,10 @@ class CachedModel:
             then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
             if self._takes_logits_to_keep:
                 then["logits_to_keep"] = 1
-            for crop_first in (False, True):  # as a forward leaves the keys, as a rollback does (made contiguous)
-                if crop_first:
-                    row_ops.crop(scratch, 1)
-                _contiguous_attention(scratch)
-                if masked:
-                    slots = row_ops.total_slots(scratch) + 1
-                    then["attention_mask"] = torch.ones((rows, slots), dtype=torch.long).to(device)
-                self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
+            _contiguous_attention(scratch)  # as `_forward` hands every step its keys: one layout, one graph
+            if masked:
+                then["attention_mask"] = torch.ones((rows, 3), dtype=torch.long, device=device)
+            self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
         self.step.warm(rows)  # steps of this many rows (one, or several) run compiled; a batch that shrinks to one
         # row finishes eagerly rather than compile again in the middle of a call (as the target's compiled forward)
 
