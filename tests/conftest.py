@@ -109,6 +109,13 @@ def _deprecation_guard():
         transformers_logger.removeHandler(handler)
 
 
+def thread_share(wanted: int) -> int:
+    """Threads a test may use: `wanted`, or this worker's share of the cores where pytest-xdist runs several
+    workers (more threads than cores make torch's OpenMP threads wait on each other)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(wanted, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     """Every test starts from the same global seed; one thread (tiny models only lose by threading)."""

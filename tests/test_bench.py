@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import thread_share
 from tiny import char_tokenizer, perturbed_copy, tiny_lm
 
 from hf_specsample_bench.measure import Measurement
@@ -149,7 +150,7 @@ def test_sweep_and_plot(tiny_setup, tmp_path):
 def test_benchmark_cli_end_to_end_on_smollm2(tmp_path):
     from hf_specsample_bench.cli import run
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(thread_share(2))
     report = run([
         "--pair", "smollm2", "--num-prompts", "1", "--max-new-tokens", "8", "--prompts", "humaneval", "pydoc",
         "--sweep", "1,2", "--plot", str(tmp_path / "sweep.png"), "--pass-at-1", "1", "--json", str(tmp_path / "b.json"),

@@ -95,9 +95,9 @@ def pair(request) -> Pair:
 
 def launch(script: str, args: list[str], cwd: Path, torchrun: bool = False) -> subprocess.CompletedProcess:
     """Run a script as a user does; the scripts import this checkout, installed or not."""
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if torchrun else [sys.executable]
-    )
+    # --standalone: a free rendezvous port per launch (tests of other workers may run torchrun at the same time)
+    torchrun_command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    launcher = torchrun_command if torchrun else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     return subprocess.run(

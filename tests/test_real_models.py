@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import thread_share
 
 from hf_specsample.prepare.self_draft import default_layers_to_keep, layer_skip_draft
 from hf_specsample_bench.models import KnownModel, load_model
@@ -22,7 +23,7 @@ def chat_inputs(tokenizer):
 
 @pytest.fixture(scope="module", autouse=True)
 def two_threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(thread_share(2))
 
 
 def test_smollm2_sampling_through_chat_template():

@@ -25,7 +25,7 @@ def test_two_ranks_accept_the_same_tokens(tmp_path):
     target.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
     out = tmp_path / "result"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER,
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
                str(tmp_path / "target"), str(tmp_path / "draft"), str(out)]  # fmt: skip
     # The workers import this checkout, installed or not.
     env = {

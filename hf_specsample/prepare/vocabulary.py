@@ -82,7 +82,10 @@ def token_counts(tokenizer, texts: Iterable[str] | None = None, cache_dir: Path 
         return Counter({int(token): count for token, count in json.loads(path.read_text()).items()})
     counts = token_counts(tokenizer, default_corpus())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(counts))
+    # Written whole under another name, then renamed: a process reading the cache meanwhile sees no half file.
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(counts))
+    os.replace(partial, path)
     return counts
 
 
