@@ -12,6 +12,8 @@ one warm-up round:
 - lookup: `generate(draft_model="prompt_lookup", prompt_lookup_num_tokens=N)`;
 - lookup compiled: the same with `speculative_config=SpeculativeConfig(compile=True)` (compiled verification; the
   warm-up call compiles);
+- lookup compiled kernel: the same with `SpeculativeConfig(compile=True, linear_kernel="on")` (compiled
+  verification whose linears are the small-rows kernel's; the warm-up call compiles);
 - draft: `generate(draft_model=draft)` (the library default for a model draft);
 - draft + lookup: `generate(draft_model=draft, prompt_lookup_num_tokens=N)`.
 
@@ -51,6 +53,11 @@ def main() -> None:
             prompt_lookup_num_tokens=n,
             speculative_config=hf_specsample.SpeculativeConfig(compile=True),
         ),  # fmt: skip
+        "lookup compiled kernel": dict(
+            draft_model="prompt_lookup",
+            prompt_lookup_num_tokens=n,
+            speculative_config=hf_specsample.SpeculativeConfig(compile=True, linear_kernel="on"),
+        ),  # fmt: skip
         "draft": dict(draft_model=prepared),
         "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),
     }
@@ -87,7 +94,7 @@ def main() -> None:
     for name in methods:
         rate = tokens[name] / seconds[name]
         print(
-            f"{name:>20}: {rate:6.2f} tok/s  {rate / base:5.2f}x target  {rate / reference:5.2f}x transformers lookup"
+            f"{name:>22}: {rate:6.2f} tok/s  {rate / base:5.2f}x target  {rate / reference:5.2f}x transformers lookup"
         )
 
 

@@ -20,7 +20,7 @@ from .cache.compiled import CompiledForward, CompileSettings, compile_problem, c
 from .call_inputs import CallInputs
 from .kernels.small_rows import KernelPlan, best_path
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
-from .options import DraftQuantization, NamedDraft, SpeculativeConfig, Verification
+from .options import DraftQuantization, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, draft_for_call
 from .prepare.vocabulary import special_token_ids
@@ -195,8 +195,16 @@ class SpeculativeDecoder:
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
         cached = row_ops.total_slots(cache) if cache is not None else 0
-        # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (compiled ones do not need it).
-        kernel = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target") if compiled is None else None
+        # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays; compiled ones use it only
+        # under linear_kernel="on" (inside the graph: `CompileSettings.kernel_rows`), where the plan also checks the
+        # kernel against eager F.linear on the target's weights (refusing "on" where it cannot serve the target)
+        # and serves the forwards that run eagerly (a batch that shrinks to one row).
+        in_graph = compiled is not None and compiled.settings.kernel_rows > 0
+        kernel = (
+            KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
+            if compiled is None or in_graph
+            else None
+        )
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
             compiled_widths=widest_round, kernel=kernel, source=self.sequences,
@@ -214,7 +222,13 @@ class SpeculativeDecoder:
         if draft is None or lookup_tokens is not None:
             lookup = PromptLookupProposer(call.max_ngram or DEFAULT_MAX_NGRAM)
         self.stats = SpeculativeStats.for_batch(input_ids.shape[0])
-        self.stats.linear_kernel = f"target {kernel.reason}" if kernel is not None else "target compiled"
+        if kernel is None:
+            self.stats.linear_kernel = "target compiled"
+        elif in_graph:
+            rows = compiled.settings.kernel_rows
+            self.stats.linear_kernel = f"target compiled, its linears of 1-{rows} rows on the kernel: {kernel.reason}"
+        else:
+            self.stats.linear_kernel = f"target {kernel.reason}"
         self.drafter: Proposer
         self.model_drafter: DraftModelProposer | None = None
         self.draft_step: CompiledForward | None = None
@@ -452,7 +466,7 @@ def _target_cache(
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
     cache = row_ops.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
     if config.compile:
-        settings = CompileSettings.for_device(input_device(model))
+        settings = CompileSettings.for_device(input_device(model), kernel=config.linear_kernel is LinearKernel.ON)
     elif problem is None and transformers_api.valid_auto_compile(model, cache, generation_config):
         compile_config = generation_config.compile_config or transformers_api.default_compile_config(model)
         settings = CompileSettings.from_compile_config(compile_config)

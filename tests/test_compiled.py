@@ -231,3 +231,85 @@ def test_compiled_inputs_are_fresh_row_major_tensors():
     fresh = _fresh(view)
     assert fresh.stride() == (2, 1) and fresh._base is None and fresh.tolist() == view.tolist()
     assert _fresh(None) is None
+
+
+# --- The small-rows kernel inside compiled code (compile=True with linear_kernel="on") ----------------------------
+
+KERNEL_COMPILED = SpeculativeConfig(compile=True, linear_kernel="on")
+
+
+@pytest.fixture(scope="module")
+def bf16_pair():
+    """A bf16 pair (the kernel serves CPU bf16 linears), compiled once for the tests that leave it alone."""
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def kernel_calls(function) -> int:
+    """How many times the kernel's operator ran during `function()` (the profiler sees calls from compiled code)."""
+    with torch.profiler.profile() as profile:
+        function()
+    return sum(event.count for event in profile.key_averages() if event.key == "hf_specsample::small_rows_linear")
+
+
+@torch.no_grad()
+def test_kernel_in_compiled_graph_greedy_equals_plain(built, light, bf16_pair):
+    target, draft = bf16_pair
+    settings = compiled.CompileSettings.for_device(torch.device("cpu"), kernel=True)
+    assert settings.kernel_rows == 16 and not settings.freezes
+    prompts = [PROMPT, torch.tensor([[3, 1, 4, 1, 5, 9]])]
+    for prompt in prompts:
+        plain = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False)
+        out = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                              speculative_config=KERNEL_COMPILED, return_dict_in_generate=True)  # fmt: skip
+        assert out.sequences.tolist() == plain.tolist()
+        assert out.speculative_stats.linear_kernel.startswith("target compiled, its linears of 1-16 rows on the kernel")
+    assert compiled._COMPILED[target][settings].compilations == 1, "one graph: the warm-up, both prompts, every K"
+    ids = torch.tensor([[PAD, PAD, 1, 5, 2, 5], [1, 3, 3, 4, 6, 2]])  # padded rows, 2 x (K+1) <= 16 rows
+    kwargs = dict(attention_mask=(ids != PAD).long(), max_new_tokens=12, pad_token_id=PAD, do_sample=False)
+    plain = target.generate(ids, **kwargs)
+    mine = target.generate(ids, **kwargs, draft_model=draft, speculative_config=KERNEL_COMPILED)
+    assert mine.tolist() == plain.tolist()
+    forward = compiled._COMPILED[target][settings]
+    assert forward.compilations == 2 and forward.warmed == {True, False}, "a graph per batch shape (one row, several)"
+    # The rounds' linears run on the kernel inside compiled code. Prompt lookup runs no draft model, so every kernel
+    # call is the target's; compile=True alone (inductor's GEMM) makes none, so the count can tell.
+    lookup = dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=3)
+    assert kernel_calls(lambda: greedy(target, **lookup, speculative_config=KERNEL_COMPILED)) > 0
+    assert forward.compilations == 2
+    assert kernel_calls(lambda: greedy(target, **lookup, speculative_config=COMPILE)) == 0
+
+
+@torch.no_grad()
+def test_kernel_in_compiled_graph_samples_exactly(built, bf16_pair):
+    """Rows x positions within the kernel's 16 rows, so the compiled rounds' linears are the kernel's."""
+    from exact import chisquare_pvalue, continuations, exact_distribution
+    from tiny import prepared_processors
+
+    target, draft = bf16_pair
+    settings = dict(temperature=0.9, top_k=5)
+    generator = torch.Generator().manual_seed(11)
+    samples = []
+    for _ in range(300):  # 4 rows x 3 positions per round
+        out = target.generate(PROMPT, do_sample=True, max_new_tokens=2, num_return_sequences=4, pad_token_id=PAD,
+                              generator=generator, draft_model=draft, speculative_config=KERNEL_COMPILED,
+                              num_lookahead=2, **settings)  # fmt: skip
+        samples += continuations(out, PROMPT.shape[1])
+    processors, _ = prepared_processors(target, PROMPT, do_sample=True, max_new_tokens=2, **settings)
+    exact = exact_distribution(target, PROMPT, processors, 2)
+    assert chisquare_pvalue(exact, samples) > 1e-3
+    # power: the same samples against another model's distribution fail
+    assert chisquare_pvalue(exact_distribution(draft, PROMPT, processors, 2), samples) < 1e-3
+
+
+def test_kernel_in_compiled_graph_refused_where_the_kernel_cannot_serve(built, pair):
+    """An fp32 target: linear_kernel="on" cannot be honoured, compiled or not; refused before any forward."""
+    target, draft = pair
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="linear_kernel='on' cannot be honoured"):
+            greedy(target, draft_model=draft, speculative_config=KERNEL_COMPILED)
+    finally:
+        handle.remove()
+    assert not calls

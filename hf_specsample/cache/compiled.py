@@ -38,6 +38,7 @@ from torch.fx.experimental import _config as fx_config
 from transformers import PreTrainedModel
 
 from .. import distributed
+from ..kernels.small_rows import MAX_ROWS, SmallRowsLinear
 from . import row_ops
 
 # Inductor options that make small-M GEMM fast on CPU: weights frozen and prepacked once, and the C++ GEMM template
@@ -58,15 +59,35 @@ class CompileSettings:
         inductor_options: inductor config values patched in while compiled code runs (and so while it compiles).
         freezes: whether compiled code holds a copy of the weights (inductor `freezing`): then weight changes are
             detected before every call and trigger a new compilation.
+        kernel_rows: linears of at most this many rows run on the small-rows kernel inside compiled code (its
+            operator traced through its fake implementation, `kernels.small_rows.SmallRowsLinear` active while the
+            code compiles and runs); 0: none (inductor's or ATen's GEMM).
     """
 
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
     inductor_options: tuple[tuple[str, Any], ...] = ()
     freezes: bool = False
+    kernel_rows: int = 0
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "CompileSettings":
-        """What `SpeculativeConfig(compile=True)` uses: fast small-M GEMM on CPU, CUDA graphs on CUDA."""
+    def for_device(cls, device: torch.device, kernel: bool = False) -> "CompileSettings":
+        """What `SpeculativeConfig(compile=True)` uses: fast small-M GEMM on CPU, CUDA graphs on CUDA.
+
+        Args:
+            kernel: on CPU, the linears of round widths (at most `MAX_ROWS` rows) are the small-rows kernel's
+                (`linear_kernel="on"`), and inductor fuses the rest of the forward (norms, rotary, attention's
+                reshapes, residuals: the eager glue around the kernel's linears), rounding its intermediates to
+                bf16 where eager code does (`emulate_precision_casts`: fused, they would stay float32, and greedy
+                output could part from plain `generate()`'s). No freezing: the weights stay inputs, which the kernel
+                reads as they are (no copy; a weight changed in place is read). Ignored on CUDA (the kernel is
+                CPU-only; `KernelPlan.for_model` refuses "on" there first).
+        """
+        if device.type == "cpu" and kernel:
+            return cls(
+                compile_kwargs=(("dynamic", True),),
+                inductor_options=(("emulate_precision_casts", True),),
+                kernel_rows=MAX_ROWS,
+            )
         if device.type == "cpu":
             # dynamic=True: the query length M is symbolic (M=1 is specialised by dynamo), so K may change every
             # round without recompiling, and the C++ GEMM template still applies (it needs static N and K only).
@@ -157,7 +178,11 @@ class CompiledForward:
                 _unmark_static(value)
         graphs = _captured_graphs()
         start = time.perf_counter()
-        with torch._inductor.config.patch(dict(self.settings.inductor_options)), _no_duck_shapes(self.symbolic_widths):
+        with (
+            torch._inductor.config.patch(dict(self.settings.inductor_options)),
+            _no_duck_shapes(self.symbolic_widths),
+            _kernel_mode(self.settings.kernel_rows),
+        ):
             out = self._function(model, kwargs)
         if _captured_graphs() != graphs:
             self.compile_seconds += time.perf_counter() - start
@@ -188,6 +213,12 @@ class CompiledForward:
 
     def warm(self, rows: int) -> None:
         self.warmed.add(rows == 1)
+
+
+def _kernel_mode(rows: int):
+    """The small-rows kernel's mode for linears of at most `rows` rows (dynamo traces it: the same mode at every
+    call, so its guards hold), or nothing where `rows` is 0."""
+    return SmallRowsLinear(rows) if rows else contextlib.nullcontext()
 
 
 def _no_duck_shapes(symbolic: bool):
