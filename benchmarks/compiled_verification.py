@@ -12,8 +12,9 @@ Prints, on the machine it runs on (`lscpu`'s model name and flags first):
    `generate()` with the same static cache and compilation; `assistant_model=`, eager and (where the installed
    transformers runs it: 5.24 on) with the same static cache and compilation;
    hf_specsample eager (default options: the small-rows kernel where it pays); hf_specsample eager without it
-   (`linear_kernel="off"`); hf_specsample with `SpeculativeConfig(compile=True)`. Calls are interleaved
-   per prompt, after a warm-up call of every method (compilation stays out of the timings and is reported).
+   (`linear_kernel="off"`); hf_specsample with `SpeculativeConfig(compile=True)`, and with `compile=True,
+   linear_kernel="on"` (compiled verification on the kernel's linears; `compile_draft=True` too, opt-in). Calls are
+   interleaved per prompt, after a warm-up call of every method (compilation stays out of the timings and is reported).
 """
 
 from __future__ import annotations
@@ -129,19 +130,33 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
         # plain generate() with the same linear kernel (every forward of up to 1024 rows, the prompt included): what
         # the kernel alone gives, so that the rest is speculation's
         "target + kernel": dict(context=lambda: small_rows.SmallRowsLinear(small_rows.PROMPT_ROWS)),
-        "target static+compiled": dict(cache_implementation="static", compile_config=compile_plain, max_cache_len=512),
+        "target static+compiled": dict(
+            cache_implementation="static", compile_config=compile_plain, max_cache_len=512, inductor_cpu=True
+        ),
         "assistant_model=": dict(assistant_model=draft),
         # transformers' own speculative decoding with the same static cache and compilation as `target
         # static+compiled` (from 5.24 it compiles its verification forward; 5.23 refuses static caches there: the
         # warm-up then drops this row and says why)
         "assistant static+compiled": dict(
-            assistant_model=draft, cache_implementation="static", compile_config=compile_plain, max_cache_len=512
+            assistant_model=draft,
+            cache_implementation="static",
+            compile_config=compile_plain,
+            max_cache_len=512,
+            inductor_cpu=True,
         ),
         "hf_specsample eager": dict(draft_model=prepared),  # the default: the small-rows kernel where it pays
         "hf_specsample no kernel": dict(
             draft_model=prepared, speculative_config=SpeculativeConfig(linear_kernel="off")
         ),
         "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),
+        # compiled verification whose round-width linears are the small-rows kernel's (no frozen copy)
+        "hf_specsample compiled kernel": dict(
+            draft_model=prepared, speculative_config=SpeculativeConfig(compile=True, linear_kernel="on")
+        ),
+        "hf_specsample compiled kernel+draft": dict(
+            draft_model=prepared,
+            speculative_config=SpeculativeConfig(compile=True, linear_kernel="on", compile_draft=True),
+        ),
         # the default with the draft's single-token steps compiled (its warm-up call compiles them)
         "hf_specsample compiled draft": dict(
             draft_model=prepared, speculative_config=SpeculativeConfig(compile_draft=True)
@@ -158,13 +173,23 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
 # compile_config) ran at 0.52 tok/s on the first held-out prompt (its eager assisted generation: 4.10) and then
 # aborted the whole process at the second, inside its compiled kernel ("index out of bounds: 0 <= tmp10 < ks1";
 # Xeon-SPR, 2026-11-25): by default it would take every other row down with it.
-OPT_IN = {"assistant static+compiled", "hf_specsample K=5", "hf_specsample K=5 compiled draft"}
+OPT_IN = {
+    "assistant static+compiled",
+    "hf_specsample K=5",
+    "hf_specsample K=5 compiled draft",
+    "hf_specsample compiled kernel+draft",
+}
 
 
 def run_method(target, inputs, kwargs: dict, settings: dict, new_tokens: int, pad: int):
-    """(new tokens, seconds, stats) of one call; inductor's CPU options are on for plain compiled generate()."""
-    options = dict(CompileSettings.for_device(torch.device("cpu")).inductor_options)
+    """(new tokens, seconds, stats) of one call; inductor's CPU options are on for transformers' compiled
+    generate() (`inductor_cpu`); hf_specsample's compiled forwards set their own."""
     kwargs = dict(kwargs)
+    options = (
+        dict(CompileSettings.for_device(torch.device("cpu")).inductor_options)
+        if kwargs.pop("inductor_cpu", False)
+        else {}
+    )
     context = kwargs.pop("context", contextlib.nullcontext)
     start = time.perf_counter()
     with torch._inductor.config.patch(options), context():
