@@ -164,6 +164,9 @@ class SpeculativeDecoder:
         # choice below may then depend on the clock (the draft's form, the kernel plans, K).
         reproducible = generator is not None
 
+        if config.linear_kernel is LinearKernel.ON:  # refused where the kernel cannot serve the target, before the
+            # draft's timings and calibration forwards (the plan is kept per model: made again below at no cost)
+            KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
         vocab_size = validation.vocab_size(model)
         self.verification = config.verification
         batch = input_ids.shape[0]

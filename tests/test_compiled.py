@@ -302,14 +302,40 @@ def test_kernel_in_compiled_graph_samples_exactly(built, bf16_pair):
     assert chisquare_pvalue(exact_distribution(draft, PROMPT, processors, 2), samples) < 1e-3
 
 
-def test_kernel_in_compiled_graph_refused_where_the_kernel_cannot_serve(built, pair):
-    """An fp32 target: linear_kernel="on" cannot be honoured, compiled or not; refused before any forward."""
+@pytest.mark.parametrize("config", [KERNEL_COMPILED, SpeculativeConfig(linear_kernel="on")], ids=["compiled", "eager"])
+def test_kernel_on_refused_before_any_forward_where_it_cannot_serve(built, pair, config):
+    """An fp32 target: linear_kernel="on" cannot be honoured, compiled or not; refused before any forward of either
+    model (the draft's form timings and the calibration on a long prompt come later)."""
     target, draft = pair
     calls = []
-    handle = target.register_forward_pre_hook(lambda *args: calls.append(1))
+    handles = [model.register_forward_pre_hook(lambda *args: calls.append(1)) for model in (target, draft)]
+    prompt = torch.arange(1, 25).remainder(16)[None]  # long enough for AUTO to weigh the draft's forms on it
     try:
         with pytest.raises(ValueError, match="linear_kernel='on' cannot be honoured"):
-            greedy(target, draft_model=draft, speculative_config=KERNEL_COMPILED)
+            target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, draft_model=draft, speculative_config=config)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     assert not calls
+
+
+@torch.no_grad()
+def test_kernel_in_compiled_graph_runs_wide_forwards_eagerly(built, light):
+    """A forward the kernel does not serve (a 30-token prompt, 9 rows) runs eagerly instead of
+    compiling a second graph in the middle of a call; greedy output stays plain generate()'s."""
+    target = tiny_lm(seed=2, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)
+    draft = perturbed_copy(target, seed=3, scale=0.3)
+    settings = compiled.CompileSettings.for_device(torch.device("cpu"), kernel=True)
+    prompt = torch.arange(3, 33).remainder(16)[None]
+    plain = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False)
+    mine = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                           speculative_config=KERNEL_COMPILED)  # fmt: skip
+    assert mine.tolist() == plain.tolist()
+    forward = compiled._COMPILED[target][settings]
+    assert forward.compilations == 1 and forward.serves(1, 16) and not forward.serves(1, 17)
+    assert forward.serves(8, 1) and not forward.serves(9, 1)  # one position is fed as two
+    rows = prompt.repeat(9, 1)  # 9 rows x 2 or more positions > 16 rows: all eager, nothing compiled for several rows
+    out = target.generate(rows, max_new_tokens=8, pad_token_id=PAD, do_sample=False, draft_model=draft,
+                          speculative_config=KERNEL_COMPILED, num_lookahead=5)  # fmt: skip
+    assert out.tolist() == target.generate(rows, max_new_tokens=8, pad_token_id=PAD, do_sample=False).tolist()
+    assert forward.compilations == 1

@@ -264,6 +264,7 @@ class CachedModel:
             self.compiled is not None
             and cache is self.cache
             and (width <= self.compiled_widths or self.compiled.symbolic_widths)  # one graph also serves the prompt
+            and self.compiled.serves(rows, width)
             and self.compiled.ready_for(rows)
             and all(layer.is_initialized for layer in cache.layers)  # a first forward allocates the cache eagerly
         )
@@ -326,6 +327,8 @@ class CachedModel:
         """
         rows = self.slot_is_real.shape[0]
         if self.compiled is None or not self.compiled.symbolic_widths or self.slots + 2 > self.capacity:
+            return
+        if not self.compiled.serves(rows, 2):  # this call's forwards all run eagerly: compile nothing
             return
         if not all(layer.is_initialized for layer in self.cache.layers):  # every call's new cache, not only the first
             self._dummy_forward(self.model, rows)

@@ -195,6 +195,14 @@ class CompiledForward:
         so callers pad one-position forwards to two rather than compile, and hold, a second frozen copy)."""
         return dict(self.settings.compile_kwargs).get("dynamic") is True
 
+    def serves(self, rows: int, width: int) -> bool:
+        """Whether a forward of `rows` rows over `width` positions runs compiled code at all. With the kernel's
+        linears in the graph (`CompileSettings.kernel_rows`), only forwards the kernel serves do (one position is
+        fed as two): a wider one (a long prompt, a wide batch) would compile a second graph, with eager GEMMs,
+        in the middle of a call, so it runs eagerly instead."""
+        kernel_rows = self.settings.kernel_rows
+        return not kernel_rows or rows * max(width, 2) <= kernel_rows
+
     def ready_for(self, rows: int) -> bool:
         """Whether a forward over `rows` rows may run compiled code now without compiling in the middle of a call.
 
