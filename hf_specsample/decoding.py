@@ -201,7 +201,7 @@ class SpeculativeDecoder:
         # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays; compiled ones use it only
         # under linear_kernel="on" (inside the graph: `CompileSettings.kernel_rows`), where the plan also checks the
         # kernel against eager F.linear on the target's weights (refusing "on" where it cannot serve the target)
-        # and serves the forwards that run eagerly (a batch that shrinks to one row).
+        # and serves the forwards that run eagerly (wider than its rows, or a batch that shrinks to one row).
         in_graph = compiled is not None and compiled.settings.kernel_rows > 0
         kernel = (
             KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
