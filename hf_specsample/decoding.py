@@ -433,6 +433,7 @@ class SpeculativeDecoder:
         length = sequences.shape[1] - 1
         for row, part in enumerate(parts):
             start = part.fed[0]
+            part.drop_shared_holes()  # before feeding: a static cache of max_length slots has no room for holes
             if start < length:
                 part.feed(self.sequences.columns_of(sequences[row : row + 1], [row], [start], length - start), 1)
             part.left_align()

@@ -9,6 +9,8 @@ into full ones, whose window the model's mask applies. For every architecture:
 and sampling through a static cache follows the target's exact distribution (chi-square, with a power check).
 """
 
+import itertools
+
 import pytest
 import torch
 from exact import sampled_pvalue
@@ -17,7 +19,9 @@ from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, perturbed_copy, tiny_
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from hf_specsample import SpeculativeConfig
 from hf_specsample.cache import row_ops
+from hf_specsample.lookahead import LookaheadPolicy
 
 VOCAB = 48
 STATIC = dict(cache_implementation="static", max_cache_len=64)  # room for a second chat turn
@@ -198,3 +202,40 @@ def test_sampling_static_power_check(monkeypatch):
         target, PROMPT, 3, 8000, seed=3, settings=SAMPLING, draft_model=draft, num_lookahead=2, **STATIC
     )
     assert p_value < 1e-3
+
+
+class ReplayedLookahead(LookaheadPolicy):
+    """K = 2, 2, then 0 for 15 rounds, 1, then 0: leaves a row that finishes early with holes among its slots."""
+
+    def __init__(self):
+        self.choices = itertools.chain([2, 2], [0] * 15, [1], itertools.repeat(0))
+
+    def choose(self) -> int:
+        return next(self.choices)
+
+
+@pytest.mark.parametrize("cache", [dict(cache_implementation="static"), dict()], ids=["static", "dynamic"])
+@torch.no_grad()
+def test_returned_cache_of_max_length_slots_holds_a_row_that_finished_with_holes(cache):
+    """A static cache of exactly `max_length` slots (no `max_cache_len`) returned with a row that finished early
+    after rounds that left holes among its slots: the row's holes are dropped before it is fed its padding, so
+    it fits (it used to fail with "a static cache of 36 slots cannot hold 37"), and the cache is plain's."""
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32).to(torch.bfloat16)
+    draft = perturbed_copy(target, seed=1, scale=0.3)
+    ids = torch.tensor([[PAD, PAD, 1, 5, 2, 5], [1, 3, 3, 4, 6, 2], [4, 4, 1, 7, 9, 3]])
+    mask = (ids != PAD).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=1, pad_token_id=PAD, do_sample=False)
+    kwargs.update(return_dict_in_generate=True, **cache)
+    BF16 = dict(rtol=0.07, atol=0.07)  # bf16 keys fed in other widths differ by a few ulps; a wrong slot by O(1)
+    plain = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(lookahead_policy=ReplayedLookahead, linear_kernel="off")
+    speculative = target.generate(ids, draft_model=draft, speculative_config=config, **kwargs)
+    assert speculative.sequences.tolist() == plain.sequences.tolist()
+    assert (speculative.sequences[:, ids.shape[1] :] == 1).any(dim=1).sum() >= 1, "no row finished early"
+    length = plain.sequences.shape[1] - 1
+    assert row_ops.total_slots(cache_of(speculative)) == length
+    seen = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1].bool()
+    for mine, theirs in zip(cache_of(speculative).layers, cache_of(plain).layers):
+        attended = seen[:, None, :, None].expand_as(theirs.keys[:, :, :length])
+        torch.testing.assert_close(mine.keys[:, :, :length][attended], theirs.keys[:, :, :length][attended], **BF16)
+        torch.testing.assert_close(mine.values[:, :, :length][attended], theirs.values[:, :, :length][attended], **BF16)

@@ -449,7 +449,13 @@ class CachedModel:
             self.states.select_rows(index)
         self.slot_is_real = self.slot_is_real[index]
         self.fed = [self.fed[row] for row in rows]
-        if max(self.fed) < self.slots:  # the rows left share leading holes: drop them (no trim: see module doc)
+        self.drop_shared_holes()
+
+    def drop_shared_holes(self) -> None:
+        """Drop the leading slots that every row leaves empty, trimming nothing (see module doc): a row that
+        finished with leading holes then takes as many slots as it holds positions, so feeding it up to
+        `max_length` fits a static cache of `max_length` slots."""
+        if max(self.fed) < self.slots:
             self._realign(self.fed, total=max(self.fed), trim=False)
 
     def take_rows(self, rows: Sequence[int]) -> "CachedModel":
