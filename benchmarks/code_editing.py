@@ -10,10 +10,12 @@ one warm-up round:
 - target: plain `generate()`;
 - transformers lookup: `generate(prompt_lookup_num_tokens=N)`, transformers' prompt-lookup decoding;
 - lookup: `generate(draft_model="prompt_lookup", prompt_lookup_num_tokens=N)`;
-- lookup compiled: the same with `speculative_config=SpeculativeConfig(compile=True)` (compiled verification; the
-  warm-up call compiles);
+- lookup compiled: the same with `speculative_config=SpeculativeConfig(compile=True)` (compiled verification,
+  the kernel inside the graph where its plan serves every round width; the warm-up call compiles);
 - lookup compiled kernel: the same with `SpeculativeConfig(compile=True, linear_kernel="on")` (compiled
-  verification whose linears are the small-rows kernel's; the warm-up call compiles);
+  verification whose linears are the small-rows kernel's, whatever the plan);
+- lookup compiled gemm: the same with `SpeculativeConfig(compile=True, linear_kernel="off")` (compiled
+  verification on inductor's frozen GEMM);
 - draft: `generate(draft_model=draft)` (the library default for a model draft);
 - draft + lookup: `generate(draft_model=draft, prompt_lookup_num_tokens=N)`.
 
@@ -57,6 +59,11 @@ def main() -> None:
             draft_model="prompt_lookup",
             prompt_lookup_num_tokens=n,
             speculative_config=hf_specsample.SpeculativeConfig(compile=True, linear_kernel="on"),
+        ),  # fmt: skip
+        "lookup compiled gemm": dict(
+            draft_model="prompt_lookup",
+            prompt_lookup_num_tokens=n,
+            speculative_config=hf_specsample.SpeculativeConfig(compile=True, linear_kernel="off"),
         ),  # fmt: skip
         "draft": dict(draft_model=prepared),
         "draft + lookup": dict(draft_model=prepared, prompt_lookup_num_tokens=n),

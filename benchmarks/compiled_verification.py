@@ -12,9 +12,11 @@ Prints, on the machine it runs on (`lscpu`'s model name and flags first):
    `generate()` with the same static cache and compilation; `assistant_model=`, eager and (where the installed
    transformers runs it: 5.24 on) with the same static cache and compilation;
    hf_specsample eager (default options: the small-rows kernel where it pays); hf_specsample eager without it
-   (`linear_kernel="off"`); hf_specsample with `SpeculativeConfig(compile=True)`, and with `compile=True,
-   linear_kernel="on"` (compiled verification on the kernel's linears; `compile_draft=True` too, opt-in). Calls are
-   interleaved per prompt, after a warm-up call of every method (compilation stays out of the timings and is reported).
+   (`linear_kernel="off"`); hf_specsample with `SpeculativeConfig(compile=True)` (the kernel inside the compiled
+   graph where its plan serves every round width), with `compile=True, linear_kernel="on"` (always the kernel's
+   linears; `compile_draft=True` too, opt-in) and with `compile=True, linear_kernel="off"` (inductor's frozen
+   GEMM). Calls are interleaved per prompt, after a warm-up call of every method (compilation stays out of the
+   timings and is reported).
 """
 
 from __future__ import annotations
@@ -149,6 +151,9 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
             draft_model=prepared, speculative_config=SpeculativeConfig(linear_kernel="off")
         ),
         "hf_specsample compiled": dict(draft_model=prepared, speculative_config=SpeculativeConfig(compile=True)),
+        "hf_specsample compiled gemm": dict(
+            draft_model=prepared, speculative_config=SpeculativeConfig(compile=True, linear_kernel="off")
+        ),
         # compiled verification whose round-width linears are the small-rows kernel's (no frozen copy)
         "hf_specsample compiled kernel": dict(
             draft_model=prepared, speculative_config=SpeculativeConfig(compile=True, linear_kernel="on")

@@ -18,7 +18,7 @@ from .cache import row_ops
 from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
-from .kernels.small_rows import KernelPlan, best_path
+from .kernels.small_rows import MAX_ROWS, KernelPlan, best_path
 from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
 from .options import DraftQuantization, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -196,18 +196,18 @@ class SpeculativeDecoder:
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
         cache = transformers_api.generate_cache(model_kwargs)
         widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
-        cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config)
+        # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays. Compiled ones
+        # (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and
+        # under "auto" where its plan serves every round width of this batch (`_kernel_in_graph`); else inductor's
+        # GEMM. The plan also checks the kernel against eager F.linear on the target's weights (refusing "on" where
+        # it cannot serve the target) and serves the forwards that run eagerly (wider than the kernel's rows, or a
+        # batch that shrinks to one row).
+        plan = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
+        in_graph = config.compile and _kernel_in_graph(plan, config.linear_kernel, batch, widest_round)
+        cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config, in_graph)
         cached = row_ops.total_slots(cache) if cache is not None else 0
-        # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays; compiled ones use it only
-        # under linear_kernel="on" (inside the graph: `CompileSettings.kernel_rows`), where the plan also checks the
-        # kernel against eager F.linear on the target's weights (refusing "on" where it cannot serve the target)
-        # and serves the forwards that run eagerly (wider than its rows, or a batch that shrinks to one row).
         in_graph = compiled is not None and compiled.settings.kernel_rows > 0
-        kernel = (
-            KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
-            if compiled is None or in_graph
-            else None
-        )
+        kernel = plan if compiled is None or in_graph else None
         self.target = CachedModel(
             model, batch, cache, cached_is_real=self.sequences.is_real(cached), compiled=compiled,
             compiled_widths=widest_round, kernel=kernel, source=self.sequences,
@@ -449,8 +449,12 @@ def _target_cache(
     caller_cache: bool,
     generation_config: GenerationConfig,
     config: SpeculativeConfig,
+    kernel_in_graph: bool = False,
 ) -> tuple[Any, CompiledForward | None]:
     """The target's cache, and its compiled forward if this call compiles (else None).
+
+    `kernel_in_graph`: under `compile=True`, the forward's round-width linears are the small-rows kernel's
+    (`CompileSettings.for_device(kernel=True)`; see `_kernel_in_graph`).
 
     A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
     or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full
@@ -470,13 +474,30 @@ def _target_cache(
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
     cache = row_ops.full_static_cache(None if fresh else cache, model.config, int(max(sizes)))
     if config.compile:
-        settings = CompileSettings.for_device(input_device(model), kernel=config.linear_kernel is LinearKernel.ON)
+        settings = CompileSettings.for_device(input_device(model), kernel=kernel_in_graph)
     elif problem is None and transformers_api.valid_auto_compile(model, cache, generation_config):
         compile_config = generation_config.compile_config or transformers_api.default_compile_config(model)
         settings = CompileSettings.from_compile_config(compile_config)
     else:
         return cache, None
     return cache, compiled_forward(model, settings)
+
+
+def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, widest_round: int) -> bool:
+    """Whether `compile=True` compiles the target with its round-width linears on the small-rows kernel.
+
+    Under "on", always (`KernelPlan.for_model` refused it first where the kernel cannot serve the target). Under
+    "auto", where the model's plan serves every forward a round of this batch runs (`batch` rows times 2 ..
+    `widest_round` positions: a one-position round runs as two in compiled code), all within the kernel's
+    `MAX_ROWS`: the plan's timing on the model's own weights (eager `F.linear` against the kernel) decides, on
+    the machine at hand. Elsewhere inductor's GEMM serves every forward (a batch whose rounds the kernel
+    cannot all serve would otherwise run its wider rounds eagerly).
+    """
+    if choice is LinearKernel.ON:
+        return True
+    if choice is LinearKernel.OFF or batch * widest_round > MAX_ROWS:
+        return False
+    return all(plan.serves(batch * width) for width in range(2, widest_round + 1))
 
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on

@@ -112,11 +112,13 @@ class SpeculativeConfig:
             forward over K+1 positions cheap (`cache.compiled.CompileSettings.for_device`: on CPU frozen weights and
             inductor's C++ GEMM with a dynamic query length, two compilations of minutes for a 1.5B model, kept
             while the model lives and reused from inductor's disk cache by later processes; on CUDA, CUDA graphs).
-            With `linear_kernel="on"` on CPU, the linears of round widths (at most 16 rows) are the small-rows
-            kernel's instead, inside the compiled forward (no frozen copy of the weights), and inductor fuses the
-            rest (norms, rotary, attention's reshapes, residuals), rounding its intermediates as eager bf16 does
-            (`emulate_precision_casts`): code editing with prompt lookup on a 2-core Xeon ran at 1.19-1.28x
-            transformers' `prompt_lookup_num_tokens=` against 1.09-1.13x eagerly on the kernel (58-81 s compiling
+            On CPU, the linears of round widths (at most 16 rows) are the small-rows kernel's instead, inside the
+            compiled forward, under `linear_kernel="on"` and under "auto" where the kernel's plan serves every
+            round width of the call's batch ("off": inductor's GEMM); no frozen copy of the weights, and inductor
+            fuses the rest (norms, rotary, attention's reshapes, residuals), rounding its intermediates as eager
+            bf16 does (`emulate_precision_casts`): code editing with prompt lookup on a 2-core Xeon ran at
+            1.19-1.28x transformers' `prompt_lookup_num_tokens=` against 1.09-1.13x eagerly on the kernel (58-81 s
+            compiling
             a 1.5B target). False (default): eager, or what `cache_implementation="static"` with
             `compile_config=` asks for, as plain `generate()` does it. Output stays exact either way (compiled
             logits differ by rounding only).
@@ -136,7 +138,8 @@ class SpeculativeConfig:
             (about 12 s with a C++ compiler; cached on disk), times it against eager `F.linear` on the model's own
             largest weight (once per model) and uses it where it is faster; `SpeculativeStats.linear_kernel` says
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
-            other rows. Compiled forwards (`compile=True`) use it only under "on" (inside the compiled graph).
+            other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
+            "auto" where its plan serves every round width of the call's batch (else inductor's GEMM).
     """
 
     num_lookahead: int | None = None

@@ -236,6 +236,7 @@ def test_compiled_inputs_are_fresh_row_major_tensors():
 # --- The small-rows kernel inside compiled code (compile=True with linear_kernel="on") ----------------------------
 
 KERNEL_COMPILED = SpeculativeConfig(compile=True, linear_kernel="on")
+GEMM_COMPILED = SpeculativeConfig(compile=True, linear_kernel="off")  # inductor's frozen GEMM whatever the plan
 
 
 @pytest.fixture(scope="module")
@@ -273,11 +274,11 @@ def test_kernel_in_compiled_graph_greedy_equals_plain(built, light, bf16_pair):
     forward = compiled._COMPILED[target][settings]
     assert forward.compilations == 2 and forward.warmed == {True, False}, "a graph per batch shape (one row, several)"
     # The rounds' linears run on the kernel inside compiled code. Prompt lookup runs no draft model, so every kernel
-    # call is the target's; compile=True alone (inductor's GEMM) makes none, so the count can tell.
+    # call is the target's; inductor's GEMM (compile=True with linear_kernel="off") makes none, so the count can tell.
     lookup = dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=3)
     assert kernel_calls(lambda: greedy(target, **lookup, speculative_config=KERNEL_COMPILED)) > 0
     assert forward.compilations == 2
-    assert kernel_calls(lambda: greedy(target, **lookup, speculative_config=COMPILE)) == 0
+    assert kernel_calls(lambda: greedy(target, **lookup, speculative_config=GEMM_COMPILED)) == 0
 
 
 @torch.no_grad()
@@ -339,3 +340,51 @@ def test_kernel_in_compiled_graph_runs_wide_forwards_eagerly(built, light):
                           speculative_config=KERNEL_COMPILED, num_lookahead=5)  # fmt: skip
     assert out.tolist() == target.generate(rows, max_new_tokens=8, pad_token_id=PAD, do_sample=False).tolist()
     assert forward.compilations == 1
+
+
+def test_auto_puts_the_kernel_in_the_graph_where_its_plan_serves_every_round():
+    """compile=True under linear_kernel="auto": the kernel inside the graph only where the model's plan serves every
+    forward of a round of this batch (one position runs as two), all within the kernel's 16 rows."""
+    from hf_specsample.decoding import _kernel_in_graph
+    from hf_specsample.kernels.small_rows import KernelPlan
+    from hf_specsample.options import LinearKernel
+
+    every = KernelPlan.every_round("timed")
+    holed = KernelPlan(frozenset(range(1, 17)) - {6}, "timed")
+    off = KernelPlan.off("off: fp32")
+    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=1, widest_round=9)
+    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=2, widest_round=8)
+    assert not _kernel_in_graph(every, LinearKernel.AUTO, batch=2, widest_round=9), "18 rows: beyond the kernel"
+    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, widest_round=9), "a round width it loses at"
+    assert _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, widest_round=5)
+    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=3, widest_round=2), "3 rows x 2 positions = 6"
+    assert not _kernel_in_graph(off, LinearKernel.AUTO, batch=1, widest_round=2)
+    assert not _kernel_in_graph(every, LinearKernel.OFF, batch=1, widest_round=2)
+    assert _kernel_in_graph(off, LinearKernel.ON, batch=1, widest_round=2)  # "on" was refused before, if it cannot
+
+
+@pytest.mark.parametrize("kernel_wins", [True, False], ids=["plan-on", "plan-off"])
+@torch.no_grad()
+def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_wins):
+    """compile=True alone on a CPU bf16 target: the kernel inside the graph where AUTO's timing put it on every round
+    width, inductor's GEMM where it lost (the timing is replaced here, so both sides run on any machine); the stats
+    say which. On the kernel, greedy output is plain generate()'s."""
+    from hf_specsample.kernels import small_rows
+
+    plan = small_rows.KernelPlan.every_round("on (timed)") if kernel_wins else small_rows.KernelPlan.off("off (timed)")
+    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: plan)
+    target = tiny_lm(seed=4, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)  # its own plan and graphs
+    draft = perturbed_copy(target, seed=5, scale=0.3)
+    plain = greedy(target)
+    out = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
+    if kernel_wins:  # inductor's frozen bf16 GEMM rounds otherwise than eager F.linear: its greedy output may part
+        assert out.sequences.tolist() == plain.tolist()  # from plain's at near-ties (this model's does, at token 9)
+    stats = out.speculative_stats.linear_kernel
+    expected = (
+        "target compiled, its linears of 1-16 rows on the kernel: on (timed)" if kernel_wins else "target compiled;"
+    )
+    assert stats.startswith(expected), stats
+    # Prompt lookup runs no draft model: every kernel call is the target's, and only the plan-on graph makes them.
+    lookup = dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=3, speculative_config=COMPILE)
+    count = kernel_calls(lambda: greedy(target, **lookup))
+    assert count > 0 if kernel_wins else count == 0
