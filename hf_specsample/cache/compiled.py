@@ -77,8 +77,9 @@ class CompileSettings:
             kernel: on CPU, the linears of round widths (at most `MAX_ROWS` rows) are the small-rows kernel's
                 (`linear_kernel="on"`, or "auto" where the plan serves the rounds: `decoding._kernel_in_graph`),
                 and inductor fuses the rest of the forward (norms, rotary, attention's reshapes, residuals: the
-                eager glue around the kernel's linears), rounding its intermediates to bf16 where eager code does (`emulate_precision_casts`: fused, they would stay float32, and greedy
-                output could part from plain `generate()`'s). No freezing: the weights stay inputs, which the kernel
+                eager glue around the kernel's linears), rounding its intermediates to bf16 where eager code does
+                (`emulate_precision_casts`: fused, they would stay float32, and greedy output could part from plain
+                `generate()`'s). No freezing: the weights stay inputs, which the kernel
                 reads as they are (no copy; a weight changed in place is read). Ignored on CUDA (the kernel is
                 CPU-only; `KernelPlan.for_model` refuses "on" there first).
         """
