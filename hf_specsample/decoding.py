@@ -203,8 +203,8 @@ class SpeculativeDecoder:
         # it cannot serve the target) and serves the forwards that run eagerly (wider than the kernel's rows, or a
         # batch that shrinks to one row).
         plan = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
-        in_graph = config.compile and _kernel_in_graph(plan, config.linear_kernel, batch, widest_round)
-        cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config, in_graph)
+        kernel_in_graph = config.compile and _kernel_in_graph(plan, config.linear_kernel, batch, widest_round)
+        cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config, kernel_in_graph)
         cached = row_ops.total_slots(cache) if cache is not None else 0
         in_graph = compiled is not None and compiled.settings.kernel_rows > 0
         kernel = plan if compiled is None or in_graph else None

@@ -118,8 +118,7 @@ class SpeculativeConfig:
             fuses the rest (norms, rotary, attention's reshapes, residuals), rounding its intermediates as eager
             bf16 does (`emulate_precision_casts`): code editing with prompt lookup on a 2-core Xeon ran at
             1.19-1.28x transformers' `prompt_lookup_num_tokens=` against 1.09-1.13x eagerly on the kernel (58-81 s
-            compiling
-            a 1.5B target). False (default): eager, or what `cache_implementation="static"` with
+            compiling a 1.5B target). False (default): eager, or what `cache_implementation="static"` with
             `compile_config=` asks for, as plain `generate()` does it. Output stays exact either way (compiled
             logits differ by rounding only).
         compile_draft: run the draft's single-token steps as one compiled forward (`torch.compile`, inductor, on
