@@ -19,7 +19,7 @@ from .cache.cached_model import CachedModel, input_device
 from .cache.compiled import CompiledForward, CompileSettings, compile_problem, compiled_forward
 from .call_inputs import CallInputs
 from .kernels.small_rows import MAX_ROWS, KernelPlan, best_path
-from .lookahead import RoundLookahead, RoundRecord, RoundWidths, weight_bytes_ratio
+from .lookahead import RoundLookahead, RoundRecord, RoundWidths, most_draft_tokens, weight_bytes_ratio
 from .options import DraftQuantization, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, draft_for_call
@@ -195,7 +195,7 @@ class SpeculativeDecoder:
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         self.sequences = Sequences(input_ids, model_kwargs.get("attention_mask"), capacity, position_ids)
         cache = transformers_api.generate_cache(model_kwargs)
-        widest_round = max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0) + 1
+        widest_round = most_draft_tokens(config, lookup_tokens, lookup_only=draft is None) + 1
         # Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays. Compiled ones
         # (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and
         # under "auto" where its plan serves every round width of this batch (`_kernel_in_graph`); else inductor's

@@ -329,6 +329,16 @@ class RoundWidths(NamedTuple):
     lookup: int
 
 
+def most_draft_tokens(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool) -> int:
+    """The most draft tokens a round of this call verifies under the built-in policies (a custom `lookahead_policy`
+    may ask for more): with lookup alone, N (`prompt_lookup_num_tokens`, else `num_lookahead`, else
+    `DEFAULT_LOOKUP_TOKENS`) or a larger `num_lookahead`; with a model draft, the largest of `max_lookahead`,
+    `num_lookahead` and N."""
+    if lookup_only:
+        return max(lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS, config.num_lookahead or 0)
+    return max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0)
+
+
 class RoundLookahead:
     """The one owner of K in a `generate()` call: the policy's choice in, the round's capped widths out.
 
@@ -402,8 +412,7 @@ class RoundLookahead:
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
         """
         if lookup_only:
-            widest = lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS
-            config = replace(config, max_lookahead=max(widest, config.num_lookahead or 0))
+            config = replace(config, max_lookahead=most_draft_tokens(config, lookup_tokens, lookup_only=True))
             policy = config.make_policy(reproducible, cost_ratio=0.0, batch_size=batch_size, lookup_only=True)
             return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
         policy = config.make_policy(reproducible, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds)

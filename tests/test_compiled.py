@@ -388,3 +388,21 @@ def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_
     lookup = dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=3, speculative_config=COMPILE)
     count = kernel_calls(lambda: greedy(target, **lookup))
     assert count > 0 if kernel_wins else count == 0
+    if kernel_wins:  # two rows of lookup rounds of at most 3 + 1 positions: 8 rows (not max_lookahead's 2 x 9)
+        ids = torch.tensor([[1, 5, 2, 5], [3, 1, 4, 1]])
+        kwargs = dict(max_new_tokens=12, pad_token_id=PAD, do_sample=False)
+        out = target.generate(ids, **kwargs, **lookup, return_dict_in_generate=True)
+        assert out.speculative_stats.linear_kernel.startswith("target compiled, its linears of 1-16 rows on the kernel")
+        assert out.sequences.tolist() == target.generate(ids, **kwargs).tolist()
+
+
+def test_most_draft_tokens_a_round_verifies():
+    from hf_specsample.lookahead import DEFAULT_LOOKUP_TOKENS, most_draft_tokens
+
+    config = SpeculativeConfig()
+    assert most_draft_tokens(config, 3, lookup_only=True) == 3
+    assert most_draft_tokens(config, None, lookup_only=True) == DEFAULT_LOOKUP_TOKENS
+    assert most_draft_tokens(SpeculativeConfig(num_lookahead=5), None, lookup_only=True) == 5
+    assert most_draft_tokens(config, None, lookup_only=False) == config.max_lookahead
+    assert most_draft_tokens(config, 12, lookup_only=False) == 12
+    assert most_draft_tokens(SpeculativeConfig(num_lookahead=11), 3, lookup_only=False) == 11
