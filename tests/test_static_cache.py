@@ -205,7 +205,7 @@ def test_sampling_static_power_check(monkeypatch):
 
 
 class ReplayedLookahead(LookaheadPolicy):
-    """K = 2, 2, then 0 for 15 rounds, 1, then 0: leaves a row that finishes early with holes among its slots."""
+    """K = 2, 2, then 0 for 15 rounds, 1, then 0: leaves a row that finishes early with leading holes in its slots."""
 
     def __init__(self):
         self.choices = itertools.chain([2, 2], [0] * 15, [1], itertools.repeat(0))
@@ -218,7 +218,7 @@ class ReplayedLookahead(LookaheadPolicy):
 @torch.no_grad()
 def test_returned_cache_of_max_length_slots_holds_a_row_that_finished_with_holes(cache):
     """A static cache of exactly `max_length` slots (no `max_cache_len`) returned with a row that finished early
-    after rounds that left holes among its slots: the row's holes are dropped before it is fed its padding, so
+    after rounds that left leading holes in its slots: the row's holes are dropped before it is fed its padding, so
     it fits (it used to fail with "a static cache of 36 slots cannot hold 37"), and the cache is plain's."""
     target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32).to(torch.bfloat16)
     draft = perturbed_copy(target, seed=1, scale=0.3)
@@ -226,7 +226,7 @@ def test_returned_cache_of_max_length_slots_holds_a_row_that_finished_with_holes
     mask = (ids != PAD).long()
     kwargs = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=1, pad_token_id=PAD, do_sample=False)
     kwargs.update(return_dict_in_generate=True, **cache)
-    BF16 = dict(rtol=0.07, atol=0.07)  # bf16 keys fed in other widths differ by a few ulps; a wrong slot by O(1)
+    close = dict(rtol=0.07, atol=0.07)  # bf16 keys fed in other widths differ by a few ulps; a wrong slot by O(1)
     plain = target.generate(ids, **kwargs)
     config = SpeculativeConfig(lookahead_policy=ReplayedLookahead, linear_kernel="off")
     speculative = target.generate(ids, draft_model=draft, speculative_config=config, **kwargs)
@@ -237,5 +237,6 @@ def test_returned_cache_of_max_length_slots_holds_a_row_that_finished_with_holes
     seen = torch.cat([mask, torch.ones_like(plain.sequences[:, ids.shape[1] :])], dim=1)[:, :-1].bool()
     for mine, theirs in zip(cache_of(speculative).layers, cache_of(plain).layers):
         attended = seen[:, None, :, None].expand_as(theirs.keys[:, :, :length])
-        torch.testing.assert_close(mine.keys[:, :, :length][attended], theirs.keys[:, :, :length][attended], **BF16)
-        torch.testing.assert_close(mine.values[:, :, :length][attended], theirs.values[:, :, :length][attended], **BF16)
+        for name in ("keys", "values"):
+            got, expected = getattr(mine, name)[:, :, :length], getattr(theirs, name)[:, :, :length]
+            torch.testing.assert_close(got[attended], expected[attended], **close)
