@@ -164,9 +164,9 @@ class SpeculativeDecoder:
         # choice below may then depend on the clock (the draft's form, the kernel plans, K).
         reproducible = generator is not None
 
-        if config.linear_kernel is LinearKernel.ON:  # refused where the kernel cannot serve the target, before the
-            # draft's timings and calibration forwards (the plan is kept per model: made again below at no cost)
-            KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
+        # The target's kernel plan (AUTO's timing; "on" refused where the kernel cannot serve the target), made
+        # before the draft's form timings and calibration forwards, so that a refusal comes before any forward.
+        plan = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
         vocab_size = validation.vocab_size(model)
         self.verification = config.verification
         batch = input_ids.shape[0]
@@ -202,7 +202,6 @@ class SpeculativeDecoder:
         # GEMM. The plan also checks the kernel against eager F.linear on the target's weights (refusing "on" where
         # it cannot serve the target) and serves the forwards that run eagerly (wider than the kernel's rows, or a
         # batch that shrinks to one row).
-        plan = KernelPlan.for_model(model, config.linear_kernel, reproducible, "target")
         kernel_in_graph = config.compile and _kernel_in_graph(plan, config.linear_kernel, batch, widest_round)
         cache, compiled = _target_cache(model, cache, call.caller_cache, generation_config, config, kernel_in_graph)
         cached = row_ops.total_slots(cache) if cache is not None else 0
