@@ -40,7 +40,7 @@ from .verify.rejection import (
     greedy_accept,
     speculative_accept,
 )
-from .verify.stopping import first_stops
+from .verify.stopping import StopCheck
 
 
 def speculative_generate(
@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         self.max_length = int(generation_config.max_length)
         self.do_sample = bool(generation_config.do_sample)
         self.pad_token_id = _as_int(transformers_api.pad_token_id(generation_config))
-        self.stopping_criteria = call.stopping_criteria
+        self.stops = StopCheck(call.stopping_criteria, input_ids.device)
         self.streamer = call.streamer
         self.processor = PositionwiseProcessor(
             call.logits_processor, batch_size=input_ids.shape[0], fast=config.fast_processors
@@ -259,8 +259,7 @@ class SpeculativeDecoder:
         self.stats.draft_form = draft.form if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         if draft is not None and config.compile_draft and self.draft_step is None:
             self.stats.draft_form += f"; its steps run eagerly under compile_draft: {eager_steps}"
-        devices = [input_ids.device, input_device(model)] + ([input_device(draft.model)] if draft else [])
-        self.timer = PhaseTimer(self.lookahead.needs_timing, devices)
+        self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
 
     def draft_proposer(
         self,
@@ -329,7 +328,6 @@ class SpeculativeDecoder:
         verdict = self.accept(proposal, scores)
         num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
-        durations = self.timer.durations() or [0.0, 0.0]
         if self.stats.rounds == 1 and self.sequences.num_active:
             self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
@@ -337,10 +335,11 @@ class SpeculativeDecoder:
         width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
         record = RoundRecord(
-            width, sum(num_accepted), tested, *durations, prefill=prefill,
+            width, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill,
             refeed_forwards=self.target.refeed_passes - refeeds,
         )  # fmt: skip
-        self.lookahead.observe(record, proposal.model_steps)
+        for timed, model_steps in self.timer.finish(record, proposal.model_steps):
+            self.lookahead.observe(timed, model_steps)
 
     def _compilations(self) -> int:
         """Compilations so far by the target's compiled forward and the draft's compiled step."""
@@ -386,15 +385,25 @@ class SpeculativeDecoder:
             Per row active in this round, the number of draft tokens it accepted.
         """
         seqs = self.sequences
-        num_accepted = verdict.num_accepted.tolist()  # the round's one host sync
+        eos_flags = self.stops.eos_flags(proposal.tokens, verdict.next_tokens)  # (batch, K + 1) or None
+        read = verdict.num_accepted[:, None]
+        if eos_flags is not None:
+            read = torch.cat([read, eos_flags.to(read.device)], dim=1)
+        if self.streamer is not None:  # the row's new tokens travel with it: no read of their own
+            read = torch.cat([read, proposal.tokens.to(read.device), verdict.next_tokens[:, None].to(read.device)], 1)
+        values = read.tolist()  # the round's one host sync
+        num_accepted = [row[0] for row in values]
         _raise_if_nonfinite(num_accepted)
         seqs.write(verdict.num_accepted, verdict.next_tokens)
-        proposed = [count + 1 for count in num_accepted]
-        stops = first_stops(self.stopping_criteria, seqs.tokens, seqs.lengths, proposed)
-        counts = [stop if stop is not None else count for stop, count in zip(stops, proposed)]
+        width = proposal.tokens.shape[1]
+        flags = None if eos_flags is None else [row[1 : width + 2] for row in values]
+        stops = self.stops.first_stops(seqs.tokens, seqs.lengths, num_accepted, flags)
+        counts = [stop if stop is not None else accepted + 1 for stop, accepted in zip(stops, num_accepted)]
 
         if self.streamer is not None:
-            self.streamer.put(seqs.new_tokens(0, counts[0]).unsqueeze(0).cpu())
+            tokens = values[0][-(width + 1) :]  # row 0's drafts, then its next token
+            committed = tokens[: num_accepted[0]] + [tokens[-1]]
+            self.streamer.put(torch.tensor([committed[: counts[0]]]))
         callers = seqs.rows.callers()
         self.recorder.record(callers, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
         self.stats.record_round(callers, proposal.tokens.shape[1], num_accepted, counts)

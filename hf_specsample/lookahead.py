@@ -20,7 +20,10 @@ policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). Wit
 the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's, and with it
 every sample, is reproducible. K = 0 is plain decoding: when
 drafting does not pay (a useless draft), the policy stops drafting and probes with K = 1 now and then to notice if
-it starts paying. Choosing K from past rounds never biases the output: each round is exact for any K.
+it starts paying, unless not even a draft accepted every time could pay at the measured costs (a draft step costing
+about a plain round or more: a draft as large as the target, or a small one on a launch-bound GPU), where it stops
+probing too; and a draft reading at least the target's weight bytes per step does not draft in the first rounds
+either. Choosing K from past rounds never biases the output: each round is exact for any K.
 
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
 made for `generate()`), it asks the policy before every round and caps its choice (room left before `max_length`,
@@ -50,6 +53,9 @@ DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lo
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
 # but a batch verifies batch * (K+1) tokens and turns compute-bound.
 STATIC_VERIFY_SLOPE = 0.02
+# Probes are spaced by `probe_every` (doubling while they fail) times max(1, PROBE_GAIN / g), where g is what a draft
+# accepted every time would gain over plain decoding at the measured costs (`AdaptiveLookahead.perfect_draft_gain`).
+PROBE_GAIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,11 @@ class MeasuredCosts:
     @property
     def ready(self) -> bool:
         return bool(self.verify) and self.draft_step.count > 0
+
+    @property
+    def knows_plain_step(self) -> bool:
+        """Whether a draft step and a round without drafts (v(0)) have both been measured."""
+        return 0 in self.verify and self.draft_step.count > 0
 
     def observe(self, record: RoundRecord) -> None:
         if record.prefill:
@@ -228,6 +239,7 @@ class StaticCosts:
     """
 
     ready = True
+    knows_plain_step = True
 
     def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE, decay: float = 0.85):
         self.cost_ratio, self.verify_slope, self.decay = cost_ratio, verify_slope, decay
@@ -272,10 +284,15 @@ class AdaptiveLookahead(LookaheadPolicy):
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
         draft_step_seconds: float | None = None,  # a draft step timed before the call: the measured costs' prior
         growth: float = 1.0,  # how fast K may exceed the K's observed (`MeasuredCosts`' growth)
+        # draft/target weight bytes per step (`weight_bytes_ratio`): until costs are measured, a draft reading at
+        # least the target's bytes per step (c >= 1) cannot pay even if every token were accepted, so the first
+        # rounds decode plainly instead of drafting first_lookahead tokens; None: unknown
+        draft_cost_ratio: float | None = None,
     ):
         self.max_lookahead = max_lookahead
         self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds, growth)
         self.first_lookahead = min(first_lookahead, max_lookahead)
+        self.draft_cost_ratio = draft_cost_ratio
         self.probe_every = probe_every
         self.alpha = _DecayedMean(alpha_prior, weight=alpha_prior_weight, decay=decay)
         self._rounds_without_drafting = 0
@@ -297,20 +314,44 @@ class AdaptiveLookahead(LookaheadPolicy):
         tokens = sum(alpha**i for i in range(lookahead + 1))
         return tokens / (self.costs.draft_seconds() * lookahead + self.costs.verify_seconds(lookahead))
 
+    def perfect_draft_gain(self) -> float:
+        """How much faster than plain decoding a draft whose every token were accepted would be at the costs known
+        now: the best (K + 1) v(0) / (d K + v(K)) over K >= 1, minus 1. Infinite until a draft step and a plain
+        round are both measured (only drafting tells then); 0 or less where a draft step costs about a plain round
+        or more (a draft as large as the target; a small one on a launch-bound GPU)."""
+        if not self.costs.knows_plain_step:
+            return math.inf
+        plain, draft = self.costs.verify_seconds(0), self.costs.draft_seconds()
+        best = max(
+            (lookahead + 1) * plain / (draft * lookahead + self.costs.verify_seconds(lookahead))
+            for lookahead in range(1, self.max_lookahead + 1)
+        )
+        return best - 1.0
+
     def choose(self) -> int:
-        if not self.costs.ready:
-            return self.first_lookahead
-        # K grows by at most one beyond the K's observed: a line extrapolated from few rounds is a guess, and a
-        # guessed-cheap wide round (compute-bound verification) costs a lot and tells little about alpha.
-        choice = max(range(self.costs.largest_lookahead(self.max_lookahead) + 1), key=self.expected_rate)
+        if self.costs.ready:
+            # K grows by at most one beyond the K's observed: a line extrapolated from few rounds is a guess, and a
+            # guessed-cheap wide round (compute-bound verification) costs a lot and tells little about alpha.
+            choice = max(range(self.costs.largest_lookahead(self.max_lookahead) + 1), key=self.expected_rate)
+        elif self.draft_cost_ratio is None or self.draft_cost_ratio < 1:
+            return self.first_lookahead  # nothing measured yet: drafting measures the costs
+        else:
+            choice = 0  # a draft step reads the target's bytes or more: plain rounds until a probe measures it
         if choice > 0:
             self._rounds_without_drafting, self._probe_interval = 0, self.probe_every
             return choice
+        gain = self.perfect_draft_gain()
+        if gain <= 0:
+            return 0  # not even a perfect draft would pay at these costs: no probes either
         if self._rounds_without_drafting == 0 and self._probed:  # the last probe did not make drafting pay
             self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
         self._probed = False
         self._rounds_without_drafting += 1
-        if self._rounds_without_drafting >= self._probe_interval:  # is drafting paying again?
+        # A probe costs a draft forward or two (the draft catches up with the rounds it skipped) to find a gain of at
+        # most `gain`: the smaller that gain, the rarer the probes (a draft costing 0.9 of a plain round can gain
+        # 10% at best: a probe every ~40 rounds instead of 16).
+        interval = self._probe_interval * max(1.0, PROBE_GAIN / gain)
+        if self._rounds_without_drafting >= interval:  # is drafting paying again?
             self._rounds_without_drafting, self._probed = 0, True
             return 1
         return 0

@@ -217,7 +217,7 @@ class SpeculativeConfig:
             return AdaptiveLookahead(self.max_lookahead, costs=costs)
         if lookup_only:
             return AdaptiveLookahead(self.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0)
-        return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds)
+        return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds, draft_cost_ratio=cost_ratio)
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from .devices import tensor_on, to_device
 from .rows import RowBook
 
 
@@ -80,6 +81,23 @@ class Sequences:
         self.rows.attach(self)
 
     @property
+    def lengths(self) -> list[int]:
+        """Per active row, its committed length."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        self._lengths = lengths
+        self._device_lengths: torch.Tensor | None = None  # made from `lengths` when first needed
+
+    def device_lengths(self) -> torch.Tensor:
+        """`(num_active,)` long: `lengths` on the buffer's device, made once per change of the lengths (a round's
+        draft steps all write at ``lengths[b] + step``)."""
+        if self._device_lengths is None:
+            self._device_lengths = tensor_on(self._lengths, self.tokens.device)
+        return self._device_lengths
+
+    @property
     def num_active(self) -> int:
         return self.rows.num_active
 
@@ -102,30 +120,34 @@ class Sequences:
         Args:
             tokens: `(rows, >= max(starts) + width)` long.
         """
-        cols = torch.tensor(list(starts))[:, None] + torch.arange(width)  # (rows, width)
         rows = list(callers)
+        every_row = rows == list(range(self.batch_size))  # no row retired: the caller tables as they are
+        positions = self._positions if every_row else self._positions[rows]
+        is_real = self._is_real if every_row else self._is_real[rows]
+        if len(set(starts)) == 1:  # every row at one start (one row; rows of one length): slices, no index
+            start = starts[0]
+            return Columns(
+                input_ids=tokens[:, start : start + width],
+                position_ids=positions[:, start : start + width],
+                is_real=is_real[:, start : start + width],
+            )
+        cols = torch.tensor(list(starts))[:, None] + torch.arange(width)  # (rows, width)
         return Columns(
-            input_ids=tokens.gather(1, cols.to(tokens.device)),
-            position_ids=self._positions[rows].gather(1, cols),
-            is_real=self._is_real[rows].gather(1, cols),
+            input_ids=tokens.gather(1, to_device(cols, tokens.device)),
+            position_ids=positions.gather(1, cols),
+            is_real=is_real.gather(1, cols),
         )
 
-    def write(self, offsets: Sequence[int] | torch.Tensor, new_tokens: torch.Tensor) -> None:
+    def write(self, offsets: int | torch.Tensor, new_tokens: torch.Tensor) -> None:
         """Write one token per active row at position ``lengths[b] + offsets[b]``.
 
         Args:
-            offsets: `num_active` ints or a `(num_active,)` long tensor.
+            offsets: one int for every row, or a `(num_active,)` long tensor on the buffer's device.
             new_tokens: `(num_active,)` long.
         """
-        offsets = torch.as_tensor(offsets, device=self.tokens.device)
-        columns = torch.tensor(self.lengths, device=self.tokens.device) + offsets
+        columns = self.device_lengths() + offsets  # (num_active,)
         rows = torch.arange(self.num_active, device=self.tokens.device)
         self.tokens[rows, columns] = new_tokens.to(self.tokens.device)
-
-    def new_tokens(self, row: int, count: int) -> torch.Tensor:
-        """`(count,)` tokens of active `row` after its committed length (this round's tokens)."""
-        start = self.lengths[row]
-        return self.tokens[row, start : start + count]
 
     def advance(self, counts: Sequence[int]) -> None:
         """Commit `counts[b]` more tokens of each active row."""

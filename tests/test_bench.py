@@ -246,3 +246,40 @@ def test_demo_times_eager_verification_on_a_tiny_model():
     plan = KernelPlan.for_model(model, LinearKernel.AUTO)  # off: a float32 model
     cost = eager_verification_cost(model, prompt, plan, prefix=16, repeats=2)
     assert 0.0 < cost < 100.0
+
+
+def test_weightless_benchmark_runs_on_tiny_shapes(capsys):
+    """`hf-specsample-weightless` on the CPU with tiny shapes: every setting, one and two rows, the per-round split and
+    operator counts; the acceptance it sets is the one it reports (all accepted, alpha near the target, useless)."""
+    from hf_specsample_bench import weightless
+
+    weightless.main(
+        ["--target", "tiny", "--draft", "tiny", "--rows", "1,2", "--prompt-tokens", "12", "--new-tokens", "6",
+         "--repeats", "1", "--split", "--alpha", "0.5"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 2 * len(weightless.Setting)
+    assert all("refuses batches" in row for row in rows if row.split("|")[2].strip() == "2")
+    by_setting = {row.split("|")[1].strip(): row for row in rows}
+    assert "argmax agreement 1.00" in by_setting[str(weightless.Setting.ALL_ACCEPTED)]
+    assert "6.00/pass" in by_setting[str(weightless.Setting.ALL_ACCEPTED)]  # 6 new tokens: one round of K=8, capped
+    alpha = float(by_setting[str(weightless.Setting.SAMPLED)].split("alpha")[1].split("|")[0])
+    assert abs(alpha - 0.5) < 0.02
+    assert "plain steps" in by_setting[str(weightless.Setting.DRAFT_IS_TARGET)]
+    assert out.count("operators per forward") == 2 * len(weightless.Setting)
+
+
+def test_weightless_acceptance_settings():
+    """The final norms set acceptance: zeroed ones agree everywhere; a useless pair barely overlaps."""
+    from hf_specsample_bench import weightless
+
+    cpu = torch.device("cpu")
+    prompt = torch.randint(1, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    target, draft = (weightless.build(weightless.Shape.TINY, seed, torch.float32, cpu) for seed in (0, 1))
+    assert weightless.set_acceptance(target, draft, weightless.Setting.USELESS_SAMPLED, prompt, 0.8) < 0.05
+    target, draft = (weightless.build(weightless.Shape.TINY, seed, torch.float32, cpu) for seed in (0, 1))
+    assert weightless.set_acceptance(target, draft, weightless.Setting.SAMPLED, prompt, 0.8) == pytest.approx(
+        0.8, abs=0.01
+    )
+    assert weightless.acceptance(target, draft, prompt) == pytest.approx(0.8, abs=0.01)

@@ -14,9 +14,28 @@ from tiny import PAD, perturbed_copy, tiny_llama, tiny_lm
 from transformers import CompileConfig
 
 import hf_specsample.cache.compiled as compiled
-from hf_specsample import FixedLookahead, SpeculativeConfig
+from hf_specsample import FixedLookahead, LookaheadPolicy, SpeculativeConfig
 
 COMPILE = SpeculativeConfig(compile=True)
+
+
+class Cycling(LookaheadPolicy):
+    """K = 1, 2, 3, 1, 2, 3, ...: rounds of several widths whatever the costs (a tiny draft costs what its target
+    costs, so the default policy drafts little)."""
+
+    def __init__(self):
+        self.lookahead = 0
+
+    def choose(self) -> int:
+        self.lookahead = self.lookahead % 3 + 1
+        return self.lookahead
+
+    @property
+    def needs_timing(self) -> bool:
+        return False
+
+
+WIDTHS = SpeculativeConfig(compile=True, lookahead_policy=Cycling)
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 
 
@@ -51,7 +70,7 @@ def greedy(target, **kwargs):
 def test_compiled_greedy_equals_plain_and_is_reused(light, pair):
     target, draft = pair
     plain = greedy(target)
-    first = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
+    first = greedy(target, draft_model=draft, speculative_config=WIDTHS, return_dict_in_generate=True)
     assert first.sequences.tolist() == plain.tolist()
     assert first.speculative_stats.compile_seconds > 0
     # One graph (one frozen weight copy) serves the warm-up and every round: one-position rounds run as two, and
@@ -90,17 +109,18 @@ def test_one_graph_when_a_head_count_equals_the_warm_up_width(light, monkeypatch
     monkeypatch.setattr(compiled.CompiledForward, "__call__", recording)
     prompt = torch.tensor([[1, 5, 2, 5, 3, 7, 2]])
     out = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
-                          speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
+                          speculative_config=WIDTHS, return_dict_in_generate=True)  # fmt: skip
     assert out.sequences.tolist() == target.generate(prompt, max_new_tokens=16, pad_token_id=PAD).tolist()
     assert widths[0] == 2 and widths[1] >= prompt.shape[1], "the warm-up, then the prompt through compiled code"
     assert len(set(widths)) > 2, "several widths"
     widths.clear()  # a second call: a new cache, allocated eagerly, and its prompt through the compiled graph too
     again = target.generate(prompt, max_new_tokens=16, pad_token_id=PAD, do_sample=False, draft_model=draft,
-                            speculative_config=COMPILE, return_dict_in_generate=True)  # fmt: skip
+                            speculative_config=WIDTHS, return_dict_in_generate=True)  # fmt: skip
     assert again.sequences.tolist() == out.sequences.tolist()
     first_round = prompt.shape[1] + again.speculative_stats.lookahead_per_round[0]  # the prompt and the K drafts
     assert widths[0] == first_round, "the second call's prompt (and first drafts) through compiled code"
-    assert next(iter(compiled._COMPILED[target].values())).compilations == (2 if duck_shapes else 1)
+    compilations = next(iter(compiled._COMPILED[target].values())).compilations
+    assert compilations == 1 if not duck_shapes else compilations >= 2  # duck shapes: a width compiles again
 
 
 @torch.no_grad()

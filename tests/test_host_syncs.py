@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from tiny import PAD, perturbed_copy, tiny_lm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_specsample import SpeculativeConfig, decoding, sequences
 
@@ -63,20 +64,57 @@ def record_rounds(monkeypatch, call) -> list[tuple[collections.Counter, int]]:
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_model_draft_round_syncs_once_plus_once_per_committed_token(pair, monkeypatch, do_sample):
-    """`num_accepted.tolist()` once, and the stopping criteria's verdict once per committed token (plain decoding
-    checks them after every token too)."""
+@pytest.mark.parametrize("streamer", [False, True])
+def test_model_draft_round_syncs_once(pair, monkeypatch, do_sample, streamer):
+    """One read per round: the accepted counts, with the EOS flags of the round's tokens (the max-length criterion
+    is decided on the host) and, when streaming, the tokens streamed. Plain decoding reads its stop flag once per
+    token."""
     target, draft = pair
     rounds = record_rounds(
         monkeypatch,
         lambda: target.generate(
             torch.tensor([[1, 17, 42, 5, 9]]), max_new_tokens=24, min_new_tokens=24, do_sample=do_sample,
-            pad_token_id=PAD, draft_model=draft, speculative_config=FIXED,
+            pad_token_id=PAD, eos_token_id=2, draft_model=draft, speculative_config=FIXED,
+            streamer=Collect() if streamer else None,
+        ),
+    )  # fmt: skip
+    assert len(rounds) > 3
+    for sites, _ in rounds:
+        assert sites == {("decoding.py", "commit"): 1}, sites
+
+
+class Collect:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value)
+
+    def end(self):
+        pass
+
+
+def test_other_stopping_criteria_read_their_verdict_per_committed_token(pair, monkeypatch):
+    """A criterion that is neither max length, max time nor EOS (a stop string, a user's) is called on every
+    committed prefix, as plain decoding calls it, each call reading its verdict."""
+    target, draft = pair
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    rounds = record_rounds(
+        monkeypatch,
+        lambda: target.generate(
+            torch.tensor([[1, 17, 42, 5, 9]]), max_new_tokens=24, min_new_tokens=24, pad_token_id=PAD,
+            draft_model=draft, speculative_config=FIXED, stopping_criteria=StoppingCriteriaList([Never()]),
         ),
     )  # fmt: skip
     assert len(rounds) > 3
     for sites, committed in rounds:
-        assert sites == {("decoding.py", "commit"): 1, ("stopping.py", "first_stops"): committed}, sites
+        assert sites == {("decoding.py", "commit"): 1, ("stopping.py", "_prefix_stops"): committed}, sites
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -92,8 +130,7 @@ def test_prompt_lookup_round_adds_the_token_buffer_copy(pair, monkeypatch, do_sa
         ),
     )  # fmt: skip
     assert len(rounds) > 3
-    for sites, committed in rounds:
+    for sites, _ in rounds:
         own_last = sites.pop(("prompt_lookup.py", "propose"), 0)
         assert own_last <= 1, sites
-        expected = {("decoding.py", "commit"): 1, ("stopping.py", "first_stops"): committed}
-        assert sites == {**expected, ("prompt_lookup.py", "continuations"): 1}, sites
+        assert sites == {("decoding.py", "commit"): 1, ("prompt_lookup.py", "continuations"): 1}, sites

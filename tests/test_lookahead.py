@@ -50,6 +50,38 @@ def test_useless_draft_costs_few_draft_steps():
     assert sum(choices) <= 8
 
 
+def test_a_draft_no_cheaper_than_a_plain_round_is_never_probed():
+    """A draft step costing a plain round or more cannot pay even if every token were accepted: once both are
+    measured the policy stops probing (a useless draft as large as the target then costs nothing)."""
+    policy = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_step_seconds=0.21)
+    choices = feed(policy, 200, alpha=1.0, draft_step=0.21, verify=lambda k: 0.2)
+    assert policy.perfect_draft_gain() < 0
+    assert choices[0] == 2 and sum(choices[1:]) == 0  # drafted before any cost was known; never after
+
+
+def test_a_draft_reading_the_targets_bytes_does_not_draft_before_its_costs_are_known():
+    """With weights at least the target's (c >= 1), the first rounds decode plainly; without a timed draft step a
+    probe then measures it once, and a costly one is never probed again."""
+    untimed = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=1.0)
+    choices = feed(untimed, 200, alpha=0.9, draft_step=0.25, verify=lambda k: 0.2)
+    assert choices[:11] == [0] * 11 and choices.count(1) == 1 and sum(choices) == 1
+    timed = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=1.0, draft_step_seconds=0.25)
+    assert sum(feed(timed, 200, alpha=0.9, draft_step=0.25, verify=lambda k: 0.2)) == 0
+    # a cheap draft in fact (weights overstate a mixture of experts' step): the probe finds it and drafting starts
+    moe = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=3.0)
+    assert min(feed(moe, 60, alpha=0.9, draft_step=0.02, verify=lambda k: 0.2)[30:]) >= 4
+
+
+def test_probes_are_rarer_where_a_perfect_draft_would_gain_little():
+    """A draft step at 0.9 of a plain round can gain at most ~10%: probes come several times rarer than for a cheap
+    draft, whose perfect gain is large."""
+    probes = {}
+    for draft_step in (0.02, 0.18):
+        choices = feed(AdaptiveLookahead(probe_every=12), 400, alpha=0.0, draft_step=draft_step, verify=lambda k: 0.2)
+        probes[draft_step] = choices[5:].count(1)
+    assert 0 < probes[0.18] * 2 < probes[0.02]
+
+
 def test_probes_back_off_while_drafting_does_not_pay():
     policy = AdaptiveLookahead(max_lookahead=8, probe_every=12)
     choices = feed(policy, 400, alpha=0.0, draft_step=0.1, verify=lambda k: 0.2)

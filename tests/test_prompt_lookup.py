@@ -45,7 +45,9 @@ PROMPT = torch.tensor([[1, 5, 2, 5, 3, 5, 2]])  # repeats itself: continuations 
 DRAFTS = {  # generate() arguments of the two prompt-lookup modes
     "lookup-only": dict(draft_model="prompt_lookup"),
     "lookup-only-4": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4, max_matching_ngram_size=2),
-    "lookup-then-model": dict(prompt_lookup_num_tokens=3),  # with a model draft
+    # with a model draft, which drafts K=2 every round: the tiny draft costs what its target costs, so the default
+    # policy would not draft by model in a batch (and lookups only come with the model's rounds there)
+    "lookup-then-model": dict(prompt_lookup_num_tokens=3, num_lookahead=2),
 }
 
 
@@ -179,9 +181,8 @@ def test_lookup_proposals_build_no_vocabulary_wide_draft_tensor(pair, monkeypatc
     rows = [[1, 5, 2, 5, 3, 5, 2], [1, 3, 3, 4, 3, 3]]  # batched: rows with and without a continuation
     ids = torch.tensor([[PAD] * (7 - len(row)) + row for row in rows])
     mask = (ids != PAD).long()
-    # With a generator K is chosen clock-free from weight sizes, and a draft as large as this target never pays:
-    # fix K so that the model drafts (with n-gram tokens forced where a row has some).
-    config = SpeculativeConfig(verification=verification, num_lookahead=2 if mode == "lookup-then-model" else None)
+    # (the model-draft mode fixes K, so that the model drafts with n-gram tokens forced where a row has some)
+    config = SpeculativeConfig(verification=verification)
     for prompt, prompt_mask in ((PROMPT, None), (ids, mask)):
         target.generate(
             prompt, attention_mask=prompt_mask, do_sample=True, max_new_tokens=16, pad_token_id=PAD,

@@ -43,6 +43,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .. import transformers_api
+from ..devices import to_device
 from ..kernels.small_rows import KernelPlan
 from ..sequences import Columns, Sequences
 from . import linear_states, row_ops
@@ -167,6 +168,7 @@ class CachedModel:
         self.fed = [cached] * batch
         self.forward_passes = 0
         self.embeddable = embeddable
+        self._device = input_device(model)  # walks accelerate's hooks: once per call, not per forward
         signature = inspect.signature(model.forward).parameters
         self._cache_name = transformers_api.forward_cache_name(model) or transformers_api.CACHE
         self._takes_position_ids = "position_ids" in signature
@@ -179,7 +181,7 @@ class CachedModel:
     @property
     def input_device(self) -> torch.device:
         """Where input ids go: see `input_device`."""
-        return input_device(self.model)
+        return self._device
 
     def feed_upto(self, sequences: Sequences, upto: Sequence[int], num_logits: int) -> torch.Tensor:
         """`feed` the buffer positions ``fed[b] .. upto[b] - 1`` of every active row of `sequences` (one width)."""
@@ -282,14 +284,14 @@ class CachedModel:
             assert slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
             mask = torch.zeros((rows, self.capacity), dtype=torch.long)
             mask[:, : slots + padded] = torch.cat([slot_is_real, torch.ones((rows, padded), dtype=torch.bool)], 1)
-            kwargs["attention_mask"] = mask.to(device)
+            kwargs["attention_mask"] = to_device(mask, device)
         elif self.capacity is not None or not bool(slot_is_real.all()):
             assert self.capacity is None or slots <= self.capacity, (
                 f"a static cache of {self.capacity} slots cannot hold {slots}"
             )
-            kwargs["attention_mask"] = slot_is_real.to(device=device, dtype=torch.long)
+            kwargs["attention_mask"] = to_device(slot_is_real.long(), device)
         if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids.to(device)
+            kwargs["position_ids"] = to_device(position_ids, device)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
         if self.embeddable is not None:

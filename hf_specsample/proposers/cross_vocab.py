@@ -324,7 +324,7 @@ class DraftIdBuffer:
         """
         draft_ids = self.vocabulary.target_to_draft[target_tokens].clamp_min(0)
         self.sequences.reserve(max(self.sequences.lengths) + step + 1)
-        self.sequences.write([step] * self.sequences.num_active, draft_ids)
+        self.sequences.write(step, draft_ids)
         self.drafted = step + 1
 
     def sync(self) -> list[int]:

@@ -143,7 +143,7 @@ class DraftModelProposer(Proposer):
             if forced is not None:
                 token, forced_here = self._force(forced, step, token)
                 pinned.append(forced_here)
-            sequences.write([step] * sequences.num_active, token)
+            sequences.write(step, token)
             if self.inputs is not None:
                 self.inputs.write(step, token)  # the draft's next input: the token's draft id
             drafted.append(token)

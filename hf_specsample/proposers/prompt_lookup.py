@@ -100,7 +100,7 @@ class PromptLookupProposer(Proposer):
             rows.append(torch.cat([continuation, last.cpu().repeat(num_tokens - continuation.numel())]))
         proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, k)
         for step in range(num_tokens):
-            sequences.write([step] * sequences.num_active, proposed[:, step])
+            sequences.write(step, proposed[:, step])
         return Proposal(tokens=proposed, probs=None)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 from transformers.generation import logits_process as lp
 
+from ..devices import tensor_on, to_device
 from .fast_processors import fast_equivalent
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
@@ -171,9 +173,8 @@ class PositionwiseProcessor:
                     flat = faster(flat) if faster is not None else processor(no_prefix, flat)
                 scores = flat.reshape(batch, positions, vocab)
             elif kind is RunKind.LENGTH_ONLY:
-                lengths = torch.tensor(list(prefix_lengths))[:, None] + torch.arange(positions)  # (batch, positions)
                 for processor in processors:
-                    scores = _forbid_eos_while_short(processor, lengths, scores)
+                    scores = _forbid_eos_while_short(processor, prefix_lengths, scores)
             else:
                 callers = list(range(batch)) if callers is None else callers
                 scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, callers)
@@ -234,30 +235,53 @@ def _row_local(processor: lp.LogitsProcessor) -> bool:
     return type(processor) in ROW_LOCAL_PROCESSORS
 
 
-def _forbid_eos_while_short(processor: lp.LogitsProcessor, lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+def _forbid_eos_while_short(
+    processor: lp.LogitsProcessor, prefix_lengths: Sequence[int], scores: torch.Tensor
+) -> torch.Tensor:
     """What a min-length / min-new-tokens processor does at every position at once.
+
+    Which positions are too short is decided on the host from the prefix lengths (no tensor is read): past the
+    threshold, the usual case after the first tokens, nothing is computed at all.
 
     Args:
         processor: a `MinLengthLogitsProcessor` or `MinNewTokensLengthLogitsProcessor`.
-        lengths: `(batch, positions)` long, each position's prefix length (`input_ids.shape[-1]` in `generate()`).
+        prefix_lengths: per row, the prefix length of position 0 (`input_ids.shape[-1]` in `generate()`).
         scores: `(batch, positions, vocab)`.
 
     Returns:
         `(batch, positions, vocab)` scores with the EOS ids at -inf where the prefix is still too short.
     """
     if isinstance(processor, lp.MinNewTokensLengthLogitsProcessor):
-        too_short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
+        shortest = processor.prompt_length_to_skip + processor.min_new_tokens  # prefixes shorter than this
     else:
-        too_short = lengths < processor.min_length
-    vocab = scores.shape[-1]
-    eos = processor.eos_token_id.to(scores.device).reshape(-1)
-    eos = eos[(eos >= 0) & (eos < vocab)]  # what torch.isin(arange(vocab), eos) selects
-    if not bool(too_short.any()) or eos.numel() == 0:
+        shortest = processor.min_length
+    batch, positions, vocab = scores.shape
+    too_short = [[length + position < shortest for position in range(positions)] for length in prefix_lengths]
+    if not any(map(any, too_short)):
+        return scores
+    eos = _eos_columns(processor, vocab, scores.device)
+    if eos.numel() == 0:
         return scores
     out = scores.clone()
-    masked = too_short.to(scores.device)[..., None].expand(-1, -1, eos.numel())  # (batch, positions, eos)
+    masked = to_device(torch.tensor(too_short), scores.device)[..., None].expand(-1, -1, eos.numel())
     out[..., eos] = torch.where(masked, -math.inf, out[..., eos])
     return out
+
+
+def _eos_columns(processor: lp.LogitsProcessor, vocab: int, device: torch.device) -> torch.Tensor:
+    """`(ids,)` long: the processor's EOS ids within ``0 .. vocab - 1`` (what `torch.isin(arange(vocab), eos)`
+    selects), on `device`; found once per processor and width (the ids are read from the device once)."""
+    key = (vocab, device)
+    cached = _EOS_COLUMNS.get(processor)
+    if cached is None or cached[0] != key:
+        ids = [eos for eos in processor.eos_token_id.reshape(-1).tolist() if 0 <= eos < vocab]
+        cached = (key, tensor_on(ids, device))
+        _EOS_COLUMNS[processor] = cached
+    return cached[1]
+
+
+# processor -> ((logit width, device), its EOS columns); weak: the processors live as long as a generate() call
+_EOS_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def probabilities(scores: torch.Tensor) -> torch.Tensor:
