@@ -36,6 +36,7 @@ from .verify.rejection import (
     NonFinite,
     Verdict,
     block_accept,
+    first_argmax,
     flag_nonfinite,
     greedy_accept,
     speculative_accept,
@@ -366,7 +367,7 @@ class SpeculativeDecoder:
             scores: `(batch, K + 1, vocab)` the target's processed scores.
         """
         if not self.do_sample:
-            verdict = greedy_accept(proposal.tokens, scores.argmax(dim=-1))
+            verdict = greedy_accept(proposal.tokens, first_argmax(scores))
         else:
             target_probs = probabilities(scores)  # (batch, K + 1, vocab)
             rule = block_accept if self.verification is Verification.BLOCK else speculative_accept

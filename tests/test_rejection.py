@@ -7,6 +7,7 @@ from scipy import stats
 from hf_specsample.verify.rejection import (
     Verdict,
     block_accept,
+    first_argmax,
     flag_nonfinite,
     greedy_accept,
     sample_from_weights,
@@ -352,3 +353,27 @@ def test_point_masses_follow_the_target_jointly(rule):
     draft_table = torch.nn.functional.one_hot(tokens_table, V).float()  # only to draw the tokens in `simulate`
     tokens = simulate(point_mass_rule, target_table, draft_table, lookahead=3, length=3, rows=60_000, seed=2)
     assert joint_pvalue(tokens, target_table) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [151_936, 152_064, 151_937, 8_193, 8_191, 100])
+def test_first_argmax_is_torch_argmax(dtype, width):
+    """Bit for bit `torch.argmax`: random rows, ties within a block, across blocks and with the tail (the first
+    wins), NaN (the first NaN wins), +inf, rows of -inf, and leading shapes of one to three dimensions."""
+    generator = torch.Generator().manual_seed(width)
+    scores = torch.randn(12, width, generator=generator).to(dtype)
+    last = width - 1
+    scores[1, [3, 5]] = 9.0  # a tie in one block
+    scores[2, [7, last]] = 9.0  # a tie between the first block and the tail (or the last block)
+    scores[3, [width // 2, 1]] = 9.0
+    scores[4, [last, width // 3]] = 9.0
+    scores[5, [width // 2, 11]] = float("nan")
+    scores[6, last] = float("nan")
+    scores[7, [2, width // 2]] = float("inf")
+    scores[8] = float("-inf")
+    scores[9, last] = 50.0  # the maximum in the tail alone
+    scores[10] = 0.0  # all equal
+    scores[11, :] = scores[11, :].abs().neg()
+    scores[11, width // 4] = 0.0  # -0.0 and 0.0 compare equal: the first of them
+    for shaped in (scores, scores[0], scores.reshape(3, 4, width)):
+        assert torch.equal(first_argmax(shaped), shaped.argmax(dim=-1)), shaped.shape

@@ -20,7 +20,7 @@ from ..kernels.small_rows import KernelPlan
 from ..lookahead import RoundWidths
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
-from ..verify.rejection import sample_from_weights
+from ..verify.rejection import first_argmax, sample_from_weights
 from .base import Proposal, Proposer
 from .cross_vocab import DraftIdBuffer
 
@@ -138,7 +138,7 @@ class DraftModelProposer(Proposer):
                 probs = probabilities(scores)  # (batch, vocab or subset)
                 index = sample_from_weights(probs, self.generator)  # (batch,)
             else:
-                probs, index = None, scores.argmax(dim=-1)
+                probs, index = None, first_argmax(scores)
             token = self.vocabulary[index] if self.compact else index
             if forced is not None:
                 token, forced_here = self._force(forced, step, token)

@@ -212,6 +212,46 @@ def block_accept(
     return Verdict(num_accepted, sample_from_weights(weights_next, generator))
 
 
+ARGMAX_BLOCK = 128  # `first_argmax`'s block: Qwen2.5's logit widths (151,936 and 152,064) are multiples of it
+
+
+def first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(scores, dim=-1)`, the same indices (the first maximum; the first NaN where a row has one), at a
+    fraction of its CPU cost over a wide vocabulary.
+
+    torch's CPU argmax walks a row one element at a time (0.33 ms over 151,936 logits on a 2-core Xeon, where the
+    vectorised `amax` takes 0.016 ms), and greedy decoding takes one per drafted and verified position. Here the
+    row's blocks of `ARGMAX_BLOCK` logits are reduced by `amax` (NaN propagates), the first block holding the row's
+    maximum (or a NaN) is found among a thousand block maxima, and torch's own argmax runs inside that block alone
+    (and over the tail beyond the last whole block); 0.13 ms for one row, 0.29 ms for five. Elsewhere (a GPU, where
+    argmax is one fast kernel and this would be fifteen; a narrow vocabulary) it is `torch.argmax`.
+
+    Args:
+        scores: `(..., vocab)` float.
+
+    Returns:
+        `(...)` long.
+    """
+    width = scores.shape[-1]
+    if scores.device.type != "cpu" or width < 64 * ARGMAX_BLOCK:
+        return scores.argmax(dim=-1)
+    flat = scores.reshape(-1, width)  # (rows, vocab)
+    blocks = width // ARGMAX_BLOCK
+    whole = blocks * ARGMAX_BLOCK
+    block_max = flat[:, :whole].reshape(-1, blocks, ARGMAX_BLOCK).amax(dim=-1)  # (rows, blocks), a view's reduction
+    top = block_max.amax(dim=-1, keepdim=True)  # (rows, 1), NaN where the row holds one
+    tail = flat[:, whole:]  # (rows, vocab % block)
+    if tail.shape[1]:
+        top = torch.maximum(top, tail.amax(dim=-1, keepdim=True))
+    holds = (block_max == top) | block_max.isnan()  # (rows, blocks): blocks holding the maximum, or a NaN
+    first = holds.to(torch.uint8).argmax(dim=-1)  # (rows,) the first such block (0 where none: the tail's)
+    columns = first[:, None] * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK)  # (rows, block)
+    index = first * ARGMAX_BLOCK + flat.gather(1, columns).argmax(dim=-1)  # (rows,)
+    if tail.shape[1]:
+        index = torch.where(holds.any(dim=-1), index, whole + tail.argmax(dim=-1))
+    return index.reshape(scores.shape[:-1])
+
+
 def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """Greedy verification: keep draft tokens while they equal the target's argmax, then take the target's token.
 
