@@ -89,6 +89,7 @@ class Sequences:
     def lengths(self, lengths: list[int]) -> None:
         self._lengths = lengths
         self._device_lengths: torch.Tensor | None = None  # made from `lengths` when first needed
+        self._device_rows: torch.Tensor | None = None  # (num_active,) arange, likewise
 
     def device_lengths(self) -> torch.Tensor:
         """`(num_active,)` long: `lengths` on the buffer's device, made once per change of the lengths (a round's
@@ -146,8 +147,9 @@ class Sequences:
             new_tokens: `(num_active,)` long.
         """
         columns = self.device_lengths() + offsets  # (num_active,)
-        rows = torch.arange(self.num_active, device=self.tokens.device)
-        self.tokens[rows, columns] = new_tokens.to(self.tokens.device)
+        if self._device_rows is None or self._device_rows.numel() != self.num_active:
+            self._device_rows = torch.arange(self.num_active, device=self.tokens.device)
+        self.tokens[self._device_rows, columns] = to_device(new_tokens, self.tokens.device)
 
     def advance(self, counts: Sequence[int]) -> None:
         """Commit `counts[b]` more tokens of each active row."""

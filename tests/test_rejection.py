@@ -377,3 +377,36 @@ def test_first_argmax_is_torch_argmax(dtype, width):
     scores[11, width // 4] = 0.0  # -0.0 and 0.0 compare equal: the first of them
     for shaped in (scores, scores[0], scores.reshape(3, 4, width)):
         assert torch.equal(first_argmax(shaped), shaped.argmax(dim=-1)), shaped.shape
+
+
+def _block_weights_reference(ratio: torch.Tensor) -> torch.Tensor:
+    """weight_0 = 1, weight_i = min(1, weight_{i-1} ratio_i), by a loop over positions (Sun et al.'s definition)."""
+    weights = [torch.ones_like(ratio[:, 0])]
+    for i in range(ratio.shape[1]):
+        weights.append(torch.minimum(weights[-1] * ratio[:, i], torch.ones_like(ratio[:, i])))
+    return torch.stack(weights, dim=1)
+
+
+def test_block_weights_without_a_loop_match_the_definition():
+    """block_accept computes the weights in logs (a running sum less its running maximum): the same values as the
+    loop over positions, up to rounding, ratios of 0 (weight 0 from there on) and of 1 (weight 1 exactly) included;
+    with drawn uniforms the verdicts agree row for row."""
+    generator = torch.Generator().manual_seed(11)
+    rows, lookahead = 4000, 5
+    draft_probs = _random_probs(generator, rows, lookahead)
+    target_probs = _random_probs(generator, rows, lookahead + 1)
+    draft_tokens = sample_from_weights(draft_probs, generator)
+    target_probs[:50, 2].scatter_(-1, draft_tokens[:50, 2:3], 0.0)  # ratio 0 at the third position
+    target_probs[50:100, :lookahead] = draft_probs[50:100]  # ratio 1 everywhere: every weight 1
+    draft_p = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].double()
+    target_p = target_probs[:, :lookahead].gather(-1, draft_tokens[..., None])[..., 0].double()
+    ratio = target_p / draft_p
+    running = torch.cat([ratio.new_zeros((rows, 1)), ratio.log().cumsum(dim=-1)], dim=1)
+    logs = (running - running.cummax(dim=-1).values).exp()
+    reference = _block_weights_reference(ratio)
+    assert torch.allclose(logs, reference, rtol=1e-12, atol=0)
+    assert (logs[:50, 3:] == 0).all() and (logs[50:100] == 1).all()
+    uniform = torch.rand(rows, lookahead, generator=generator)
+    verdict = block_accept(draft_tokens, draft_probs, target_probs, uniform=uniform)
+    assert verdict.num_accepted[50:100].tolist() == [lookahead] * 50
+    assert verdict.num_accepted[:50].max() <= 2  # the block ends before the token the target never says
