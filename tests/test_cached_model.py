@@ -108,3 +108,28 @@ def test_feeds_of_different_widths_are_refused():
     cached = CachedModel(model, batch=2)
     with pytest.raises(AssertionError, match="same number of positions"):
         cached.feed_upto(sequences, [5, 4], num_logits=1)
+
+
+def test_rows_move_alike_by_gather_and_by_slices():
+    """`row_ops._moved` copies row by row on the CPU and gathers every row at once elsewhere (`_moved_by_gather`,
+    run here on the CPU): the same tensor, holes zero, for full and sliding-window offsets and a row keeping
+    nothing."""
+    from hf_specsample.cache import row_ops
+
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(3, 2, 10, 4, generator=generator)
+    cases = [  # old starts, new starts, lengths, old first, new first, total
+        ([0, 2, 5], [3, 4, 6], [7, 6, 4], 0, 0, 10),
+        ([4, 6, 8], [5, 6, 8], [6, 5, 3], 2, 4, 11),  # sliding: the first stored slots are not slot 0
+        ([1, 1, 1], [0, 0, 0], [9, 9, 9], 0, 0, 9),
+        ([9, 3, 3], [9, 2, 2], [0, 7, 7], 0, 0, 9),  # a row keeping nothing: zeros only
+    ]
+    for old_starts, new_starts, lengths, old_first, new_first, total in cases:
+        by_rows = row_ops._moved(states, old_starts, new_starts, lengths, old_first, new_first, total)
+        slots = torch.arange(new_first, total)[None, :]
+        new_start, old_start = torch.tensor(new_starts)[:, None], torch.tensor(old_starts)[:, None]
+        kept = (slots >= new_start) & (slots < new_start + torch.tensor(lengths)[:, None])
+        by_gather = row_ops._moved_by_gather(states, kept, slots - new_start + old_start - old_first)
+        assert by_rows.shape == (3, 2, total - new_first, 4)
+        assert torch.equal(by_rows, by_gather)
+        assert (by_rows[~kept[:, None, :, None].expand_as(by_rows)] == 0).all()

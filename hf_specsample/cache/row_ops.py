@@ -45,6 +45,7 @@ from transformers.cache_utils import (
 )
 
 from .. import transformers_api
+from ..devices import to_device
 from . import linear_states
 
 # Every layer type this module and `cache.linear_states` move row by row -> the class of its attention part (None:
@@ -326,28 +327,62 @@ def _moved(
     new_first: int,
     total: int,
 ) -> torch.Tensor:
-    """`(batch, heads, total - new_first, dim)` states: each row's range moved, zeros elsewhere.
+    """`(batch, heads, total - new_first, dim)` states: each row's range moved, zeros elsewhere (holes: masked, but
+    never uninitialised memory, NaN * 0).
 
-    One contiguous slice copy per row (a gather along the slot axis was 50x slower on the CPU).
+    On the CPU one contiguous slice copy per row (a gather along the slot axis was 50x slower there); elsewhere one
+    gather for every row (a copy per row is two kernel launches per layer tensor and row: 900 per round for 8 rows
+    of a 28-layer model on a launch-bound GPU).
 
     Args:
         states: `(batch, heads, stored, dim)` keys or values holding slots ``old_first ..`` of the cache.
         old_first / new_first: the first slot stored before / after.
     """
+    width = total - new_first
+    slots = torch.arange(new_first, total)[None, :]  # (1, width) the slots after the move
+    new_start, old_start = torch.tensor(list(new_starts))[:, None], torch.tensor(list(old_starts))[:, None]
+    kept = (slots >= new_start) & (slots < new_start + torch.tensor(list(lengths))[:, None])  # (batch, width)
+    source = slots - new_start + old_start - old_first  # (batch, width) the stored slot each one comes from
+    if bool(((source < 0) | (source >= states.shape[-2]))[kept].any()):  # host tensors: no device sync
+        raise RuntimeError(
+            "hf_specsample internal error: a KV slot to keep was already dropped from a sliding-window layer. "
+            "Please report this with the model's config."
+        )
+    if states.device.type == "cpu":
+        return _moved_by_rows(states, old_starts, new_starts, lengths, old_first, new_first, width)
+    return _moved_by_gather(states, kept, source)
+
+
+def _moved_by_gather(states: torch.Tensor, kept: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`_moved` by one gather for every row (off the CPU): `kept` `(batch, width)` bool on the host, the new slots
+    each row keeps, and `source` the stored slot each comes from."""
     batch, heads, _, dim = states.shape
-    out = states.new_empty((batch, heads, total - new_first, dim))
+    width = kept.shape[1]
+    index = to_device(torch.where(kept, source, 0), states.device)[:, None, :, None].expand(batch, heads, width, dim)
+    return torch.where(to_device(kept, states.device)[:, None, :, None], states.gather(2, index), 0)
+
+
+def _moved_by_rows(
+    states: torch.Tensor,
+    old_starts: Sequence[int],
+    new_starts: Sequence[int],
+    lengths: Sequence[int],
+    old_first: int,
+    new_first: int,
+    width: int,
+) -> torch.Tensor:
+    """`_moved` by one slice copy per row (the CPU's way)."""
+    batch, heads, _, dim = states.shape
+    out = states.new_empty((batch, heads, width, dim))
     for row, (old_start, new_start, length) in enumerate(zip(old_starts, new_starts, lengths)):
         low = max(new_start, new_first)  # the part of the row's new range that is stored
         high = new_start + length
         source = low - new_start + old_start - old_first
-        if high > low and (source < 0 or source + high - low > states.shape[-2]):
-            raise RuntimeError(
-                "hf_specsample internal error: a KV slot to keep was already dropped from a sliding-window layer. "
-                "Please report this with the model's config."
-            )
-        out[row, :, : max(0, low - new_first)] = 0  # holes: masked, but never uninitialised memory (NaN * 0)
+        out[row, :, : max(0, low - new_first)] = 0
         if high > low:
             out[row, :, low - new_first : high - new_first] = states[row, :, source : source + high - low]
+        if high - new_first < width:
+            out[row, :, max(0, high - new_first) :] = 0
     return out
 
 
