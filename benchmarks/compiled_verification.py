@@ -32,8 +32,7 @@ from transformers import CompileConfig, StaticCache
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
-from hf_specsample.cache.cached_model import _positions_to_keep
-from hf_specsample.cache.compiled import CompileSettings, compiled_forward
+from hf_specsample.cache.compiled import CompileSettings, compiled_forward, positions_to_keep
 from hf_specsample.kernels import small_rows
 from hf_specsample.transformers_api import cache_kwargs
 from hf_specsample_bench.measure import cpu_name, median_ms
@@ -71,7 +70,7 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
             positions = torch.arange(start, start + width).repeat(1, 1)  # (1, width), not a view (as the loop's)
             # generate()'s arguments in the loop's order (dynamo guards on it): the loop reuses this compiled graph;
             # compiled code gets the kept positions as a tensor, as the loop passes them (an int is specialised)
-            to_keep = _positions_to_keep(width, keep, torch.device("cpu"), compiled=function is compiled)
+            to_keep = positions_to_keep(width, keep, torch.device("cpu"), compiled=function is compiled)
             kwargs = dict(**cache_kwargs(target, cache), use_cache=True, attention_mask=mask, position_ids=positions)
             function(input_ids=ids, **kwargs, logits_to_keep=to_keep)
             for layer in cache.layers:  # roll back: the next call writes the same slots

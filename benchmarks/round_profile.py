@@ -29,13 +29,14 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 import hf_specsample  # noqa: F401  (registers draft_model=)
-from hf_specsample import DraftQuantization, LinearKernel
+from hf_specsample import DraftForm, LinearKernel
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.plan import KernelPlan
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
-from hf_specsample.kernels.small_rows import KernelPlan
-from hf_specsample.lookahead import weight_bytes
-from hf_specsample.prepare.prepared_draft import _compact_forms, without_siblings
+from hf_specsample.model_facts import ModelFacts, Role
+from hf_specsample.prepare.surgery import compact_forms, without_siblings
+from hf_specsample.round_costs import weight_bytes
 from hf_specsample.transformers_api import cache_kwargs, output_cache
 from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import speculative_accept
@@ -191,22 +192,22 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((phase, seconds * 1e3, read_bytes, floor))
 
     # 1. the draft's single-token step, in each form
-    forms = {DraftQuantization.NONE: draft, **{form: make(draft) for form, make in _compact_forms(draft).items()}}
+    forms = {DraftForm.AS_GIVEN: draft, **{form: make(draft) for form, make in compact_forms(draft).items()}}
     for form, model in forms.items():
-        plan = KernelPlan.for_model(model, LinearKernel.AUTO, role="draft")
+        plan = KernelPlan.for_model(ModelFacts.of(model), LinearKernel.AUTO, role=Role.DRAFT)
         profile = forward_profile(model, ids, context_ids, 1, plan, args.repeats)
         row(f"draft step, {form}", profile["total"], weight_bytes(model))
         for key, seconds in profile.items():
             if key != "total":
                 row(f"  {key}", seconds, None)
     if args.compiled_draft:  # the kernel forms' steps as `SpeculativeConfig(compile_draft=True)` runs them
-        for form in (DraftQuantization.INT8_WEIGHTS, DraftQuantization.INT4_WEIGHTS):
+        for form in (DraftForm.INT8_WEIGHTS, DraftForm.INT4_WEIGHTS):
             if form in forms:
                 seconds, compiling = compiled_step_seconds(forms[form], ids, context_ids, args.repeats)
                 row(f"draft step, {form}, compiled ({compiling:.0f} s compiling)", seconds, weight_bytes(forms[form]))
 
     # 2. the target's forward over 1 and K+1 positions, split
-    plan = KernelPlan.for_model(target, LinearKernel.AUTO, role="target")
+    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
     print(f"target kernel plan: {plan.reason}")
     target_bytes = weight_bytes(target)
     head_bytes = target.get_output_embeddings().weight.numel() * 2

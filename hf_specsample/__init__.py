@@ -13,10 +13,11 @@ from .transformers_api import CACHE, check_installed
 
 check_installed()  # before anything else: an unsupported transformers is refused here, with what to do
 
+from . import options
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
-from .options import DraftQuantization, LinearKernel, NamedDraft, SpeculativeConfig, Verification
+from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
@@ -29,7 +30,7 @@ __all__ = [
     "CACHE",
     "AdaptiveLookahead",
     "DEFAULT_MAX_LOOKAHEAD",
-    "DraftQuantization",
+    "DraftForm",
     "FixedLookahead",
     "NamedDraft",
     "frequent_tokens",
@@ -49,3 +50,8 @@ __all__ = [
 ]
 
 register()
+
+
+def __getattr__(name: str):
+    """`DraftForm`, `DraftForm`'s name before (with a warning: `options.__getattr__`)."""
+    return getattr(options, name)

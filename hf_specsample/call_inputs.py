@@ -1,4 +1,4 @@
-"""One speculative `generate()` call's inputs, resolved and validated once at entry (`decoding.speculative_generate`).
+"""One speculative `generate()` call's inputs, resolved and validated once at entry (`plan.plan_call`).
 
 `generate()` hands its prepared inputs to the `custom_generate` callable as keyword arguments (the library's own
 ones prefixed `speculative_`, so that transformers passes them through); `CallInputs` holds them under one name each
@@ -8,16 +8,13 @@ from there on, so the loop never renames or reorders them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .options import NamedDraft, SpeculativeConfig
-
-if TYPE_CHECKING:
-    from .prepare.prepared_draft import PreparedDraft
+from .options import SpeculativeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,24 +22,39 @@ class CallInputs:
     """Everything one call decodes with.
 
     Attributes:
-        model: the target causal LM.
-        draft_model: the draft as the caller named it: a model, a `PreparedDraft`, or a `NamedDraft`.
+        model: the target causal LM (`generate()` passes itself).
+        draft_model: the draft as the caller named it (what it is is resolved once, by
+            `prepare.prepared_draft.resolve_draft`): a causal LM of the target's tokenizer, or of another one given as
+            `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a compact
+            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", n-gram continuations alone; or a
+            `PreparedDraft` from `hf_specsample.prepare_draft`, run as it is.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
         model_kwargs: what `generate()` prepared for the model: `attention_mask` `(batch, prompt_length)`,
-            `position_ids`, the cache under `transformers_api.CACHE` (empty, or holding an earlier turn),
-            `use_cache`, ...
-        logits_processor / stopping_criteria / generation_config: as `generate()` built them.
-        config: the resolved `SpeculativeConfig` (`num_lookahead=` merged in).
-        generator: the caller's `torch.Generator`, or None.
-        streamer: where committed tokens go (the caller's `streamer=`), or None.
-        caller_cache: the caller passed a cache (left holding what plain `generate()` leaves in it).
-        lookup_tokens: transformers' `prompt_lookup_num_tokens` (n-gram tokens per lookup round), or None.
+            `position_ids` `(batch, prompt_length)`, the cache under `transformers_api.CACHE` (empty, or holding the
+            first tokens of `input_ids` from an earlier turn), the flags `generate()` sets (`use_cache`,
+            `logits_to_keep`).
+        logits_processor: the processors `generate()` built from the generation config and the caller; applied to
+            draft and target alike, at every position with that position's own prefix.
+        stopping_criteria: the criteria `generate()` built; checked after every committed token.
+        generation_config: the resolved generation config (`do_sample`, `max_length`, `return_dict_in_generate`, ...).
+        config: the resolved `SpeculativeConfig` (`num_lookahead=` merged in: draft tokens per round, K >= 1; None,
+            the default, chooses K before every round from measured acceptance and costs, `AdaptiveLookahead`).
+        generator: the caller's `torch.Generator` for every random draw (a seeded call repeats its sample), or None.
+        streamer: where committed tokens go (the caller's `streamer=`, which transformers does not forward to custom
+            decoding callables: the registered `generate()` passes it as `speculative_streamer`), or None.
+        caller_cache: the caller passed a cache (`cache=`, or `past_key_values=` where transformers still takes it):
+            that object is left holding what plain `generate()` leaves in it, even without `return_dict_in_generate`
+            (a non-empty cache is taken to be the caller's in any case).
+        lookup_tokens: transformers' `prompt_lookup_num_tokens` (n-gram tokens per lookup round; with a model draft
+            n-gram continuations are drafted first where a row has one), or None.
         max_ngram: transformers' `max_matching_ngram_size` (the longest n-gram looked up), or None.
-        other_tokenizers: (target tokenizer, draft tokenizer) when the draft reads another vocabulary, else None.
+        tokenizers: (target tokenizer, draft tokenizer) as the caller gave them (`tokenizer=`, `draft_tokenizer=` /
+            `assistant_tokenizer=`), or None; when their vocabularies differ, the draft reads its own ids and drafts
+            over the tokens both share (`proposers.cross_vocab`), which the plan decides.
     """
 
     model: PreTrainedModel
-    draft_model: PreTrainedModel | PreparedDraft | NamedDraft
+    draft_model: Any
     input_ids: torch.LongTensor
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     logits_processor: LogitsProcessorList
@@ -54,7 +66,7 @@ class CallInputs:
     caller_cache: bool = False
     lookup_tokens: int | None = None
     max_ngram: int | None = None
-    other_tokenizers: tuple[Any, Any] | None = None
+    tokenizers: tuple[Any, Any] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -17,16 +17,6 @@ import torch.distributed as dist
 from .verify.rejection import Verdict
 
 
-def is_tensor_parallel(model) -> bool:
-    """True when `model` is sharded over an initialised process group of more than one rank."""
-    return (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-        and (getattr(model, "tp_size", None) or 1) > 1
-    )
-
-
 def _broadcast_device(device: torch.device) -> torch.device:
     """NCCL broadcasts CUDA tensors, gloo CPU tensors."""
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -53,6 +43,7 @@ def _from_rank_zero(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def check_same_draft(form: Enum, vocabulary: torch.Tensor | None, device: torch.device) -> None:
     """Refuse, on every rank, a draft whose form or vocabulary differs between ranks (a `PreparedDraft` each rank
     made with different options): their proposals, and so the shapes of the target's collectives, would differ.
+    (Whether a target is tensor-parallel is a fact of the model: `model_facts.ModelFacts.tensor_parallel`.)
 
     Two all-reduces of 2 integers (min and max of the form's index and of the vocabulary's checksum), on `device`
     under NCCL.
@@ -68,7 +59,7 @@ def check_same_draft(form: Enum, vocabulary: torch.Tensor | None, device: torch.
             f"The tensor-parallel ranks run different drafts (this rank: {form}, "
             f"{'full vocabulary' if vocabulary is None else f'{vocabulary.numel()} token vocabulary'}): every rank "
             "must propose the same tokens. Pass the same prepare_draft(...) options on every rank, with an explicit "
-            "quantization= (AUTO chooses without the clock for a tensor-parallel target), or let generate() prepare "
+            "form= (AUTO chooses without the clock for a tensor-parallel target), or let generate() prepare "
             "the draft."
         )
 

@@ -1,8 +1,8 @@
-"""The call's options, and every enum a user passes: a leaf module (it imports nothing of the library's at import).
+"""The call's options, and every enum a user passes: values only, the bottom layer (imports nothing of the library's).
 
 - `SpeculativeConfig`: the options of `speculative_config=`, validated on construction.
 - `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`).
-- `DraftQuantization`: the form a draft model runs in (`draft_quantization=`, `prepare_draft(quantization=)`).
+- `DraftForm`: the form a draft model runs in (`draft_form=`, `prepare_draft(form=)`).
 - `Verification`: how a draft block is verified (`verification=`).
 
 All enums are `str` enums: the plain strings compare equal, and an invalid one is refused with the choices.
@@ -11,14 +11,12 @@ All enums are `str` enums: the plain strings compare equal, and an invalid one i
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .lookahead import LookaheadPolicy
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
 
@@ -33,19 +31,52 @@ class NamedDraft(str, enum.Enum):
         return self.value
 
 
-class DraftQuantization(str, enum.Enum):
-    """The form a draft model runs in (`prepare_draft`)."""
+class DraftForm(str, enum.Enum):
+    """The form a draft model runs in (`SpeculativeConfig(draft_form=)`, `prepare_draft(form=)`).
+
+    The spellings of before (`draft_quantization=`, "none" and "int8") are still accepted, with a warning."""
 
     AUTO = "auto"  # a float draft on the CPU: whichever form below steps fastest here (timed); otherwise as given
-    NONE = "none"  # as given (a CPU bf16 draft's linears run on the small-rows kernel where it pays)
-    INT8 = "int8"  # dynamic int8: torch's fbgemm kernels, activations quantized per step too (CPU only)
+    AS_GIVEN = "as_given"  # the draft as given (a CPU bf16 draft's linears run on the small-rows kernel where it pays)
+    DYNAMIC_INT8 = "dynamic_int8"  # torch's dynamic int8 (fbgemm), activations quantized per step too (CPU only)
     INT8_WEIGHTS = "int8_weights"  # int8 weights (a scale per row), bf16 activations, on the small-rows kernel (CPU)
     # int4 weights (a scale per 128 inputs; the LM head int8) on the small-rows kernel, CPUs with AVX-512 VNNI/BF16;
     # drafts worse: AUTO weighs its measured acceptance against its step time, given calibration text
     INT4_WEIGHTS = "int4_weights"
+    NONE = "as_given"  # the members' names before (aliases: `DraftForm.NONE is DraftForm.AS_GIVEN`)
+    INT8 = "dynamic_int8"
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def _missing_(cls, value: object) -> DraftForm | None:
+        renamed = _RENAMED_FORMS.get(value) if isinstance(value, str) else None
+        if renamed is not None:
+            warnings.warn(
+                f"The draft form {value!r} is now spelled {renamed.value!r}; {value!r} will stop working in a later "
+                "release.",
+                FutureWarning,
+                stacklevel=4,
+            )
+        return renamed
+
+
+_RENAMED_FORMS = {"none": DraftForm.AS_GIVEN, "int8": DraftForm.DYNAMIC_INT8}
+
+
+def __getattr__(name: str):
+    """`DraftQuantization`, the enum's name before `DraftForm` (with a warning; its members kept their values but
+    "none" and "int8", which are `AS_GIVEN` and `DYNAMIC_INT8` now)."""
+    if name == "DraftQuantization":
+        warnings.warn(
+            "hf_specsample.DraftQuantization is now DraftForm (NONE is AS_GIVEN, INT8 is DYNAMIC_INT8); the old name "
+            "will stop working in a later release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return DraftForm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Verification(str, enum.Enum):
@@ -90,13 +121,13 @@ class SpeculativeConfig:
         max_lookahead: upper bound of the adaptive K.
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
-        draft_quantization: "auto" (default: for a float draft that runs on the CPU, the form with the best
-            expected speedup here, timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the
-            small-rows kernel and, with a prompt of 16 tokens or more to measure acceptance on, an int4-weights
-            copy; kept while the draft model lives and its weights do not change. A seeded call (`generator=`) and
-            a tensor-parallel target choose from the weights alone, without the clock: `int8_weights` where the
-            kernel builds, else `int8`, else as given), "int8", "int8_weights", "int4_weights" or "none". See
-            `prepare_draft`; with a `PreparedDraft` as `draft_model=`, set it there instead.
+        draft_form: "auto" (default: for a float draft that runs on the CPU, the form with the best expected
+            speedup here, timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the small-rows
+            kernel and, with a prompt of 16 tokens or more to measure acceptance on, an int4-weights copy; kept
+            while the draft model lives and its weights do not change. A clock-free call (`generator=`, a
+            tensor-parallel target) chooses from the weights alone: `int8_weights` where the kernel builds, else
+            `dynamic_int8`, else as given), "as_given", "dynamic_int8", "int8_weights" or "int4_weights"
+            (`DraftForm`). See `prepare_draft`; with a `PreparedDraft` as `draft_model=`, set it there instead.
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
             None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.
@@ -112,9 +143,9 @@ class SpeculativeConfig:
             forward over K+1 positions cheap (`cache.compiled.CompileSettings.for_device`: on CPU frozen weights and
             inductor's C++ GEMM with a dynamic query length, two compilations of minutes for a 1.5B model, kept
             while the model lives and reused from inductor's disk cache by later processes; on CUDA, CUDA graphs).
-            On CPU, the linears of round widths (at most 16 rows) are the small-rows kernel's instead, inside the
+            On CPU, the linears of round sizes (at most 16 kernel rows) are the small-rows kernel's instead, inside the
             compiled forward, under `linear_kernel="on"` and under "auto" where the kernel's plan serves every
-            round width of the call's batch ("off": inductor's GEMM); no frozen copy of the weights, and inductor
+            round size of the call's batch ("off": inductor's GEMM); no frozen copy of the weights, and inductor
             fuses the rest (norms, rotary, attention's reshapes, residuals), rounding its intermediates as eager
             bf16 does (`emulate_precision_casts`): code editing with prompt lookup on a 2-core Xeon ran at
             1.19-1.28x transformers' `prompt_lookup_num_tokens=` against 1.09-1.13x eagerly on the kernel (58-81 s
@@ -138,28 +169,38 @@ class SpeculativeConfig:
             largest weight (once per model) and uses it where it is faster; `SpeculativeStats.linear_kernel` says
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
             other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
-            "auto" where its plan serves every round width of the call's batch (else inductor's GEMM).
+            "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
     """
 
     num_lookahead: int | None = None
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
-    lookahead_policy: "Callable[[], LookaheadPolicy] | None" = None
-    draft_quantization: DraftQuantization | str = DraftQuantization.AUTO
+    lookahead_policy: Callable[[], Any] | None = None  # makes a `lookahead.LookaheadPolicy`
+    draft_form: DraftForm | str = DraftForm.AUTO
     draft_vocabulary: torch.Tensor | int | None = None
     fast_processors: bool = True
     verification: Verification | str = Verification.BLOCK
     compile: bool = False
     compile_draft: bool = False
     linear_kernel: LinearKernel | str = LinearKernel.AUTO
+    draft_quantization: DraftForm | str | None = None  # `draft_form`'s name before (a warning)
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
         _check_lookahead("max_lookahead", self.max_lookahead)
+        if self.draft_quantization is not None:
+            warnings.warn(
+                "SpeculativeConfig(draft_quantization=...) is now SpeculativeConfig(draft_form=...); the old name will "
+                "stop working in a later release.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "draft_form", self.draft_quantization)
         try:
-            object.__setattr__(self, "draft_quantization", DraftQuantization(self.draft_quantization))
+            object.__setattr__(self, "draft_form", DraftForm(self.draft_form))
         except ValueError:
-            choices = ", ".join(repr(q.value) for q in DraftQuantization)
-            raise ValueError(f"draft_quantization must be one of {choices}, got {self.draft_quantization!r}.") from None
+            choices = ", ".join(repr(form.value) for form in DraftForm)
+            raise ValueError(f"draft_form must be one of {choices}, got {self.draft_form!r}.") from None
+        object.__setattr__(self, "draft_quantization", None)
         try:
             object.__setattr__(self, "verification", Verification(self.verification))
         except ValueError:
@@ -178,46 +219,6 @@ class SpeculativeConfig:
             raise TypeError(f"draft_vocabulary must be None, an int or a tensor of token ids, got {vocabulary!r}.")
         if isinstance(vocabulary, int) and vocabulary < 1:
             raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
-
-    def make_policy(
-        self,
-        reproducible: bool,
-        cost_ratio: float,
-        batch_size: int = 1,
-        draft_step_seconds: float | None = None,
-        lookup_only: bool = False,
-    ) -> "LookaheadPolicy":
-        """A fresh policy for one generate() call (`lookahead.RoundLookahead.for_call` calls it and caps its K).
-
-        Args:
-            reproducible: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
-                agree): the adaptive policy then uses `StaticCosts`, with verification rising with the batch.
-            cost_ratio: draft/target cost of a step, estimated from weight sizes.
-            batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
-            draft_step_seconds: the draft's step time measured before the call, if any: the starting estimate of
-                the wall-clock costs (`MeasuredCosts`); unused by clock-free `StaticCosts`.
-            lookup_only: drafting by prompt lookup alone (no draft step to pay per token): the wall-clock policy
-                starts at `LOOKUP_FIRST_LOOKAHEAD` tokens and may double the widest K observed
-                (`MeasuredCosts`' growth), instead of starting at 2 and adding one.
-        """
-        from .lookahead import (  # options: a leaf
-            LOOKUP_FIRST_LOOKAHEAD,
-            STATIC_VERIFY_SLOPE,
-            AdaptiveLookahead,
-            FixedLookahead,
-            StaticCosts,
-        )
-
-        if self.lookahead_policy is not None:
-            return self.lookahead_policy()
-        if self.num_lookahead is not None:
-            return FixedLookahead(self.num_lookahead)
-        if reproducible:
-            costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-            return AdaptiveLookahead(self.max_lookahead, costs=costs)
-        if lookup_only:
-            return AdaptiveLookahead(self.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0)
-        return AdaptiveLookahead(self.max_lookahead, draft_step_seconds=draft_step_seconds, draft_cost_ratio=cost_ratio)
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .lookahead import RoundRecord
+from .round_costs import RoundRecord
 
 
 class PhaseTimer:

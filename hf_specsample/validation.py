@@ -6,13 +6,13 @@ import copy
 from typing import Any
 
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel, StaticCache, StoppingCriteriaList
+from transformers import Cache, GenerationConfig, StaticCache, StoppingCriteriaList
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
 from . import transformers_api
 from .cache import row_ops
-from .cache.compiled import compile_problem
+from .model_facts import ModelFacts, Role, unsupported_layers
 from .options import NamedDraft, SpeculativeConfig
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
@@ -22,60 +22,46 @@ KNOWN_MODEL_KWARGS = frozenset(
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
-def vocab_size(model: PreTrainedModel) -> int:
-    """Width of the model's logits: the LM head's output size, else the config's vocabulary size."""
-    head = model.get_output_embeddings()
-    out_features = getattr(head, "out_features", None)
-    if out_features is None and getattr(head, "weight", None) is not None:
-        out_features = head.weight.shape[0]
-    return int(out_features) if out_features is not None else int(model.config.get_text_config().vocab_size)
+def check_models(target: ModelFacts, draft: ModelFacts | None) -> None:
+    """Target and draft (None: a draft made from the target, or none at all) must be decoder-only LMs with a cache
+    that can be rolled back per row (attention, convolution and recurrent state layers: `ModelFacts.problem_as`).
 
-
-def check_models(target: PreTrainedModel, draft: Any) -> None:
-    """The draft must be a decoder-only LM (or "auto" / "prompt_lookup"), target and draft with a cache that can be
-    rolled back per row (attention, convolution and recurrent state layers: `cache.row_ops.model_cache_problem`).
-
-    Which token ids the draft reads is `check_tokenizers`' question.
+    What `draft_model=` is was resolved before (`prepare.prepared_draft.resolve_draft`); which token ids the draft
+    reads is `check_tokenizers`' question.
     """
-    if isinstance(draft, str) and draft in (NamedDraft.AUTO, NamedDraft.PROMPT_LOOKUP):
-        draft = target  # drafts made from the target or from the text: only the target needs checking
-    if not isinstance(draft, PreTrainedModel):
-        raise TypeError(
-            f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
-            f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' "
-            f"(n-gram continuations from the prompt and text so far), got {draft!r}."
-        )
-    for role, model in (("target", target), ("draft", draft)):
-        if model.config.is_encoder_decoder:
+    for role, facts in ((Role.TARGET, target), (Role.DRAFT, draft)):
+        if facts is None:
+            continue
+        if facts.model.config.is_encoder_decoder:
             raise ValueError(
-                f"The {role} model is encoder-decoder ({type(model).__name__}); hf_specsample drafts for decoder-only "
-                "causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
+                f"The {role} model is encoder-decoder ({type(facts.model).__name__}); hf_specsample drafts for "
+                "decoder-only causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
-        problem = row_ops.model_cache_problem(model, verifies=role == "target")
+        problem = facts.problem_as(role)
         if problem is not None:
             raise ValueError(
                 f"The {role} model cannot be used with `draft_model=`: {problem}. Speculative decoding rolls each "
                 "row's cache back to its last accepted token every round, which needs a DynamicCache of attention "
                 "layers (full or sliding window) and transformers' convolution / recurrent state layers. Use such a "
-                + role
-                + (" (a small model sharing the target's tokenizer)" if role == "draft" else "")
+                + str(role)
+                + (" (a small model sharing the target's tokenizer)" if role is Role.DRAFT else "")
                 + ", or generate without `draft_model=`."
             )
 
 
-def check_hybrid_draft(draft: Any, other_tokenizer: bool) -> None:
+def check_hybrid_draft(draft: ModelFacts | None, other_tokenizer: bool) -> None:
     """A draft with another tokenizer must keep no convolution or recurrent state.
 
     Such a draft re-reads the committed text in its own ids every round, which may roll its cache back past
     positions of earlier rounds (`proposers.cross_vocab`); a convolution or recurrent state only goes back to the
     start of the current round.
     """
-    model = getattr(draft, "model", draft)  # a PreparedDraft's model
-    if other_tokenizer and isinstance(model, PreTrainedModel) and row_ops.keeps_state(model):
+    if other_tokenizer and draft is not None and draft.keeps_state:
         raise ValueError(
-            f"The draft ({type(model).__name__}) keeps convolution or recurrent states, which hf_specsample rolls back "
-            "only within a round, and a draft with another tokenizer may have to roll back further (its ids for the "
-            "committed text change). Use a draft sharing the target's tokenizer, or an attention-only draft."
+            f"The draft ({type(draft.model).__name__}) keeps convolution or recurrent states, which hf_specsample "
+            "rolls back only within a round, and a draft with another tokenizer may have to roll back further (its "
+            "ids for the committed text change). Use a draft sharing the target's tokenizer, or an attention-only "
+            "draft."
         )
 
 
@@ -87,7 +73,7 @@ PADDING_SLACK = 256
 
 
 def check_tokenizers(
-    target: PreTrainedModel, draft: Any, tokenizers: tuple[Any, Any] | None, draft_width: int | None = None
+    target_width: int, draft_width: int | None, tokenizers: tuple[Any, Any] | None, named: NamedDraft | None = None
 ) -> bool:
     """Whether the draft reads another tokenizer's ids (then it drafts over the tokens both share).
 
@@ -96,9 +82,10 @@ def check_tokenizers(
     `PADDING_SLACK`), but a draft whose width is far from the target's is refused: its ids would mean other strings.
 
     Args:
-        draft: the draft model, or "auto" / "prompt_lookup" (drafts in the target's own ids).
+        target_width, draft_width: the models' logit widths (a prepared draft's as given, before a compact head);
+            None for a draft without a model of its own.
         tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
-        draft_width: the draft's logit width as given (a prepared draft's head may be compact); default: its own.
+        named: the draft's name where it is "auto" or "prompt_lookup" (which draft in the target's own ids).
 
     Raises:
         ValueError: a named draft with another tokenizer, or widths of different tokenizers without tokenizers.
@@ -106,18 +93,16 @@ def check_tokenizers(
     differ = tokenizers is not None and (
         len(tokenizers[0]) != len(tokenizers[1]) or _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
     )  # sizes first: comparing two 150k-token vocabularies costs 0.1 s
-    if isinstance(draft, str):
+    if named is not None:
         if differ:
             raise ValueError(
-                f"draft_model='{draft}' drafts in the target's own token ids, so a `draft_tokenizer=` / "
-                "`assistant_tokenizer=` other than the target's `tokenizer=` contradicts it. Drop `draft_tokenizer=`, "
-                "or pass the draft model that tokenizer belongs to as `draft_model=`."
+                f"draft_model='{named}' drafts in the target's own token ids, so a `draft_tokenizer=` / "
+                "`assistant_tokenizer=` other than the target's `tokenizer=` contradicts it. Drop "
+                "`draft_tokenizer=`, or pass the draft model that tokenizer belongs to as `draft_model=`."
             )
         return False
     if tokenizers is not None:
         return differ
-    target_width = vocab_size(target)
-    draft_width = draft_width if draft_width is not None else vocab_size(draft)
     if abs(target_width - draft_width) > max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(
             f"The draft scores {draft_width} token ids and the target {target_width}: they look like models with "
@@ -180,7 +165,7 @@ def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer
         )
     cache = transformers_api.generate_cache(model_kwargs)
     if cache is not None:
-        unsupported = row_ops.unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
+        unsupported = unsupported_layers(cache) if isinstance(cache, Cache) else [type(cache).__name__]
         if isinstance(cache, StaticCache) and row_ops.is_static(cache):
             # sliding-window static layers are converted to full ones (`cache.row_ops.full_static_cache`)
             unsupported = []
@@ -231,11 +216,11 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
 
 
 def check_cache_plan(
-    model: PreTrainedModel, cache: Any, generation_config: GenerationConfig, config: SpeculativeConfig
+    target: ModelFacts, cache: Any, generation_config: GenerationConfig, config: SpeculativeConfig
 ) -> None:
-    """Refuse a static or compiled target cache the loop cannot run, before any work (`decoding._target_cache` then
-    builds it): an offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of
-    convolutions fused with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
+    """Refuse a static or compiled target cache the loop cannot run, before any work (`plan.py` then builds it): an
+    offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of convolutions fused
+    with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
     """
     implementation = generation_config.cache_implementation
     if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
@@ -245,12 +230,21 @@ def check_cache_plan(
             "`draft_model=` does not run offloaded caches (each round rolls rejected slots back on the device). Use "
             "cache_implementation='static' (or the default dynamic cache)."
         )
-    problem = compile_problem(model)
-    if config.compile and problem is not None:
+    if config.compile and target.compile_problem is not None:
         raise ValueError(
-            f"SpeculativeConfig(compile=True) cannot compile this target: {problem}. Drop compile=True (the target "
-            "then runs eagerly), or load the target without that setting."
+            f"SpeculativeConfig(compile=True) cannot compile this target: {target.compile_problem}. Drop compile=True "
+            "(the target then runs eagerly), or load the target without that setting."
         )
-    problem = row_ops.static_cache_problem(cache if row_ops.is_static(cache) else None, model.config)
+    problem = row_ops.static_cache_problem(cache if row_ops.is_static(cache) else None, target.model.config)
     if problem is not None:
         raise ValueError(problem)
+
+
+def check_draft_compiles(draft: ModelFacts) -> None:
+    """Refuse `compile_draft=True`, before any forward, for a draft whose forward cannot compile (a hybrid model, an
+    offloaded one, a quantization transformers marks not compileable, a tensor-parallel one)."""
+    if draft.compile_problem is not None:
+        raise ValueError(
+            f"compile_draft=True cannot compile this draft: {draft.compile_problem}. Leave compile_draft=False for "
+            "this draft (its steps then run eagerly), or pass a draft whose forward compiles."
+        )

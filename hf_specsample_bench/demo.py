@@ -22,7 +22,8 @@ import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 from hf_specsample import LinearKernel, SpeculativeConfig
-from hf_specsample.kernels.small_rows import KernelPlan
+from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.model_facts import ModelFacts, Role
 from hf_specsample.transformers_api import cache_kwargs, output_cache
 
 from .measure import cpu_name, read_bandwidth
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     inputs = prompt.encode(tokenizer)
     print(f"machine: {cpu_name()}; torch {torch.__version__}; memory bandwidth {read_bandwidth() / 1e9:.1f} GB/s "
           "(reading 1 GiB)")  # fmt: skip
-    kernel = KernelPlan.for_model(target, LinearKernel.AUTO, role="target")
+    kernel = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
     print(f"linear kernel (target): {kernel.reason}")
     compile_verification = args.compile == "on"
     if args.compile == "auto" and target.device.type == "cpu":

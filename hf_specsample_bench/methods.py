@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hf_specsample import DraftQuantization, PreparedDraft, SpeculativeConfig, frequent_tokens, prepare_draft
+from hf_specsample import DraftForm, PreparedDraft, SpeculativeConfig, frequent_tokens, prepare_draft
 
 
 class Choice(str, Enum):
@@ -35,7 +35,7 @@ DEFAULT_LOOKUP_TOKENS = 10  # N of `lookup` and `lookup=` when none is given (tr
 
 # `--levers`: each lever of hf_specsample switched off (or forced) on its own, next to the default and the peers.
 LEVER_METHODS = (
-    "target,assisted,hf_specsample,hf_specsample:4,hf_specsample:auto:none,hf_specsample:auto:int8,"
+    "target,assisted,hf_specsample,hf_specsample:4,hf_specsample:auto:as_given,hf_specsample:auto:dynamic_int8,"
     "hf_specsample:::32000,hf_specsample:verify=token,hf_specsample:processors=plain"
 )
 # `--levers` on code-editing prompts adds the prompt-lookup drafters and transformers' own prompt lookup.
@@ -54,7 +54,8 @@ class MethodSpec:
     Attributes:
         method: which generate() path.
         num_lookahead: for SPECULATIVE, K (None: the library default, adaptive); ignored otherwise.
-        draft_quantization: for SPECULATIVE, "auto" / "int8" / "none" (None: the library default).
+        draft_form: for SPECULATIVE, a `DraftForm` ("auto", "as_given", "dynamic_int8", "int8_weights",
+            "int4_weights"; None: the library default).
         draft_vocabulary: for SPECULATIVE, the N most frequent tokens the draft may propose (None: all).
         verification: for SPECULATIVE, "token" or "block" (None: the library default).
         fast_processors: for SPECULATIVE, False runs transformers' processors as given (None: the default).
@@ -64,7 +65,7 @@ class MethodSpec:
 
     method: Method
     num_lookahead: int | None = None
-    draft_quantization: str | None = None
+    draft_form: str | None = None
     draft_vocabulary: int | None = None
     verification: str | None = None
     fast_processors: bool | None = None
@@ -80,8 +81,8 @@ class MethodSpec:
         parts = [self.method.value, f"K={self.num_lookahead}" if self.num_lookahead else "K=auto"]
         if self.drafter is Drafter.PROMPT_LOOKUP:
             parts.append("prompt_lookup")
-        if self.draft_quantization is not None:
-            parts.append(f"draft {self.draft_quantization}")
+        if self.draft_form is not None:
+            parts.append(f"draft {self.draft_form}")
         if self.draft_vocabulary is not None:
             parts.append(f"vocab {self.draft_vocabulary // 1000}k")
         if self.verification is not None:
@@ -112,14 +113,14 @@ class MethodSpec:
     @property
     def draft_options(self) -> tuple[str | None, int | None]:
         """What the prepared draft of a SPECULATIVE method depends on (K does not change the draft)."""
-        return self.draft_quantization, self.draft_vocabulary
+        return self.draft_form, self.draft_vocabulary
 
 
 class MethodDrafts:
     """What each method passes to generate(), made once per benchmark run and held by the caller.
 
     `assistant_model=` gets the draft as loaded. hf_specsample gets a `PreparedDraft` made by the public
-    `hf_specsample.prepare_draft`, the object a user holds and passes as `draft_model=`, one per (quantization,
+    `hf_specsample.prepare_draft`, the object a user holds and passes as `draft_model=`, one per (form,
     vocabulary): so the benchmark times, and measures c on, exactly what users run, and no preparation happens
     inside a timed call.
     """
@@ -163,10 +164,10 @@ class MethodDrafts:
         vocabulary they share, so no call builds it again (and none is timed doing so).
         """
         if spec.draft_options not in self._prepared:
-            quantization = spec.draft_quantization or DraftQuantization.AUTO
+            form = spec.draft_form or DraftForm.AUTO
             vocabulary = frequent_tokens(self.tokenizer, spec.draft_vocabulary) if spec.draft_vocabulary else None
             self._prepared[spec.draft_options] = prepare_draft(
-                self.draft, self.target, quantization=quantization, vocabulary=vocabulary, **self.tokenizers
+                self.draft, self.target, form=form, vocabulary=vocabulary, **self.tokenizers
             )
         return self._prepared[spec.draft_options]
 
@@ -214,12 +215,13 @@ _NAMED_FIELDS = {  # name=value fields of an hf_specsample method -> (MethodSpec
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
-    """`"target,assisted,lookup:10,hf_specsample,hf_specsample:4,hf_specsample:auto:none:32000"` -> specs.
+    """`"target,assisted,lookup:10,hf_specsample,hf_specsample:4,hf_specsample:auto:as_given:32000"` -> specs.
 
-    After `hf_specsample`, colon-separated: K (a number, or `auto`), the draft quantization (`auto`, `int8`,
-    `none`) and the draft vocabulary size (N most frequent tokens), then any of the named fields `verify=token`
-    (or `block`), `processors=plain` (or `fast`), `lookup=N` (`prompt_lookup_num_tokens=N` with the model draft)
-    and `draft=prompt_lookup`. After `lookup` (transformers' prompt lookup): N.
+    After `hf_specsample`, colon-separated: K (a number, or `auto`), the draft form (`auto`, `as_given`,
+    `dynamic_int8`, `int8_weights`, `int4_weights`) and the draft vocabulary size (N most frequent tokens), then any
+    of the named fields `verify=token` (or `block`), `processors=plain` (or `fast`), `lookup=N`
+    (`prompt_lookup_num_tokens=N` with the model draft) and `draft=prompt_lookup`. After `lookup` (transformers'
+    prompt lookup): N.
     """
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -235,12 +237,12 @@ def parse_methods(text: str) -> list[MethodSpec]:
             specs.append(MethodSpec(method, lookup_tokens=int(fields[0]) if fields and fields[0] else None))
             continue
         fields += [""] * (3 - len(fields))
-        lookahead, quantization, vocabulary = fields[:3]
+        lookahead, form, vocabulary = fields[:3]
         specs.append(
             MethodSpec(
                 method,
                 int(lookahead) if lookahead and lookahead != "auto" else None,
-                quantization or None,
+                str(DraftForm(form)) if form else None,
                 int(vocabulary) if vocabulary else None,
                 **options,
             )

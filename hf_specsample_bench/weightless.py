@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         same = setting is Setting.DRAFT_IS_TARGET
         draft = target if same else build(args.draft, 1, dtype, device)
         # the draft that is the target runs as given (the default would draft with an int8 copy on the CPU)
-        ours = {"speculative_config": SpeculativeConfig(draft_quantization="none")} if same else {}
+        ours = {"speculative_config": SpeculativeConfig(draft_form="as_given")} if same else {}
         generator = torch.Generator().manual_seed(2)
         vocab = min(target.config.vocab_size, draft.config.vocab_size)
         prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=generator).to(device)

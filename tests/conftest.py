@@ -125,18 +125,18 @@ def _seed_and_threads():
 
 
 def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: float) -> list:
-    """Make `DraftQuantization.AUTO`'s timing report these figures per form (tiny models step fastest as given);
+    """Make `DraftForm.AUTO`'s timing report these figures per form (tiny models step fastest as given);
     returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened.
 
-    Prompt forwards (`prepared_draft.time_wide_forwards`, called with [the chosen compact form, the draft as given])
+    Prompt forwards (`prepare.auto.time_wide_forwards`, called with [the chosen compact form, the draft as given])
     are timed faster on the draft as given from `wide_faster_from` positions on (None: never)."""
-    from hf_specsample import DraftQuantization
-    from hf_specsample.prepare.prepared_draft import FormTimings
+    from hf_specsample import DraftForm
+    from hf_specsample.prepare.auto import FormTimings
 
-    figures = {DraftQuantization(form): value for form, value in seconds.items()}
+    figures = {DraftForm(form): value for form, value in seconds.items()}
     calls = []
 
-    def fake(forms, target=None):
+    def fake(forms, source, target, target_plan):
         calls.append(len(forms))
         return FormTimings({form: figures[form] for form in forms}, 0.01 if target is not None else None)
 
@@ -144,27 +144,27 @@ def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: fl
         plain_faster = wide_faster_from is not None and width >= wide_faster_from
         return [0.002, 0.001] if plain_faster else [0.001, 0.002]
 
-    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_forms", fake)
-    monkeypatch.setattr("hf_specsample.prepare.prepared_draft.time_wide_forwards", fake_wide)
+    monkeypatch.setattr("hf_specsample.prepare.auto.time_forms", fake)
+    monkeypatch.setattr("hf_specsample.prepare.auto.time_wide_forwards", fake_wide)
     return calls
 
 
 @pytest.fixture
 def int8_steps_faster(monkeypatch):
     """AUTO's timing finds the dynamic-int8 copy fastest (as on the AVX2 EPYC measured with real drafts)."""
-    return _timed_forms(monkeypatch, int8=0.001, none=0.002, int8_weights=0.003)
+    return _timed_forms(monkeypatch, dynamic_int8=0.001, as_given=0.002, int8_weights=0.003)
 
 
 @pytest.fixture
 def as_given_steps_faster(monkeypatch):
     """AUTO's timing finds the draft as given fastest (as on a CPU with fast bf16, or with a tiny draft)."""
-    return _timed_forms(monkeypatch, int8=0.002, none=0.001, int8_weights=0.003)
+    return _timed_forms(monkeypatch, dynamic_int8=0.002, as_given=0.001, int8_weights=0.003)
 
 
 @pytest.fixture
 def int8_weights_steps_faster(monkeypatch):
     """AUTO's timing finds the int8-weights copy on the small-rows kernel fastest."""
-    return _timed_forms(monkeypatch, int8=0.002, none=0.003, int8_weights=0.001)
+    return _timed_forms(monkeypatch, dynamic_int8=0.002, as_given=0.003, int8_weights=0.001)
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,11 @@ def test_parse_methods_named_lever_fields():
     from hf_specsample_bench.methods import Drafter, MethodDrafts
 
     token, plain, lookup, named, peer = parse_methods(
-        "hf_specsample:2:none:verify=token,hf_specsample:processors=plain,hf_specsample:lookup=7,"
+        "hf_specsample:2:as_given:verify=token,hf_specsample:processors=plain,hf_specsample:lookup=7,"
         "hf_specsample:draft=prompt_lookup,lookup:5"
     )
-    assert token == MethodSpec(Method.SPECULATIVE, 2, "none", verification="token")
-    assert token.label == "hf_specsample K=2 draft none verify token"
+    assert token == MethodSpec(Method.SPECULATIVE, 2, "as_given", verification="token")
+    assert token.label == "hf_specsample K=2 draft as_given verify token"
     assert plain.speculative_config == SpeculativeConfig(fast_processors=False) and plain.uses_draft
     drafts = MethodDrafts(None, None, None)
     drafts.prepared = lambda spec: "prepared"  # what the model drafter passes (no model in this test)
@@ -192,14 +192,14 @@ def test_cli_every_section_on_the_tiny_pair(tmp_path, monkeypatch):
     args = ["--pair", "tiny", "--dtype", "float32", "--num-prompts", "1", "--max-new-tokens", "6", "--no-progress"]
     report = run(
         args
-        + ["--methods", "target,hf_specsample:2:none,hf_specsample:auto:int8:40", "--sweep", "1,2"]
+        + ["--methods", "target,hf_specsample:2:as_given,hf_specsample:auto:dynamic_int8:40", "--sweep", "1,2"]
         + ["--plot", str(tmp_path / "k.png"), "--batch-sizes", "1,2", "--json", str(tmp_path / "r.json")]
     )
     assert {row["label"] for row in report["summary"]} == {
-        "target", "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
+        "target", "hf_specsample K=2 draft as_given", "hf_specsample K=auto draft dynamic_int8 vocab 0k"
     }  # fmt: skip
     assert set(report["meta"]["method_c"]) == {
-        "hf_specsample K=2 draft none", "hf_specsample K=auto draft int8 vocab 0k"
+        "hf_specsample K=2 draft as_given", "hf_specsample K=auto draft dynamic_int8 vocab 0k"
     }  # fmt: skip
     assert len(report["sweep"]) == 3 and len(report["batches"]) == 4
     drafted = [row for row in report["sweep"] + report["batches"] if row["label"] != "target"]
@@ -238,12 +238,13 @@ def test_run_benchmark_with_a_draft_of_another_tokenizer(tiny_setup):
 def test_demo_times_eager_verification_on_a_tiny_model():
     # The demo's --compile auto probe: it must run on the cache API transformers ships (crop takes a negative count).
     from hf_specsample import LinearKernel
-    from hf_specsample.kernels.small_rows import KernelPlan
+    from hf_specsample.kernels.plan import KernelPlan
+    from hf_specsample.model_facts import ModelFacts
     from hf_specsample_bench.demo import eager_verification_cost
 
     model = tiny_lm(seed=0, vocab_size=32)
     prompt = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(0))
-    plan = KernelPlan.for_model(model, LinearKernel.AUTO)  # off: a float32 model
+    plan = KernelPlan.for_model(ModelFacts.of(model), LinearKernel.AUTO)  # off: a float32 model
     cost = eager_verification_cost(model, prompt, plan, prefix=16, repeats=2)
     assert 0.0 < cost < 100.0
 

@@ -5,6 +5,7 @@ import torch
 from tiny import tiny_arch
 
 from hf_specsample.cache.cached_model import CachedModel
+from hf_specsample.model_facts import ModelFacts
 from hf_specsample.sequences import Sequences
 
 VOCAB = 32
@@ -38,7 +39,7 @@ def test_ragged_rollbacks_keep_rows_exact(arch):
     mask[1, :3] = 0  # row 1 is left-padded by 3
     sequences = Sequences(prompt, mask, capacity=40)
     sequences.tokens[:, 8:] = torch.randint(3, VOCAB, (2, 32), generator=generator)
-    cached = CachedModel(model, batch=2)
+    cached = CachedModel(ModelFacts.of(model), batch=2)
     sequences.rows.attach(cached)
 
     def check(upto):
@@ -70,7 +71,7 @@ def test_dropping_what_a_sliding_layer_no_longer_stores_raises():
     """Never compute with missing slots: rolling back past the last trim of a sliding window is an error."""
     model = tiny_arch("mistral_sliding", seed=0, vocab_size=VOCAB)
     sequences = Sequences(torch.randint(3, VOCAB, (1, 10)), None, capacity=20)
-    cached = CachedModel(model, batch=1)
+    cached = CachedModel(ModelFacts.of(model), batch=1)
     cached.feed_upto(sequences, [10], num_logits=1)
     cached.rollback([9])  # trims the window layers to 3 slots
     with pytest.raises(RuntimeError, match="no longer stores"):
@@ -84,7 +85,7 @@ def test_select_rows_keeps_the_chosen_rows_exact(arch):
     prompt = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
     sequences = Sequences(prompt, None, capacity=30)
     sequences.tokens[:, 6:] = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(2))
-    cached = CachedModel(model, batch=3)
+    cached = CachedModel(ModelFacts.of(model), batch=3)
     sequences.rows.attach(cached)
     cached.feed_upto(sequences, [12, 12, 12], num_logits=1)
     cached.rollback([12, 7, 9])  # row 0 is the longest: dropping it leaves shared leading holes
@@ -105,7 +106,7 @@ def test_feeds_of_different_widths_are_refused():
     """A ragged feed would put holes inside rows; CachedModel refuses it rather than computing something else."""
     model = tiny_arch("llama", seed=0, vocab_size=VOCAB)
     sequences = Sequences(torch.randint(3, VOCAB, (2, 5)), None, capacity=12)
-    cached = CachedModel(model, batch=2)
+    cached = CachedModel(ModelFacts.of(model), batch=2)
     with pytest.raises(AssertionError, match="same number of positions"):
         cached.feed_upto(sequences, [5, 4], num_logits=1)
 

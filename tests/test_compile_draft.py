@@ -14,7 +14,7 @@ from hf_specsample.cache.compiled import CompiledForward
 from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import SiblingProjection
 from hf_specsample.kernels.small_rows import KernelPath
-from hf_specsample.prepare.prepared_draft import int4_weights_copy, int8_weights_copy, without_siblings
+from hf_specsample.prepare.surgery import int4_weights_copy, int8_weights_copy, without_siblings
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 BATCH = torch.tensor([[PAD, PAD, 1, 5], [1, 5, 2, 5]])  # left-padded rows: the draft's steps take a mask
@@ -46,13 +46,13 @@ def greedy(model, inputs=PROMPT, **kwargs):
     return model.generate(inputs, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **kwargs)
 
 
-@pytest.mark.parametrize("form", ["none", "int8_weights"])
+@pytest.mark.parametrize("form", ["as_given", "int8_weights"])
 @pytest.mark.parametrize("inputs", [PROMPT, BATCH], ids=["one row", "padded rows"])
 @torch.no_grad()
 def test_greedy_with_compiled_draft_steps_equals_plain(built, monkeypatch, form, inputs):
     target, draft = pair()
     calls = count_steps(monkeypatch)
-    config = SpeculativeConfig(compile_draft=True, draft_quantization=form)
+    config = SpeculativeConfig(compile_draft=True, draft_form=form)
     out = greedy(target, inputs, draft_model=draft, num_lookahead=3, speculative_config=config,
                  return_dict_in_generate=True)  # fmt: skip
     assert out.sequences.tolist() == greedy(target, inputs).tolist()
@@ -66,7 +66,7 @@ def test_greedy_with_compiled_draft_steps_equals_plain(built, monkeypatch, form,
 @torch.no_grad()
 def test_a_second_call_reuses_the_compiled_steps(built):
     target, draft = pair()
-    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    config = SpeculativeConfig(compile_draft=True, draft_form="int8_weights")
     first = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
     second = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
     assert first.speculative_stats.draft_compile_seconds > 0.0
@@ -74,12 +74,12 @@ def test_a_second_call_reuses_the_compiled_steps(built):
     assert first.sequences.tolist() == second.sequences.tolist()
 
 
-@pytest.mark.parametrize("form", ["none", "int8_weights"])
+@pytest.mark.parametrize("form", ["as_given", "int8_weights"])
 @torch.no_grad()
 def test_sampling_with_compiled_draft_steps_is_exact(built, monkeypatch, form):
     target, draft = pair()
     calls = count_steps(monkeypatch)
-    config = SpeculativeConfig(compile_draft=True, draft_quantization=form)
+    config = SpeculativeConfig(compile_draft=True, draft_form=form)
     pvalue = sampled_pvalue(
         target, PROMPT, num_tokens=3, rows=4000, seed=4, settings=dict(temperature=0.9, top_k=5),
         draft_model=draft, num_lookahead=2, speculative_config=config,
@@ -97,7 +97,7 @@ def test_sampling_test_catches_a_compiled_step_whose_probabilities_are_not_the_d
     target, draft = pair()
     real = draft_model.sample_from_weights
     monkeypatch.setattr(draft_model, "sample_from_weights", lambda weights, generator: real(weights**3, generator))
-    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    config = SpeculativeConfig(compile_draft=True, draft_form="int8_weights")
     pvalue = sampled_pvalue(
         target, PROMPT, num_tokens=3, rows=4000, seed=4, settings=dict(temperature=0.9, top_k=5),
         draft_model=draft, num_lookahead=2, speculative_config=config,
@@ -129,7 +129,7 @@ def test_torchs_dynamic_int8_form_drafts_eagerly_and_says_so(built, monkeypatch)
     chosen by AUTO), the steps run eagerly, exactly, and the statistics say why."""
     target, draft = pair()
     calls = count_steps(monkeypatch)
-    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8")
+    config = SpeculativeConfig(compile_draft=True, draft_form="dynamic_int8")
     out = greedy(target, draft_model=draft, speculative_config=config, return_dict_in_generate=True)
     assert out.sequences.tolist() == greedy(target).tolist()
     stats = out.speculative_stats
@@ -195,7 +195,7 @@ def test_rows_that_diverge_compile_nothing_in_the_rounds(built, monkeypatch):
             warmed.append((self.step, self.step.compilations))
 
     monkeypatch.setattr(CachedModel, "warm_step", recording)
-    config = SpeculativeConfig(compile_draft=True, draft_quantization="int8_weights")
+    config = SpeculativeConfig(compile_draft=True, draft_form="int8_weights")
     target.generate(
         PROMPT.repeat(3, 1), do_sample=True, max_new_tokens=16, pad_token_id=PAD, draft_model=draft, num_lookahead=3,
         generator=torch.Generator().manual_seed(0), speculative_config=config, temperature=1.5,
@@ -210,18 +210,18 @@ def test_a_draft_used_with_compiled_steps_is_freed_with_its_last_reference(built
     import gc
     import weakref
 
-    from hf_specsample import DraftQuantization
-    from hf_specsample.prepare import prepared_draft
+    from hf_specsample import DraftForm
+    from hf_specsample.prepare import auto
 
-    def none_fastest(forms, target=None):
-        seconds = {form: 0.001 if form is DraftQuantization.NONE else 0.002 for form in forms}
-        return prepared_draft.FormTimings(seconds, None)
+    def none_fastest(forms, source, target, target_plan):
+        seconds = {form: 0.001 if form is DraftForm.AS_GIVEN else 0.002 for form in forms}
+        return auto.FormTimings(seconds, None)
 
-    monkeypatch.setattr(prepared_draft, "time_forms", none_fastest)
+    monkeypatch.setattr(auto, "time_forms", none_fastest)
     target, draft = pair()
     out = greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(compile_draft=True),
                  return_dict_in_generate=True)  # fmt: skip
-    assert out.speculative_stats.draft_form.startswith("none (timed per step")
+    assert out.speculative_stats.draft_form.startswith("as_given (timed per step")
     assert out.speculative_stats.draft_compile_seconds > 0.0
     alive = weakref.ref(draft)
     del draft

@@ -15,6 +15,8 @@ from transformers import CompileConfig
 
 import hf_specsample.cache.compiled as compiled
 from hf_specsample import FixedLookahead, LookaheadPolicy, SpeculativeConfig
+from hf_specsample.kernels import plan as kernel_plan
+from hf_specsample.kernels.plan import KernelPlan
 
 COMPILE = SpeculativeConfig(compile=True)
 
@@ -243,7 +245,7 @@ def test_compiled_ragged_batch_that_shrinks_equals_plain(light, pair):
 def test_compiled_inputs_are_fresh_row_major_tensors():
     """Dynamo guards on strides and on a view's base: a `(1, w)` slice of a wider row keeps the row's stride even
     through `.contiguous()`, and would compile (and freeze the weights) again where a fresh tensor was fed before."""
-    from hf_specsample.cache.cached_model import _fresh
+    from hf_specsample.cache.compiled import fresh_input as _fresh
 
     row = torch.arange(40)[None]
     view = row[:, -2:]
@@ -365,22 +367,22 @@ def test_kernel_in_compiled_graph_runs_wide_forwards_eagerly(built, light):
 def test_auto_puts_the_kernel_in_the_graph_where_its_plan_serves_every_round():
     """compile=True under linear_kernel="auto": the kernel inside the graph only where the model's plan serves every
     forward of a round of this batch (one position runs as two), all within the kernel's 16 rows."""
-    from hf_specsample.decoding import _kernel_in_graph
-    from hf_specsample.kernels.small_rows import KernelPlan
+    from hf_specsample.kernels.plan import KernelPlan
     from hf_specsample.options import LinearKernel
+    from hf_specsample.plan import _kernel_in_graph
 
     every = KernelPlan.every_round("timed")
     holed = KernelPlan(frozenset(range(1, 17)) - {6}, "timed")
     off = KernelPlan.off("off: fp32")
-    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=1, widest_round=9)
-    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=2, widest_round=8)
-    assert not _kernel_in_graph(every, LinearKernel.AUTO, batch=2, widest_round=9), "18 rows: beyond the kernel"
-    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, widest_round=9), "a round width it loses at"
-    assert _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, widest_round=5)
-    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=3, widest_round=2), "3 rows x 2 positions = 6"
-    assert not _kernel_in_graph(off, LinearKernel.AUTO, batch=1, widest_round=2)
-    assert not _kernel_in_graph(every, LinearKernel.OFF, batch=1, widest_round=2)
-    assert _kernel_in_graph(off, LinearKernel.ON, batch=1, widest_round=2)  # "on" was refused before, if it cannot
+    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=1, largest=9)
+    assert _kernel_in_graph(every, LinearKernel.AUTO, batch=2, largest=8)
+    assert not _kernel_in_graph(every, LinearKernel.AUTO, batch=2, largest=9), "18 rows: beyond the kernel"
+    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, largest=9), "a round width it loses at"
+    assert _kernel_in_graph(holed, LinearKernel.AUTO, batch=1, largest=5)
+    assert not _kernel_in_graph(holed, LinearKernel.AUTO, batch=3, largest=2), "3 rows x 2 positions = 6"
+    assert not _kernel_in_graph(off, LinearKernel.AUTO, batch=1, largest=2)
+    assert not _kernel_in_graph(every, LinearKernel.OFF, batch=1, largest=2)
+    assert _kernel_in_graph(off, LinearKernel.ON, batch=1, largest=2)  # "on" was refused before, if it cannot
 
 
 @pytest.mark.parametrize("kernel_wins", [True, False], ids=["plan-on", "plan-off"])
@@ -389,10 +391,9 @@ def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_
     """compile=True alone on a CPU bf16 target: the kernel inside the graph where AUTO's timing put it on every round
     width, inductor's GEMM where it lost (the timing is replaced here, so both sides run on any machine); the stats
     say which. On the kernel, greedy output is plain generate()'s."""
-    from hf_specsample.kernels import small_rows
 
-    plan = small_rows.KernelPlan.every_round("on (timed)") if kernel_wins else small_rows.KernelPlan.off("off (timed)")
-    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: plan)
+    plan = KernelPlan.every_round("on (timed)") if kernel_wins else KernelPlan.off("off (timed)")
+    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: plan)
     target = tiny_lm(seed=4, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)  # its own plan and graphs
     draft = perturbed_copy(target, seed=5, scale=0.3)
     plain = greedy(target)
@@ -417,7 +418,10 @@ def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_
 
 
 def test_most_draft_tokens_a_round_verifies():
-    from hf_specsample.lookahead import DEFAULT_LOOKUP_TOKENS, most_draft_tokens
+    from hf_specsample.lookahead import DEFAULT_LOOKUP_TOKENS, largest_round
+
+    def most_draft_tokens(config, lookup_tokens, lookup_only):
+        return largest_round(config, lookup_tokens, lookup_only) - 1
 
     config = SpeculativeConfig()
     assert most_draft_tokens(config, 3, lookup_only=True) == 3

@@ -201,7 +201,7 @@ def test_a_twin_under_other_ids_accepts_every_token(target, tokenizers, twin):
     """The draft is the target with its ids permuted: if prompts, padding, positions and the map are all right, it
     computes exactly the target's distributions, and every draft token is accepted (greedy and sampling)."""
     draft, draft_tokenizer = twin
-    as_given = SpeculativeConfig(draft_quantization="none")
+    as_given = SpeculativeConfig(draft_form="as_given")
     assert [draft_tokenizer.decode(draft_tokenizer(text)["input_ids"]) for text in ("<s>caab", "<s>cacaacbab")] == [
         "<s>caab", "<s>cacaacbab"]  # fmt: skip
     for do_sample in (False, True):
@@ -336,7 +336,7 @@ def test_prepared_draft_keeps_its_tokenizers_and_int8_copy(target, drafts, token
     """`prepare_draft(..., tokenizer=, draft_tokenizer=)`: the int8 copy still applies, and the prepared draft holds
     the tokenizers and their shared vocabulary, so a call needs neither again."""
     prepared = prepare_draft(drafts["far"], target, tokenizer=tokenizers[0], draft_tokenizer=tokenizers[1])
-    assert str(prepared.quantization) == "int8" and prepared.model is not drafts["far"]
+    assert str(prepared.form) == "dynamic_int8" and prepared.model is not drafts["far"]
     assert prepared.shared_vocabulary.size == len(SHARED)
     prompt = torch.tensor([PROMPTS[2]])
     expected = greedy(target, prompt, max_new_tokens=12)

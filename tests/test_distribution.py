@@ -68,7 +68,7 @@ def draw(target, samples, seed, eos_token_ids=(), rows_per_call=None, **generate
 @pytest.mark.parametrize("draft_kind", ["close", "far"])
 @pytest.mark.parametrize("setting", sorted(PROCESSOR_SETTINGS))
 def test_speculative_samples_follow_target(target, drafts, setting, draft_kind, int8_steps_faster):
-    """The default lever set: the draft runs as a dynamic-int8 copy (draft_quantization="auto")."""
+    """The default lever set: the draft runs as a dynamic-int8 copy (draft_form="auto")."""
     settings = PROCESSOR_SETTINGS[setting]
     # Seed 12 since the inverse-CDF sampler replaced the exponential race (2026-11-25): at seed 11 it drew
     # epsilon_eta-far at p = 0.0006, a chance verdict (the same case with 60,000 samples at seeds 11, 12, 13: p =
@@ -80,7 +80,7 @@ def test_speculative_samples_follow_target(target, drafts, setting, draft_kind, 
 @pytest.mark.parametrize("setting", ["temperature", "top_p", "repetition_penalty"])
 def test_draft_as_given_and_auto_self_draft_follow_target(target, drafts, setting):
     settings = PROCESSOR_SETTINGS[setting]
-    as_given = SpeculativeConfig(draft_quantization="none")
+    as_given = SpeculativeConfig(draft_form="as_given")
     for draft_options in (dict(draft_model=drafts["close"], speculative_config=as_given), dict(draft_model="auto")):
         samples = draw(target, SAMPLES, seed=15, num_lookahead=LOOKAHEAD, **draft_options, **settings)
         assert chisquare_pvalue(exact_for(target, **settings), samples) > ALPHA
@@ -92,7 +92,7 @@ def test_an_int8_weights_draft_follows_target(target, drafts, setting):
     if small_rows.load().problem is not None:
         pytest.skip(small_rows.load().problem)
     settings = PROCESSOR_SETTINGS[setting]
-    config = SpeculativeConfig(draft_quantization="int8_weights")
+    config = SpeculativeConfig(draft_form="int8_weights")
     out = draw(target, SAMPLES, seed=16, num_lookahead=LOOKAHEAD, draft_model=drafts["close"],
                speculative_config=config, **settings)  # fmt: skip
     assert chisquare_pvalue(exact_for(target, **settings), out) > ALPHA

@@ -5,18 +5,14 @@ import copy
 import pytest
 import torch
 from exact import sampled_pvalue
-from tiny import PAD, char_tokenizer, perturbed_copy, tiny_lm
+from tiny import PAD, char_tokenizer, implicit_draft, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig, frequent_tokens
 from hf_specsample.kernels.quantized_linear import Int8Linear, SiblingProjection
-from hf_specsample.lookahead import weight_bytes
-from hf_specsample.prepare.prepared_draft import (
-    DraftQuantization,
-    draft_for_call,
-    int8_dynamic_copy,
-    prepare_draft,
-    restrict_vocabulary,
-)
+from hf_specsample.options import DraftForm
+from hf_specsample.prepare.prepared_draft import prepare_draft
+from hf_specsample.prepare.surgery import int8_dynamic_copy, restrict_vocabulary
+from hf_specsample.round_costs import weight_bytes
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
@@ -26,11 +22,6 @@ PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
 def pair():
     target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3)
     return target, perturbed_copy(target, seed=1, scale=0.1)
-
-
-def implicit_draft(draft, target, quantization=DraftQuantization.AUTO, vocabulary=None):
-    """The prepared draft `generate(draft_model=draft)` runs with these options (the implicit cache's)."""
-    return draft_for_call(draft, target, quantization, vocabulary, special_ids=[])
 
 
 def greedy(model, **kwargs):
@@ -61,18 +52,18 @@ def test_int8_weight_bytes_without_unpacking(pair, monkeypatch):
 
 def test_auto_quantizes_float_cpu_drafts_once(pair, int8_steps_faster):
     target, draft = pair
-    first = implicit_draft(draft, target, DraftQuantization.AUTO)
+    first = implicit_draft(draft, target, DraftForm.AUTO)
     assert isinstance(first.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
-    assert implicit_draft(draft, target, DraftQuantization.AUTO) is first  # cached per draft model
-    assert implicit_draft(draft, target, DraftQuantization.NONE).model is draft
+    assert implicit_draft(draft, target, DraftForm.AUTO) is first  # cached per draft model
+    assert implicit_draft(draft, target, DraftForm.AS_GIVEN).model is draft
     assert isinstance(prepare_draft(draft, target).model.model.layers[0].mlp.up_proj, INT8_LINEAR)
-    assert prepare_draft(draft, target, quantization=DraftQuantization.NONE).model is draft
+    assert prepare_draft(draft, target, form=DraftForm.AS_GIVEN).model is draft
 
 
-@pytest.mark.parametrize("quantization", ["auto", "int8", "none"])
+@pytest.mark.parametrize("quantization", ["auto", "dynamic_int8", "as_given"])
 def test_greedy_identity_whatever_the_draft_quantization(pair, quantization):
     target, draft = pair
-    config = SpeculativeConfig(draft_quantization=quantization)
+    config = SpeculativeConfig(draft_form=quantization)
     assert torch.equal(greedy(target, draft_model=draft, speculative_config=config), greedy(target))
 
 
@@ -85,7 +76,7 @@ def test_int8_refused_for_a_dispatched_draft(pair, tmp_path):
         tmp_path, device_map={"": "disk"}, offload_folder=str(tmp_path / "o")
     )
     with pytest.raises(ValueError, match="needs a float draft on the CPU"):
-        greedy(target, draft_model=offloaded, speculative_config=SpeculativeConfig(draft_quantization="int8"))
+        greedy(target, draft_model=offloaded, speculative_config=SpeculativeConfig(draft_form="dynamic_int8"))
     # AUTO leaves it as it is, and it still drafts exactly
     assert torch.equal(greedy(target, draft_model=offloaded), greedy(target))
 
@@ -150,7 +141,7 @@ def test_frequent_tokens_ranks_by_count_and_keeps_special_tokens():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(draft_quantization="fp8"), ValueError, "draft_quantization must be one of"),
+        (dict(draft_form="fp8"), ValueError, "draft_form must be one of"),
         (dict(draft_vocabulary=0), ValueError, "positive number"),
         (dict(draft_vocabulary="top"), TypeError, "draft_vocabulary must be"),
     ],
@@ -180,6 +171,6 @@ def test_a_gguf_loaded_draft_gets_the_int8_copy(pair, int8_steps_faster):
     with pytest.raises(ValueError, match="not supported for quantized model"):
         copy.deepcopy(gguf_draft).float()  # what a GGUF-loaded model does
     prepared = prepare_draft(gguf_draft, target)
-    assert prepared.quantization is DraftQuantization.INT8
+    assert prepared.form is DraftForm.DYNAMIC_INT8
     assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
     assert torch.equal(greedy(target, draft_model=gguf_draft, num_lookahead=3), greedy(target))

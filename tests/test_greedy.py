@@ -6,7 +6,7 @@ from tiny import PAD, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig
 
-AS_GIVEN = SpeculativeConfig(draft_quantization="none")  # run the draft exactly as passed (no int8 copy)
+AS_GIVEN = SpeculativeConfig(draft_form="as_given")  # run the draft exactly as passed (no int8 copy)
 
 VOCAB = 64
 PROMPTS = [torch.tensor([[1, 17, 42, 5, 9]]), torch.tensor([[1, 3]]), torch.tensor([[1, 60, 61, 62, 63, 7, 7, 7]])]

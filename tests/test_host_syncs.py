@@ -16,7 +16,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_specsample import SpeculativeConfig, decoding, sequences
 
-FIXED = SpeculativeConfig(num_lookahead=3, draft_quantization="none")
+FIXED = SpeculativeConfig(num_lookahead=3, draft_form="as_given")
 # Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design) and
 # the n-gram search, which runs on the host copy of the token buffer.
 HOST_ONLY = {("cached_model.py", "_forward"), ("cached_model.py", "_parts"), ("prompt_lookup.py", "ngram_continuation")}

@@ -282,33 +282,33 @@ def test_greedy_prompt_lookup_ragged_batch_with_eos(name, side):
         assert got.tolist() == plain.tolist()
 
 
-@pytest.mark.parametrize("form", ["int8", "int8_weights", "int4_weights"])
+@pytest.mark.parametrize("form", ["dynamic_int8", "int8_weights", "int4_weights"])
 @pytest.mark.parametrize("name", [_family(name) for name in REPRESENTATIVES])
 @torch.no_grad()
 def test_compact_hybrid_drafts(name, form):
     """A hybrid draft's compact forms (dynamic int8, the kernel's int8 / int4 weights; a linear whose weight tensor the
     forward reads stays float: Mamba-2's head casts its input to that weight's dtype)."""
-    from hf_specsample.options import DraftQuantization
-    from hf_specsample.prepare.prepared_draft import _compact_forms
+    from hf_specsample.options import DraftForm
+    from hf_specsample.prepare.surgery import compact_forms
 
     target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
     draft = perturbed_copy(target, seed=1, scale=CLOSE)
-    if DraftQuantization(form) not in _compact_forms(draft):
-        pytest.skip(f"draft_quantization={form!r} cannot be made on this machine")
+    if DraftForm(form) not in compact_forms(draft):
+        pytest.skip(f"draft_form={form!r} cannot be made on this machine")
     ids, mask = batch(PROMPTS, "left")
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
     stats = {}
-    for quantization in ("none", form):
+    for quantization in ("as_given", form):
         out = target.generate(
             ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False,
             draft_model=draft, num_lookahead=3, return_dict_in_generate=True,
-            speculative_config=SpeculativeConfig(draft_quantization=quantization),
+            speculative_config=SpeculativeConfig(draft_form=quantization),
         )  # fmt: skip
         assert out.sequences.tolist() == plain.tolist()
         stats[quantization] = out.speculative_stats
     assert stats[form].draft_form.startswith(form)
     rate = {quantization: s.accepted_tokens / s.draft_tokens for quantization, s in stats.items()}
-    assert rate[form] >= 0.6 * rate["none"]  # drafts about as well as the float draft (a head fed int8 input: 0.4x)
+    assert rate[form] >= 0.6 * rate["as_given"]  # drafts about as well as the float draft (a head fed int8 input: 0.4x)
 
 
 STATIC = dict(cache_implementation="static", max_cache_len=64)
@@ -380,7 +380,7 @@ def test_auto_drafts_of_a_hybrid_target():
     plain, speculative = both(target, "auto", ids, mask)
     assert speculative.tolist() == plain.tolist()
     with pytest.raises(ValueError, match="skips layers of the target.*convolution or recurrent states"):
-        prepare_draft("auto", target, quantization="none")
+        prepare_draft("auto", target, form="as_given")
 
 
 def test_a_hybrid_draft_with_another_tokenizer_is_refused():

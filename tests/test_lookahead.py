@@ -7,6 +7,7 @@ import torch
 from exact import sampled_pvalue
 from tiny import PAD, perturbed_copy, tiny_lm
 
+import hf_specsample.lookahead as lookahead_module
 from hf_specsample import SpeculativeConfig
 from hf_specsample.lookahead import (
     AdaptiveLookahead,
@@ -14,9 +15,10 @@ from hf_specsample.lookahead import (
     LookaheadPolicy,
     RoundLookahead,
     RoundRecord,
-    RoundWidths,
     StaticCosts,
+    make_policy,
 )
+from hf_specsample.proposers.base import DraftBudget
 
 
 def feed(policy: AdaptiveLookahead, rounds: int, alpha: float, draft_step: float, verify) -> list[int]:
@@ -145,8 +147,8 @@ def test_expected_rate_is_theorem_3_8():
 
 
 def test_static_costs_draft_less_for_large_batches():
-    single = SpeculativeConfig().make_policy(reproducible=True, cost_ratio=0.3, batch_size=1)
-    batch = SpeculativeConfig().make_policy(reproducible=True, cost_ratio=0.3, batch_size=32)
+    single = make_policy(SpeculativeConfig(), clock_free=True, cost_ratio=0.3, batch_size=1)
+    batch = make_policy(SpeculativeConfig(), clock_free=True, cost_ratio=0.3, batch_size=32)
     assert batch.choose() < single.choose()
 
 
@@ -271,14 +273,14 @@ def test_one_owner_caps_k_and_sets_the_lookup_width():
     rounds (max(K, N) with a model draft) and keeps the first round of a prompt ending in padding plain."""
     policy = GreedyForK(5)
     lookahead = RoundLookahead(policy, max_length=20, lookup_tokens=8)
-    assert lookahead.widths([10, 12]) == RoundWidths(model=5, lookup=7)  # room: 20 - 12 - 1 = 7
-    assert lookahead.widths([16]) == RoundWidths(model=3, lookup=3)
+    assert lookahead.budget([10, 12]) == DraftBudget(model=5, lookup=7)  # room: 20 - 12 - 1 = 7
+    assert lookahead.budget([16]) == DraftBudget(model=3, lookup=3)
     assert policy.calls == 2
-    assert RoundLookahead(GreedyForK(5), max_length=20).widths([4]) == RoundWidths(model=5, lookup=0)
+    assert RoundLookahead(GreedyForK(5), max_length=20).budget([4]) == DraftBudget(model=5, lookup=0)
 
     padded = RoundLookahead(GreedyForK(5), max_length=20, prompt_ends_in_padding=True, lookup_tokens=8)
-    assert padded.widths([4]) == RoundWidths(model=0, lookup=0) and padded.policy.calls == 0
-    assert padded.widths([5]) == RoundWidths(model=5, lookup=8) and padded.policy.calls == 1
+    assert padded.budget([4]) == DraftBudget(model=0, lookup=0) and padded.policy.calls == 0
+    assert padded.budget([5]) == DraftBudget(model=5, lookup=8) and padded.policy.calls == 1
 
     lookahead.observe(RoundRecord(4, 2, 3, 0.0, 0.1), model_steps=0)  # a lookup round of a model draft
     lookahead.observe(RoundRecord(2, 1, 2, 0.1, 0.1), model_steps=2)
@@ -288,31 +290,31 @@ def test_one_owner_caps_k_and_sets_the_lookup_width():
 
 def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
     alone = RoundLookahead.for_call(
-        SpeculativeConfig(), reproducible=True, batch_size=1, max_length=100, prompt_ends_in_padding=False,
+        SpeculativeConfig(), clock_free=True, batch_size=1, max_length=100, prompt_ends_in_padding=False,
         lookup_tokens=12, lookup_only=True,
     )  # fmt: skip
     assert alone.policy.max_lookahead == 12
-    widths = alone.widths([10])
+    widths = alone.budget([10])
     assert widths.model == widths.lookup and 0 < widths.lookup <= 12
     tested = alone.policy.alpha.count
     alone.observe(RoundRecord(widths.lookup, 1, 2, 0.0, 0.1), model_steps=0)  # lookup rounds are its rounds
     assert alone.policy.alpha.count > tested
     fixed = RoundLookahead.for_call(
-        SpeculativeConfig(num_lookahead=3), reproducible=False, batch_size=1, max_length=100,
+        SpeculativeConfig(num_lookahead=3), clock_free=False, batch_size=1, max_length=100,
         prompt_ends_in_padding=False, lookup_tokens=None, lookup_only=True,
     )  # fmt: skip
-    assert fixed.widths([10]) == RoundWidths(model=3, lookup=3) and not fixed.needs_timing
+    assert fixed.budget([10]) == DraftBudget(model=3, lookup=3) and not fixed.needs_timing
 
 
 def test_lookup_alone_starts_at_four_and_doubles_its_widest_k():
     """Drafting by lookup costs nothing per token: a good copy reaches N in three rounds, not eight (+1 per round)."""
     alone = RoundLookahead.for_call(
-        SpeculativeConfig(), reproducible=False, batch_size=1, max_length=1000, prompt_ends_in_padding=False,
+        SpeculativeConfig(), clock_free=False, batch_size=1, max_length=1000, prompt_ends_in_padding=False,
         lookup_tokens=10, lookup_only=True,
     )  # fmt: skip
     widths = []
     for round_ in range(6):
-        k = alone.widths([10]).lookup
+        k = alone.budget([10]).lookup
         widths.append(k)
         record = RoundRecord(k, k, k, 0.0, 0.15 + 0.001 * k, prefill=round_ == 0)  # all accepted, flat costs
         alone.observe(record, model_steps=0)
@@ -346,20 +348,20 @@ def test_a_measured_draft_step_is_the_starting_estimate_of_the_draft_cost():
     assert plain.costs.ready and not AdaptiveLookahead().costs.ready
 
 
-@pytest.mark.parametrize("quantization, expected", [("auto", 0.001), ("none", None)])
+@pytest.mark.parametrize("quantization, expected", [("auto", 0.001), ("as_given", None)])
 def test_the_drafts_timed_step_reaches_the_policy(pair, int8_steps_faster, monkeypatch, quantization, expected):
-    """Where `draft_quantization="auto"` timed the draft's forms, the running form's step time is the policy's
+    """Where `draft_form="auto"` timed the draft's forms, the running form's step time is the policy's
     starting draft cost (the fixture's timing: int8 1 ms, as given 2 ms); a draft run as given is not timed."""
     target, _ = pair
     draft = perturbed_copy(target, seed=2, scale=0.1)  # not in the implicit cache of drafts prepared before
     priors = []
-    make_policy = SpeculativeConfig.make_policy
+    real = lookahead_module.make_policy
 
-    def recording(self, *args, **kwargs):
+    def recording(*args, **kwargs):
         priors.append(kwargs.get("draft_step_seconds"))
-        return make_policy(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeConfig, "make_policy", recording)
-    config = SpeculativeConfig(draft_quantization=quantization)
+    monkeypatch.setattr(lookahead_module, "make_policy", recording)
+    config = SpeculativeConfig(draft_form=quantization)
     target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft, speculative_config=config)
     assert priors == [expected]

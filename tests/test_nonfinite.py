@@ -107,9 +107,9 @@ def test_nan_activations_in_the_int8_draft_say_what_to_do(target, draft, int8_st
     broken = perturbed_copy(draft, seed=2, scale=0.0)
     with torch.no_grad():
         broken.model.norm.weight[0] = math.nan  # NaN hidden states reach the quantized LM head
-    with pytest.raises(RuntimeError, match="draft's activations contain NaN or inf.*draft_quantization='none'"):
+    with pytest.raises(RuntimeError, match="draft's activations contain NaN or inf.*draft_form='as_given'"):
         generate(target, broken, do_sample=False)
-    as_given = SpeculativeConfig(draft_quantization="none")
+    as_given = SpeculativeConfig(draft_form="as_given")
     plain = generate(target, do_sample=False)
     assert generate(target, broken, do_sample=False, speculative_config=as_given).tolist() == plain.tolist()
 

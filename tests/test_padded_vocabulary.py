@@ -44,13 +44,13 @@ def exact(target):
 
 
 @pytest.mark.parametrize("kind", ["narrow", "wide"])
-@pytest.mark.parametrize("quantization", ["none", "auto"])
+@pytest.mark.parametrize("quantization", ["as_given", "auto"])
 @torch.no_grad()
 def test_other_width_samples_follow_target(target, drafts, kind, quantization):
     out = target.generate(
         PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=SAMPLES, pad_token_id=PAD,
         draft_model=drafts[kind], num_lookahead=2, generator=torch.Generator().manual_seed(3),
-        speculative_config=SpeculativeConfig(draft_quantization=quantization), **SETTINGS,
+        speculative_config=SpeculativeConfig(draft_form=quantization), **SETTINGS,
     )  # fmt: skip
     assert int(out.max()) < TARGET_WIDTH
     assert chisquare_pvalue(exact(target), continuations(out, PROMPT.shape[1])) > ALPHA
@@ -58,7 +58,7 @@ def test_other_width_samples_follow_target(target, drafts, kind, quantization):
 
 @torch.no_grad()
 def test_narrow_draft_with_a_frequent_token_subset(target, drafts):
-    config = SpeculativeConfig(draft_vocabulary=4, draft_quantization="none")
+    config = SpeculativeConfig(draft_vocabulary=4, draft_form="as_given")
     out = target.generate(
         PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=SAMPLES, pad_token_id=PAD,
         draft_model=drafts["narrow"], speculative_config=config, num_lookahead=2,

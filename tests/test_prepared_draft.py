@@ -8,16 +8,20 @@ import weakref
 
 import pytest
 import torch
-from tiny import PAD, perturbed_copy, tiny_lm
+from tiny import PAD, implicit_draft, perturbed_copy, tiny_lm
 
 import hf_specsample
-from hf_specsample import DraftQuantization, PreparedDraft, SpeculativeConfig, prepare_draft
+from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import small_rows
-from hf_specsample.prepare.prepared_draft import _IMPLICIT, SharedFloat32Embedding, draft_for_call, int8_dynamic_copy
+from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.model_facts import ModelFacts
+from hf_specsample.options import LinearKernel
+from hf_specsample.prepare.implicit import _IMPLICIT
+from hf_specsample.prepare.surgery import SharedFloat32Embedding, int8_dynamic_copy
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 # The forms AUTO times for a float CPU draft here: as given, int8, and int8_weights where the kernel builds.
-FORMS = ["none", "int8"] + (["int8_weights"] if small_rows.load().problem is None else [])
+FORMS = ["as_given", "dynamic_int8"] + (["int8_weights"] if small_rows.load().problem is None else [])
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
 
 
@@ -31,11 +35,6 @@ def pair():
     return target, perturbed_copy(target, seed=1, scale=0.1)
 
 
-def implicit_draft(draft, target, quantization=DraftQuantization.AUTO, vocabulary=None) -> PreparedDraft:
-    """What `generate(draft_model=draft)` runs with these options."""
-    return draft_for_call(draft, target, quantization, vocabulary, special_ids=[])
-
-
 def greedy(target, **kwargs):
     return target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, **kwargs)
 
@@ -44,7 +43,7 @@ def test_a_prepared_draft_runs_as_it_is(pair, int8_steps_faster):
     target, draft = pair
     prepared = hf_specsample.prepare_draft(draft, target)
     assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
-    assert prepared.quantization is DraftQuantization.INT8  # AUTO resolved: a float draft on the CPU
+    assert prepared.form is DraftForm.DYNAMIC_INT8  # AUTO resolved: a float draft on the CPU
     calls = []
     handle = prepared.model.register_forward_hook(lambda *args: calls.append(1))
     entries = len(_IMPLICIT)
@@ -56,7 +55,7 @@ def test_a_prepared_draft_runs_as_it_is(pair, int8_steps_faster):
 
 
 @pytest.mark.parametrize(
-    "config", [SpeculativeConfig(draft_quantization="none"), SpeculativeConfig(draft_vocabulary=32)], ids=str
+    "config", [SpeculativeConfig(draft_form="as_given"), SpeculativeConfig(draft_vocabulary=32)], ids=str
 )
 def test_options_of_a_prepared_draft_belong_to_prepare_draft(pair, config):
     target, draft = pair
@@ -66,7 +65,7 @@ def test_options_of_a_prepared_draft_belong_to_prepare_draft(pair, config):
 
 def test_prepared_vocabulary_and_int_vocabulary(pair):
     target, draft = pair
-    prepared = prepare_draft(draft, target, quantization="none", vocabulary=10)
+    prepared = prepare_draft(draft, target, form="as_given", vocabulary=10)
     assert prepared.vocabulary.tolist() == list(range(10))  # the tiny target's EOS/pad/BOS ids are below 10
     assert prepared.model(PROMPT).logits.shape[-1] == 10
     assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
@@ -81,10 +80,11 @@ def test_the_implicit_cache_keys_on_the_exact_vocabulary(pair):
     assert implicit_draft(draft, target, vocabulary=torch.tensor([10, 2, 5, 1])) is first  # same ids, same entry
 
 
-def test_the_implicit_cache_keys_on_the_quantization(pair):
+def test_the_implicit_cache_keys_on_the_form(pair):
     target, draft = pair
-    assert implicit_draft(draft, target, "int8") is not implicit_draft(draft, target, "int8", vocabulary=40)
-    assert implicit_draft(draft, target, "none", vocabulary=40).model.model is draft.model  # a view, no int8 copy
+    int8 = implicit_draft(draft, target, "dynamic_int8")
+    assert int8 is not implicit_draft(draft, target, "dynamic_int8", vocabulary=40)
+    assert implicit_draft(draft, target, "as_given", vocabulary=40).model.model is draft.model  # a view, no int8 copy
 
 
 def mutations():
@@ -168,7 +168,7 @@ def collected(make_and_use) -> list[str]:
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(vocabulary=40), dict(quantization="none", vocabulary=40)],
+    [dict(), dict(vocabulary=40), dict(form="as_given", vocabulary=40)],
     ids=["int8", "int8+vocabulary", "vocabulary-view"],
 )
 def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options, int8_steps_faster):
@@ -183,7 +183,7 @@ def test_the_draft_and_its_prepared_copy_are_freed_with_the_draft(pair, options,
             target,
             draft_model=draft,
             speculative_config=SpeculativeConfig(
-                draft_quantization=options.get("quantization", "auto"), draft_vocabulary=options.get("vocabulary")
+                draft_form=options.get("quantization", "auto"), draft_vocabulary=options.get("vocabulary")
             ),
         )
         return {"draft": weakref.ref(draft), "prepared model": weakref.ref(prepared.model)}
@@ -228,7 +228,7 @@ def test_an_auto_draft_drafts_only_for_its_own_target(pair):
 
 def test_auto_without_quantization_skips_middle_layers():
     target = tiny_lm(seed=0, vocab_size=64, layers=10, hidden=32, init_range=0.3)
-    prepared = prepare_draft("auto", target, quantization="none")
+    prepared = prepare_draft("auto", target, form="as_given")
     assert len(prepared.model.model.layers) == 8  # layers 4 and 5 skipped
     assert prepared.model.model.layers[4].mlp.up_proj.weight is target.model.layers[6].mlp.up_proj.weight
     assert torch.equal(greedy(target, draft_model=prepared), greedy(target))
@@ -239,10 +239,10 @@ def test_a_prepared_draft_serves_targets_of_another_width():
     target = make_target(vocab_size=64)
     draft = perturbed_copy(target, seed=1, scale=0.1)
     prepared = prepare_draft(draft, target)
-    assert prepared.ids_for(target) is None
+    assert prepared.ids_for(ModelFacts.of(target)) is None
     wide = make_target(vocab_size=64)
     wide.resize_token_embeddings(72, mean_resizing=False)
-    assert prepared.ids_for(wide).tolist() == list(range(64))
+    assert prepared.ids_for(ModelFacts.of(wide)).tolist() == list(range(64))
     assert torch.equal(greedy(wide, draft_model=prepared), greedy(wide))
     subset = prepare_draft(draft, wide, vocabulary=torch.tensor([0, 1, 2, 63]))
     narrow = make_target(vocab_size=48)
@@ -259,8 +259,8 @@ def test_auto_keeps_the_form_that_steps_faster(pair, as_given_steps_faster):
     target, _ = pair
     draft = perturbed_copy(target, seed=5, scale=0.1)
     prepared = prepare_draft(draft, target)
-    assert prepared.model is draft and prepared.quantization is DraftQuantization.NONE
-    timed = {DraftQuantization.NONE: 0.001, DraftQuantization.INT8: 0.002, DraftQuantization.INT8_WEIGHTS: 0.003}
+    assert prepared.model is draft and prepared.form is DraftForm.AS_GIVEN
+    timed = {DraftForm.AS_GIVEN: 0.001, DraftForm.DYNAMIC_INT8: 0.002, DraftForm.INT8_WEIGHTS: 0.003}
     timed = {form: seconds for form, seconds in timed.items() if form in FORMS}
     assert prepared.step_seconds == timed
     assert as_given_steps_faster == [len(FORMS)]
@@ -268,7 +268,7 @@ def test_auto_keeps_the_form_that_steps_faster(pair, as_given_steps_faster):
     out = greedy(target, draft_model=draft, return_dict_in_generate=True)  # the decision is remembered
     assert as_given_steps_faster == [len(FORMS)] * 2  # prepare_draft above, then the first generate() only
     shown = ", ".join(f"{form} {seconds * 1e3:.1f} ms" for form, seconds in timed.items())
-    assert out.speculative_stats.draft_form == f"none (timed per step: {shown})"
+    assert out.speculative_stats.draft_form == f"as_given (timed per step: {shown})"
     assert torch.equal(out.sequences, greedy(target))
 
 
@@ -276,16 +276,19 @@ def test_auto_keeps_the_int8_copy_where_it_steps_faster(pair, int8_steps_faster)
     target, _ = pair
     draft = perturbed_copy(target, seed=6, scale=0.1)
     out = greedy(target, draft_model=draft, return_dict_in_generate=True)
-    assert out.speculative_stats.draft_form.startswith("int8 (timed per step: none 2.0 ms, int8 1.0 ms")
+    timed = "dynamic_int8 (timed per step: as_given 2.0 ms, dynamic_int8 1.0 ms"
+    assert out.speculative_stats.draft_form.startswith(timed)
     assert isinstance(implicit_draft(draft, target).model.model.layers[0].mlp.up_proj, INT8_LINEAR)
     assert int8_steps_faster == [len(FORMS)]
     forced = greedy(target, draft_model=draft, return_dict_in_generate=True,
-                    speculative_config=SpeculativeConfig(draft_quantization="int8"))  # fmt: skip
-    assert forced.speculative_stats.draft_form == "int8" and int8_steps_faster == [len(FORMS)]  # asked for: not timed
+                    speculative_config=SpeculativeConfig(draft_form="dynamic_int8"))  # fmt: skip
+    assert forced.speculative_stats.draft_form == "dynamic_int8"
+    assert int8_steps_faster == [len(FORMS)]  # asked for: not timed
 
 
 def test_an_as_given_decision_does_not_keep_the_draft_alive(pair, as_given_steps_faster):
     target, _ = pair
+    gc.collect()  # entries of earlier tests' drafts that only the collector frees: not this test's
     entries = len(_IMPLICIT)
 
     def make_and_use():
@@ -320,7 +323,7 @@ def test_prompt_lookup_statistics_name_the_drafter(pair):
 def test_a_seeded_call_chooses_the_form_without_the_clock(pair, as_given_steps_faster):
     """A seeded sample must repeat in another process, where timings differ: AUTO then times nothing and takes the
     first form made in `CLOCK_FREE_ORDER`; an unseeded call with the same options still times (its own entry)."""
-    from hf_specsample.prepare.prepared_draft import CLOCK_FREE_ORDER
+    from hf_specsample.prepare.auto import CLOCK_FREE_ORDER
 
     target, _ = pair
     draft = perturbed_copy(target, seed=8, scale=0.1)
@@ -332,7 +335,7 @@ def test_a_seeded_call_chooses_the_form_without_the_clock(pair, as_given_steps_f
     assert out.speculative_stats.draft_form.startswith(f"{expected} (chosen without the clock, weights read per step")
     timed = greedy(target, draft_model=draft, return_dict_in_generate=True)
     assert as_given_steps_faster == [len(FORMS)]  # the timed choice is its own entry
-    assert timed.speculative_stats.draft_form.startswith("none (timed per step")
+    assert timed.speculative_stats.draft_form.startswith("as_given (timed per step")
     again = target.generate(PROMPT, do_sample=True, max_new_tokens=12, pad_token_id=PAD, draft_model=draft,
                             generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(again.sequences, out.sequences) and as_given_steps_faster == [len(FORMS)]
@@ -361,19 +364,26 @@ def test_a_seeded_calls_draft_does_not_depend_on_earlier_calls(pair):
 def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_given_steps_faster):
     """`prepare_draft(..., calibration=)` for a tensor-parallel target: no clock; the best expected speedup with
     each form's cost taken as its weight bytes per step over the target's."""
-    from hf_specsample.lookahead import expected_speedup, weight_bytes
-    from hf_specsample.prepare.prepared_draft import _build
+    from hf_specsample.prepare.prepared_draft import build_draft, resolve_draft
+    from hf_specsample.round_costs import expected_speedup, weight_bytes
 
     target, _ = pair
     draft = perturbed_copy(target, seed=10, scale=0.1)
     calibration = torch.arange(1, 41) % 60 + 1
-    prepared = _build(draft, target, DraftQuantization.AUTO, None, calibration, clock_free=True)
+    facts = ModelFacts.of(target)
+    plan = KernelPlan.for_model(facts, LinearKernel.AUTO, clock_free=True)
+
+    def build():
+        return build_draft(resolve_draft(draft), facts, ModelFacts.of(draft), DraftForm.AUTO, None, plan, calibration,
+                           clock_free=True)  # fmt: skip
+
+    prepared = build()
     assert as_given_steps_faster == []
     assert set(prepared.acceptance) == set(prepared.step_bytes) and len(prepared.step_bytes) >= len(FORMS)
     value = {
         form: expected_speedup(rate, prepared.step_bytes[form] / weight_bytes(target))
         for form, rate in prepared.acceptance.items()
     }
-    assert prepared.quantization is max(value, key=value.get)
-    again = _build(draft, target, DraftQuantization.AUTO, None, calibration, clock_free=True)
-    assert again.quantization is prepared.quantization and again.acceptance == prepared.acceptance
+    assert prepared.form is max(value, key=value.get)
+    again = build()
+    assert again.form is prepared.form and again.acceptance == prepared.acceptance

@@ -20,12 +20,15 @@ from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
 from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
+from hf_specsample.kernels import plan as kernel_plan
 from hf_specsample.kernels import small_rows
+from hf_specsample.kernels.plan import KernelPlan
 from hf_specsample.kernels.quantized_linear import Int4Linear
-from hf_specsample.kernels.small_rows import KernelPath, KernelPlan, SmallRowsLinear
+from hf_specsample.kernels.small_rows import KernelPath, SmallRowsLinear
+from hf_specsample.model_facts import ModelFacts, Role
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
-DRAFT_AS_GIVEN = dict(draft_quantization="none")
+DRAFT_AS_GIVEN = dict(draft_form="as_given")
 
 
 def bf16_pair(vocab_size=16, hidden=32):
@@ -375,7 +378,7 @@ def test_sampling_test_catches_a_wrong_kernel(built, monkeypatch):
 
 def test_auto_leaves_float32_models_alone():
     target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
-    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert not plan.is_on and "float32" in plan.reason
     assert plan.applied(3).__class__.__name__ == "nullcontext"
 
@@ -412,21 +415,21 @@ class _FailedLoad:
 def test_auto_times_the_kernel_once_per_model(built, monkeypatch):
     target, _ = bf16_pair(hidden=64)
     timed = []
-    real = small_rows._timed_plan
-    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: timed.append(weight.shape) or real(weight))
-    first = KernelPlan.for_model(target, LinearKernel.AUTO)
-    again = KernelPlan.for_model(target, LinearKernel.AUTO)
+    real = kernel_plan._timed_plan
+    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: timed.append(weight.shape) or real(weight))
+    first = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    again = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert len(timed) == 1 and first.reason == again.reason and "timed" in first.reason
     with torch.no_grad():
-        small_rows._largest_weight(target).mul_(1.0)  # the weights changed (version counter): timed again
-    KernelPlan.for_model(target, LinearKernel.AUTO)
+        ModelFacts.of(target).largest_linear.mul_(1.0)  # the weights changed (version counter): timed again
+    KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert len(timed) == 2
 
 
 def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
     target, _ = bf16_pair()
-    monkeypatch.setattr(small_rows, "_timed_plan", lambda weight: pytest.fail("a seeded call timed the kernel"))
-    plan = KernelPlan.for_model(copy.deepcopy(target), LinearKernel.AUTO, clock_free=True)
+    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: pytest.fail("a seeded call timed the kernel"))
+    plan = KernelPlan.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.AUTO, clock_free=True)
     assert "without the clock" in plan.reason
 
 
@@ -449,8 +452,8 @@ def test_auto_decides_each_width_on_its_own(built, monkeypatch):
     monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
     monkeypatch.setattr(small_rows, "F", SlowEager)
     target, _ = bf16_pair(hidden=64)
-    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
-    assert plan.widths == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
+    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    assert plan.rows == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
     assert isinstance(plan.applied(5), SmallRowsLinear) and not isinstance(plan.applied(9), SmallRowsLinear)
 
 
@@ -477,11 +480,11 @@ def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
     real = small_rows.small_rows_linear
     monkeypatch.setattr(small_rows, "small_rows_linear", lambda *args, **kwargs: real(*args, **kwargs) * 1.3)
     target, draft = bf16_pair()
-    plan = KernelPlan.for_model(target, LinearKernel.AUTO)
+    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert not plan.is_on and "disagrees with eager F.linear" in plan.reason
-    assert "disagrees" in KernelPlan.for_model(draft, LinearKernel.ON, role="draft").reason
+    assert "disagrees" in KernelPlan.for_model(ModelFacts.of(draft), LinearKernel.ON, role=Role.DRAFT).reason
     with pytest.raises(ValueError, match="disagrees with eager F.linear"):
-        KernelPlan.for_model(copy.deepcopy(target), LinearKernel.ON, role="target")
+        KernelPlan.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.ON, role=Role.TARGET)
     out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
     assert "disagrees" in out.speculative_stats.linear_kernel
     monkeypatch.setattr(small_rows, "small_rows_linear", real)
@@ -492,8 +495,8 @@ def test_on_runs_a_draft_whose_form_has_no_bf16_linears(built):
     """'on' means the kernel wherever the forms allow it: a draft's dynamic-int8 copy (no bf16 nn.Linear) or its
     int8-weights copy (its own kernel path) is no reason to refuse."""
     target, draft = bf16_pair()
-    for form in ("int8", "int8_weights"):
-        config = SpeculativeConfig(linear_kernel="on", draft_quantization=form)
+    for form in ("dynamic_int8", "int8_weights"):
+        config = SpeculativeConfig(linear_kernel="on", draft_form=form)
         out = greedy(
             target, draft_model=draft, num_lookahead=2, speculative_config=config, return_dict_in_generate=True
         )
@@ -509,7 +512,7 @@ def test_sampling_with_an_int8_weights_draft_on_the_kernel_is_exact(built, monke
     out = target.generate(
         PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, num_return_sequences=4000, pad_token_id=PAD,
         generator=torch.Generator().manual_seed(6), draft_model=draft, num_lookahead=2,
-        speculative_config=SpeculativeConfig(draft_quantization="int8_weights"), **SETTINGS,
+        speculative_config=SpeculativeConfig(draft_form="int8_weights"), **SETTINGS,
     )  # fmt: skip
     assert chisquare_pvalue(kernel_exact(target), continuations(out, PROMPT.shape[1])) > 1e-3
 
@@ -547,7 +550,7 @@ def test_an_int4_weights_draft_is_exact(monkeypatch):
     """The int4 form drafts worse, never differently: greedy equals plain, sampling follows the target."""
     target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=128).to(torch.bfloat16)
     draft = perturbed_copy(target, seed=1, scale=0.3)
-    config = SpeculativeConfig(draft_quantization="int4_weights")
+    config = SpeculativeConfig(draft_form="int4_weights")
     out = greedy(target, draft_model=draft, num_lookahead=3, speculative_config=config, return_dict_in_generate=True)
     assert out.speculative_stats.draft_form == "int4_weights" and "int4 weights" in out.speculative_stats.linear_kernel
     assert out.sequences.tolist() == greedy(target).tolist()
@@ -563,8 +566,8 @@ def test_an_int4_weights_draft_is_exact(monkeypatch):
 def test_int4_weights_is_refused_where_no_vector_path_reads_it(monkeypatch):
     target, draft = bf16_pair()
     monkeypatch.setattr(small_rows, "paths", lambda: [KernelPath.AVX2_FMA, KernelPath.SCALAR])
-    with pytest.raises(ValueError, match="draft_quantization='int4_weights' needs"):
-        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(draft_quantization="int4_weights"))
+    with pytest.raises(ValueError, match="draft_form='int4_weights' needs"):
+        greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(draft_form="int4_weights"))
 
 
 def test_acceptance_is_one_for_the_target_itself_and_less_for_another_model():
@@ -580,23 +583,23 @@ def test_acceptance_is_one_for_the_target_itself_and_less_for_another_model():
 def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, int4_rate, chosen):
     """int4 steps fastest here (by the fake clock): AUTO keeps it where it drafts about as well as the others, and
     an int8 form where its acceptance drops too far to pay for the faster step."""
-    from hf_specsample import DraftQuantization as Form
-    from hf_specsample.prepare import prepared_draft
+    from hf_specsample import DraftForm as Form
+    from hf_specsample.prepare import auto, prepared_draft
 
     forms = {Form.NONE: 0.030, Form.INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
-    monkeypatch.setattr(prepared_draft, "_compact_forms", lambda model: {
+    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model: {
         form: (lambda model: model) for form in forms if form is not Form.NONE
     })  # fmt: skip
-    monkeypatch.setattr(prepared_draft, "time_forms", lambda made, target=None: prepared_draft.FormTimings(
+    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan: auto.FormTimings(
         {form: forms[form] for form in made}, 0.15
     ))  # fmt: skip
     rates = {Form.NONE: 0.9, Form.INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
-    monkeypatch.setattr(prepared_draft, "acceptance", lambda target, drafts, *args: list(rates.values()))
+    monkeypatch.setattr(auto, "acceptance", lambda target, drafts, *args: list(rates.values()))
     target, draft = bf16_pair()
     prepared = prepare_draft(draft, target, calibration=torch.arange(32) % 16)
-    assert prepared.quantization == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate
-    assert "acceptance: none 0.90" in prepared.form
-    assert prepare_draft(draft, target).quantization == "int8_weights"  # no calibration: int4 is not considered
+    assert prepared.form == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate
+    assert "acceptance: as_given 0.90" in prepared.description
+    assert prepare_draft(draft, target).form == "int8_weights"  # no calibration: int4 is not considered
 
 
 @pytest.mark.parametrize("path", [pytest.param(path, id=str(path)) for path in small_rows.READS[torch.int8]])
@@ -623,7 +626,7 @@ def test_int8_weights_take_every_activation_and_bias_dtype(built, path, x_dtype,
 
 def sibling_copy_pair(make):
     """A tiny Llama (q/k/v with biases, gate/up) and its compact copy with and without fused siblings."""
-    import hf_specsample.prepare.prepared_draft as prepared_draft
+    import hf_specsample.prepare.surgery as surgery
 
     model = tiny_lm(seed=0, vocab_size=32, layers=2, hidden=64).to(torch.bfloat16)
     for layer in model.model.layers:  # q/k/v biases as Qwen2 has them (k and v here, q without: zeros fused in)
@@ -635,11 +638,11 @@ def sibling_copy_pair(make):
             torch.nn.init.normal_(new.bias, std=0.5)
             setattr(attention, name, new)
     fused = make(model)
-    groups, prepared_draft.SIBLING_GROUPS = prepared_draft.SIBLING_GROUPS, ()
+    groups, surgery.SIBLING_GROUPS = surgery.SIBLING_GROUPS, ()
     try:
         separate = make(model)
     finally:
-        prepared_draft.SIBLING_GROUPS = groups
+        surgery.SIBLING_GROUPS = groups
     return model, fused, separate
 
 
@@ -648,11 +651,11 @@ def sibling_copy_pair(make):
 def test_sibling_projections_compute_what_separate_ones_do(built, form):
     """q/k/v and gate/up of a compact draft run as one kernel call each and give the separate layers' outputs bit
     for bit (per-row scales round each row as alone), in and out of inference mode (an inference tensor has no
-    version counter: the step timing of `draft_quantization="auto"` runs there), one token or several."""
+    version counter: the step timing of `draft_form="auto"` runs there), one token or several."""
     from hf_specsample.kernels.quantized_linear import SiblingProjection
-    from hf_specsample.lookahead import weight_bytes
     from hf_specsample.prepare.draft_timing import decode_step_seconds
-    from hf_specsample.prepare.prepared_draft import int4_weights_copy, int8_weights_copy
+    from hf_specsample.prepare.surgery import int4_weights_copy, int8_weights_copy
+    from hf_specsample.round_costs import weight_bytes
 
     if form == "int4_weights" and small_rows.best_path(torch.uint8) is KernelPath.SCALAR:
         pytest.skip("int4 weights need a vector path that reads them")
@@ -677,7 +680,7 @@ def test_sibling_projections_compute_what_separate_ones_do(built, form):
 def test_a_sibling_given_another_input_projects_that_input(built):
     """A kept output is handed only to a sibling called with the very input it was computed from, unmodified, and
     only once; any other call computes its own projection."""
-    from hf_specsample.prepare.prepared_draft import int8_weights_copy
+    from hf_specsample.prepare.surgery import int8_weights_copy
 
     model, fused, separate = sibling_copy_pair(int8_weights_copy)
     q, k, v = (getattr(fused.model.layers[0].self_attn, name) for name in ("q_proj", "k_proj", "v_proj"))

@@ -8,18 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, cache_of, perturbed_copy, prepared_processors, tiny_lm, with_cache
+from tiny import PAD, cache_of, implicit_draft, perturbed_copy, prepared_processors, tiny_lm, with_cache
 
-from hf_specsample.cache.cached_model import CachedModel, WideForwards
-from hf_specsample.prepare import prepared_draft
+from hf_specsample.cache.cached_model import CachedModel
+from hf_specsample.cache.forwards import Forwards, WideForwards
+from hf_specsample.model_facts import ModelFacts
+from hf_specsample.options import DraftForm
+from hf_specsample.prepare import auto
+from hf_specsample.prepare.auto import PROMPT_LENGTHS
 from hf_specsample.prepare.draft_timing import forward_seconds
-from hf_specsample.prepare.prepared_draft import (
-    _IMPLICIT,
-    WIDE_WIDTHS,
-    DraftQuantization,
-    draft_for_call,
-    prepare_draft,
-)
+from hf_specsample.prepare.implicit import _IMPLICIT
+from hf_specsample.prepare.prepared_draft import prepare_draft
 from hf_specsample.sequences import Sequences
 
 PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2]])
@@ -51,7 +50,7 @@ def test_forwards_of_many_rows_run_on_the_wide_model_and_share_its_cache():
     narrow_calls, wide_calls = calls_of(narrow), calls_of(wide)
     sequences = Sequences(torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0)), None, capacity=12)
     sequences.tokens[:, 6:] = 7
-    cached = CachedModel(narrow, batch=2, wide=WideForwards(wide, from_rows=6))
+    cached = CachedModel(ModelFacts.of(narrow), batch=2, forwards=Forwards(wide=WideForwards(wide, from_rows=6)))
     sequences.rows.attach(cached)
     logits = cached.feed_upto(sequences, [6, 6], num_logits=1)  # 2 rows x 6 positions = 12 rows
     torch.testing.assert_close(logits[:, 0], wide(sequences.tokens[:, :6]).logits[:, -1])
@@ -81,7 +80,7 @@ def test_sampling_is_exact_when_the_prompt_runs_on_another_model(pair):
     target, _ = pair
     draft = perturbed_copy(target, seed=1, scale=0.1)
     unrelated = tiny_lm(seed=9, vocab_size=64, layers=2, hidden=64, init_range=0.3)
-    prepared = replace(prepare_draft(draft, target, quantization="none"), wide=WideForwards(unrelated, 3000 * 7))
+    prepared = replace(prepare_draft(draft, target, form="as_given"), wide=WideForwards(unrelated, 3000 * 7))
     wide_calls, draft_calls = calls_of(unrelated), calls_of(draft)
     exact, samples = sampled(target, prepared, seed=4)
     assert wide_calls == [7] and draft_calls and max(draft_calls) <= 2
@@ -92,7 +91,7 @@ def test_sampling_is_exact_when_the_prompt_runs_on_another_model(pair):
 def test_greedy_is_the_targets_when_the_prompt_runs_on_the_float_draft(pair):
     target, _ = pair
     draft = perturbed_copy(target, seed=1, scale=0.1)
-    prepared = prepare_draft(draft, target, quantization="int8_weights" if _kernel_built() else "int8")
+    prepared = prepare_draft(draft, target, form="int8_weights" if _kernel_built() else "dynamic_int8")
     prepared = replace(prepared, wide=WideForwards(draft, 4))
     wide_calls = calls_of(draft)
     kwargs = dict(do_sample=False, max_new_tokens=20, pad_token_id=PAD)
@@ -113,19 +112,19 @@ def test_auto_runs_prompts_on_the_float_draft_from_the_narrowest_width_timed_fas
 ):
     from conftest import _timed_forms
 
-    _timed_forms(monkeypatch, wide_faster_from=faster_from, int8=0.001, none=0.003, int8_weights=0.002)
+    _timed_forms(monkeypatch, wide_faster_from=faster_from, dynamic_int8=0.001, as_given=0.003, int8_weights=0.002)
     target, draft = pair
     prepared = prepare_draft(draft, target)
-    assert prepared.quantization is DraftQuantization.INT8
+    assert prepared.form is DraftForm.DYNAMIC_INT8
     timed = list(prepared.wide_seconds)
     if expected is None:
-        assert prepared.wide is None and timed == list(WIDE_WIDTHS)
-        assert "on the draft as given" not in prepared.form
+        assert prepared.wide is None and timed == list(PROMPT_LENGTHS)
+        assert "on the draft as given" not in prepared.description
     else:
         assert prepared.wide == WideForwards(draft, expected)
-        assert timed == [width for width in WIDE_WIDTHS if width <= expected]  # no timing past the first win
-        assert f"forwards of {expected}+ positions on the draft as given" in prepared.form
-    forms = {DraftQuantization.INT8, DraftQuantization.NONE}
+        assert timed == [width for width in PROMPT_LENGTHS if width <= expected]  # no timing past the first win
+        assert f"forwards of {expected}+ positions on the draft as given" in prepared.description
+    forms = {DraftForm.DYNAMIC_INT8, DraftForm.AS_GIVEN}
     assert all(set(by_form) == forms for by_form in prepared.wide_seconds.values())
 
 
@@ -135,11 +134,11 @@ def test_no_prompt_forwards_on_a_draft_of_another_dtype(monkeypatch):
     dtypes), so AUTO neither times nor uses the bf16 draft for its prompts, and generation runs."""
     from conftest import _timed_forms
 
-    _timed_forms(monkeypatch, wide_faster_from=32, int8=0.001, none=0.003, int8_weights=0.002)
+    _timed_forms(monkeypatch, wide_faster_from=32, dynamic_int8=0.001, as_given=0.003, int8_weights=0.002)
     target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3).to(torch.bfloat16)
     draft = perturbed_copy(target, seed=1, scale=0.1)
     prepared = prepare_draft(draft, target)
-    assert prepared.quantization is DraftQuantization.INT8 and prepared.model.dtype == torch.float32
+    assert prepared.form is DraftForm.DYNAMIC_INT8 and prepared.model.dtype == torch.float32
     assert prepared.wide is None and prepared.wide_seconds == {}
     kwargs = dict(do_sample=False, max_new_tokens=12, pad_token_id=PAD)
     out = target.generate(PROMPT, draft_model=prepared, num_lookahead=3, **kwargs)
@@ -151,13 +150,12 @@ def test_no_prompt_timing_where_the_draft_runs_as_given_or_without_the_clock(pai
 
     target, draft = pair
     timed = []
-    _timed_forms(monkeypatch, wide_faster_from=32, int8=0.003, none=0.001, int8_weights=0.002)
-    monkeypatch.setattr(prepared_draft, "time_wide_forwards", lambda models, width: timed.append(width) or [1.0, 0.5])
-    assert prepare_draft(draft, target).quantization is DraftQuantization.NONE  # the draft as given: nothing to time
-    clock_free = draft_for_call(perturbed_copy(draft, 2, 0.01), target, DraftQuantization.AUTO, None, [],
-                                clock_free=True)  # fmt: skip
-    assert clock_free.quantization is not DraftQuantization.NONE and clock_free.wide is None
-    forced = prepare_draft(draft, target, quantization="int8")  # a form asked for: it drafts, prompts included
+    _timed_forms(monkeypatch, wide_faster_from=32, dynamic_int8=0.003, as_given=0.001, int8_weights=0.002)
+    monkeypatch.setattr(auto, "time_wide_forwards", lambda models, width: timed.append(width) or [1.0, 0.5])
+    assert prepare_draft(draft, target).form is DraftForm.AS_GIVEN  # the draft as given: nothing to time
+    clock_free = implicit_draft(perturbed_copy(draft, 2, 0.01), target, clock_free=True)
+    assert clock_free.form is not DraftForm.AS_GIVEN and clock_free.wide is None
+    forced = prepare_draft(draft, target, form="dynamic_int8")  # a form asked for: it drafts, prompts included
     assert forced.wide is None
     assert timed == []
 
@@ -168,16 +166,16 @@ def test_the_implicit_entry_never_holds_the_model_it_runs_prompts_on(pair, monke
     each call, never stored, so the entry is freed with it."""
     from conftest import _timed_forms
 
-    _timed_forms(monkeypatch, wide_faster_from=32, int8=0.001, none=0.003, int8_weights=0.002)
+    _timed_forms(monkeypatch, wide_faster_from=32, dynamic_int8=0.001, as_given=0.003, int8_weights=0.002)
     entries = len(_IMPLICIT)
 
     def make_and_use():
         target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=64, init_range=0.3)
         draft = "auto" if self_draft else perturbed_copy(target, seed=3, scale=0.1)
         owner = target if self_draft else draft
-        prepared = draft_for_call(draft, target, DraftQuantization.AUTO, None, [])
+        prepared = implicit_draft(draft, target)
         assert prepared.wide is not None and prepared.wide.model is owner
-        again = draft_for_call(draft, target, DraftQuantization.AUTO, None, [])
+        again = implicit_draft(draft, target)
         assert again.model is prepared.model and again.wide.model is owner  # the entry, with the owner put back
         out = target.generate(PROMPT, draft_model=draft, do_sample=False, max_new_tokens=5, pad_token_id=PAD,
                               return_dict_in_generate=True)  # fmt: skip

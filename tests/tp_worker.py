@@ -30,7 +30,7 @@ sampled = target.generate(
     return_dict_in_generate=True,
 )
 # Each rank prepares a different draft form: every rank must refuse before any round (not abort in a collective).
-mismatched = hf_specsample.prepare_draft(draft, target, quantization="none" if rank == 0 else "int8")
+mismatched = hf_specsample.prepare_draft(draft, target, form="as_given" if rank == 0 else "dynamic_int8")
 try:
     target.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, draft_model=mismatched)
     refusal = None
@@ -45,7 +45,7 @@ except ValueError as error:
 result = {
     "rank": rank,
     "draft_form": sampled.speculative_stats.draft_form,
-    "prepared_form": prepared.form,
+    "prepared_form": prepared.description,
     "refusal": refusal,
     "auto_refusal": auto_refusal,
     "tp_size": target.tp_size,

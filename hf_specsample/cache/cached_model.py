@@ -13,7 +13,7 @@ count, a rollback moves the pointer back, a per-row move happens in place. Every
 mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
 a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt. Eager forwards
-run in the context of the model's `kernels.small_rows.KernelPlan`, if any (the small-rows linear kernel for rounds).
+run in the context of the model's `kernels.plan.KernelPlan`, if any (the small-rows linear kernel for rounds).
 A model may also have `WideForwards`: another model of the same layout (a compact draft's float original) that runs
 its eager forwards of many positions (the prompt), where that was timed faster; both write the same cache.
 
@@ -29,117 +29,68 @@ after it where a row keeps fewer than a forward fed (`cache.checkpoints`). Two f
 exact: a forward that would also feed many already committed positions (a prompt) feeds them in a forward of their
 own first, so that a rollback never re-feeds them; and a model whose recurrent layers cannot continue a forward of
 several tokens from a cached state (transformers' Mamba-1, `transformers_api.scan_restarts_from_zero`) is fed one
-position per forward once it holds a state (allowed for drafts only: `row_ops.model_cache_problem`).
+position per forward once it holds a state (allowed for drafts only: `ModelFacts.problem_as`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache
 
 from .. import transformers_api
 from ..devices import to_device
-from ..kernels.small_rows import KernelPlan
+from ..model_facts import ModelFacts, unsupported_layers
 from ..sequences import Columns, Sequences
 from . import linear_states, row_ops
 from .checkpoints import StateCheckpoints
-from .compiled import CompiledForward
-
-
-def input_device(model: PreTrainedModel) -> torch.device:
-    """The device a model's input ids must be on.
-
-    For an accelerate-dispatched model (`device_map=...`, CPU/disk offload) that is the execution device of the
-    hook on the embedding (or on a module holding it): offloaded weights sit on the `meta` device. Otherwise it
-    is the embedding weight's device.
-    """
-    embeddings = model.get_input_embeddings()
-    for module in (embeddings, getattr(model, "base_model", None), model):
-        hook = getattr(module, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    return embeddings.weight.device if embeddings.weight.device.type != "meta" else torch.device("cpu")
-
-
-class WideForwards(NamedTuple):
-    """Eager forwards of at least `from_rows` rows (batch * positions: a prompt) run on `model` instead.
-
-    `model` has the same architecture, config, dtype and logit layout as the model it stands in for (a compact
-    draft's float original: `prepare.prepared_draft.PreparedDraft.wide`), so the cache either writes serves the
-    other. Only for a draft: what a draft computes changes how often its proposals are accepted, never what is
-    sampled.
-    """
-
-    model: PreTrainedModel
-    from_rows: int
+from .compiled import contiguous_attention, fresh_input, positions_to_keep
+from .forwards import Forwards
 
 
 class CachedModel:
     """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
     Attributes:
-        cache: the `Cache` (a `DynamicCache` of `row_ops.SUPPORTED_LAYERS`, or a static cache whose attention is held
-            in full `StaticLayer`s).
+        cache: the `Cache` (a `DynamicCache` of `model_facts.SUPPORTED_LAYERS`, or a static cache whose attention is
+            held in full `StaticLayer`s).
         fed: per row, the number of leading buffer positions whose keys/values (and states) are in the cache.
         states: the owner of the cache's convolution and recurrent states' rollback (None: attention only).
         refeed_passes: forwards run to re-feed kept positions on recurrent states (also counted in forward_passes).
         slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
-        compiled: the compiled forward used for forwards of at most `compiled_widths` positions (None: eager).
-        kernel: the small-rows kernel plan eager forwards run under (None: plain eager).
-        wide: where eager forwards of many rows run on another model (`WideForwards`; None: all on `model`).
-        step: the compiled forward single-position forwards run on (None: eager).
+        forwards: how its forwards run (`Forwards`); `compiled`, `kernel`, `wide` and `step` are its fields.
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        facts: ModelFacts,
         batch: int,
         cache: Cache | None = None,
         cached_is_real: torch.Tensor | None = None,
-        embeddable: int | None = None,
-        compiled: CompiledForward | None = None,
-        compiled_widths: int = 0,
-        kernel: KernelPlan | None = None,
+        forwards: Forwards | None = None,
         source: Sequences | None = None,
-        single_step: bool = False,
-        wide: WideForwards | None = None,
-        step: CompiledForward | None = None,
     ):
         """
         Args:
-            model: a decoder-only model with an LM head.
+            facts: the model's facts (`model_facts.ModelFacts`): a decoder-only model with an LM head.
             batch: rows.
             cache: a cache to extend: empty, or holding the first ``C`` buffer positions of every row as plain
                 `generate()` left it (a previous chat turn). A `DynamicCache` if None.
             cached_is_real: `(batch, C)` bool, the attention mask over those ``C`` positions (None: all real).
-            embeddable: ids ``>= embeddable`` are fed as id 0 (a draft narrower than the target cannot embed the
-                target's padded ids; its proposals then condition on another token, which exactness allows: the
-                verifier only needs the distribution the draft really sampled from). None: every id is embeddable.
-            compiled: a compiled forward of `model` (`cache.compiled.compiled_forward`), for a static cache only.
-            compiled_widths: forwards of at most this many positions use `compiled`; wider ones (the prompt) run
-                eagerly, as plain `generate()` runs its prefill.
-            kernel: eager forwards over `rows * width` positions run in `kernel.applied(rows * width)`.
+            forwards: how its forwards run (`Forwards`; None: plain eager).
             source: the token buffer this model is fed from (its rows are this cache's rows): a rollback of
                 recurrent states re-feeds kept positions from it. Needed for models with recurrent states only.
-            single_step: feed one position per forward once the cache holds a state (a draft whose recurrent
-                layers cannot continue a multi-token forward from it: `transformers_api.scan_restarts_from_zero`).
-            wide: eager forwards of at least `wide.from_rows` rows run on `wide.model`, plain eager (no kernel plan:
-                it was timed so). For a draft only (see `WideForwards`).
-            step: forwards of one position per row on this cache run on `step`, a compiled forward of `model` or of
-                a view of the same weights (`PreparedDraft.step_model`), outside the kernel plan (its linears are
-                the kernel's operators or inductor's). For a draft only: compiled logits differ by rounding, which
-                changes how often its proposals are accepted, never what is sampled. Not for hybrid models.
+
+        A model whose recurrent layers cannot continue a multi-token forward from a cached state
+        (`ModelFacts.scan_restarts_from_zero`: a Mamba-1 draft) is fed one position per forward once it holds one.
         """
-        self.model = model
+        model, forwards = facts.model, forwards if forwards is not None else Forwards()
+        self.model, self.facts, self.forwards = model, facts, forwards
         self.cache = cache if cache is not None else DynamicCache(config=model.config)
-        unsupported = row_ops.unsupported_layers(self.cache)
+        unsupported = unsupported_layers(self.cache)
         if unsupported:
             raise ValueError(
                 f"`draft_model=` needs a DynamicCache of attention, convolution and recurrent state layers; this cache "
@@ -147,18 +98,16 @@ class CachedModel:
                 f"Pass no `{transformers_api.CACHE}` / `cache_implementation`, or generate without `draft_model=`."
             )
         self.capacity = row_ops.capacity(self.cache)  # None: a dynamic cache
+        compiled, step = forwards.compiled, forwards.step
         assert compiled is None or self.capacity is not None, "compiled forwards need a static cache"
-        self.compiled, self.compiled_widths = compiled, compiled_widths
-        self.kernel = kernel
-        self.wide = wide
-        self.step = step
+        self.compiled, self.kernel, self.wide, self.step = compiled, forwards.kernel, forwards.wide, step
         self._step_model = step.model_ref() if step is not None else None  # held: `step` refers to it weakly
         self._was_recording = [getattr(layer, "record_past", None) for layer in self.cache.layers]
         self.cache.activate_past_recording()  # lets sliding-window layers (and convolution windows) be rolled back
         hybrid = any(True for _ in linear_states.linear_layers(self.cache))
         assert (compiled is None and step is None) or not hybrid, "hybrid models run eagerly (their states roll back)"
         self.states = StateCheckpoints(self.cache) if hybrid else None
-        self.source, self.single_step = source, single_step
+        self.source, self.single_step = source, facts.scan_restarts_from_zero
         self.refeed_passes = 0
         self._last_num_logits = 1  # of the last `feed`: K + 1 for a verification
         cached = row_ops.total_slots(self.cache)
@@ -167,12 +116,7 @@ class CachedModel:
         self.slot_is_real = cached_is_real.bool().cpu()  # (batch, slots)
         self.fed = [cached] * batch
         self.forward_passes = 0
-        self.embeddable = embeddable
-        self._device = input_device(model)  # walks accelerate's hooks: once per call, not per forward
-        signature = inspect.signature(model.forward).parameters
-        self._cache_name = transformers_api.forward_cache_name(model) or transformers_api.CACHE
-        self._takes_position_ids = "position_ids" in signature
-        self._takes_logits_to_keep = "logits_to_keep" in signature
+        self._cache_name = facts.cache_name or transformers_api.CACHE
 
     @property
     def slots(self) -> int:
@@ -180,8 +124,8 @@ class CachedModel:
 
     @property
     def input_device(self) -> torch.device:
-        """Where input ids go: see `input_device`."""
-        return self._device
+        """Where input ids go (`ModelFacts.input_device`)."""
+        return self.facts.input_device
 
     def feed_upto(self, sequences: Sequences, upto: Sequence[int], num_logits: int) -> torch.Tensor:
         """`feed` the buffer positions ``fed[b] .. upto[b] - 1`` of every active row of `sequences` (one width)."""
@@ -265,7 +209,9 @@ class CachedModel:
         compiled = (
             self.compiled is not None
             and cache is self.cache
-            and (width <= self.compiled_widths or self.compiled.symbolic_widths)  # one graph also serves the prompt
+            and (
+                width <= self.forwards.largest_round or self.compiled.symbolic_widths
+            )  # one graph also serves the prompt
             and self.compiled.serves(rows, width)
             and self.compiled.ready_for(rows)
             and all(layer.is_initialized for layer in cache.layers)  # a first forward allocates the cache eagerly
@@ -290,21 +236,21 @@ class CachedModel:
                 f"a static cache of {self.capacity} slots cannot hold {slots}"
             )
             kwargs["attention_mask"] = to_device(slot_is_real.long(), device)
-        if self._takes_position_ids:
+        if self.facts.takes_position_ids:
             kwargs["position_ids"] = to_device(position_ids, device)
-        if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = _positions_to_keep(width + padded, num_logits + padded, device, compiled)
-        if self.embeddable is not None:
-            input_ids = input_ids.masked_fill(input_ids >= self.embeddable, 0)
+        if self.facts.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = positions_to_keep(width + padded, num_logits + padded, device, compiled)
+        if self.forwards.embeddable is not None:
+            input_ids = input_ids.masked_fill(input_ids >= self.forwards.embeddable, 0)
         stepped = (
             not compiled and self.step is not None and width == 1 and cache is self.cache and self.step.ready_for(rows)
         )
         if compiled or stepped:  # dynamo guards on strides: row-major inputs, as the warm-up's
-            input_ids, kwargs = _fresh(input_ids), {key: _fresh(value) for key, value in kwargs.items()}
+            input_ids, kwargs = fresh_input(input_ids), {key: fresh_input(value) for key, value in kwargs.items()}
         if compiled:
             logits = self.compiled(input_ids=input_ids, **kwargs).logits
         elif stepped:
-            _contiguous_attention(cache)
+            contiguous_attention(cache)
             logits = self.step(input_ids=input_ids, **kwargs).logits
         elif self.wide is not None and rows * width >= self.wide.from_rows:
             logits = self.wide.model(input_ids=input_ids, **kwargs).logits
@@ -357,12 +303,16 @@ class CachedModel:
             scratch = DynamicCache() if grown else DynamicCache(config=self.model.config)
             scratch.activate_past_recording()  # as this cache records (sliding windows): one code path, one graph
             kwargs = {self._cache_name: scratch, "use_cache": True}
-            first = {"position_ids": torch.arange(2, device=device).repeat(rows, 1)} if self._takes_position_ids else {}
+            first = (
+                {"position_ids": torch.arange(2, device=device).repeat(rows, 1)}
+                if self.facts.takes_position_ids
+                else {}
+            )
             self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
-            then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self._takes_position_ids else {}
-            if self._takes_logits_to_keep:
+            then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self.facts.takes_position_ids else {}
+            if self.facts.takes_logits_to_keep:
                 then["logits_to_keep"] = 1
-            _contiguous_attention(scratch)  # as `_forward` hands every step its keys: one layout, one graph
+            contiguous_attention(scratch)  # as `_forward` hands every step its keys: one layout, one graph
             if masked:
                 then["attention_mask"] = torch.ones((rows, 3), dtype=torch.long, device=device)
             self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
@@ -376,12 +326,12 @@ class CachedModel:
         mask[:, :pointer] = self.slot_is_real
         mask[:, pointer : pointer + 2] = 1
         kwargs = {self._cache_name: self.cache, "use_cache": True, "attention_mask": mask.to(device)}
-        if self._takes_position_ids:
+        if self.facts.takes_position_ids:
             # contiguous, as the rounds' position ids are: dynamo guards on strides (an expanded tensor would
             # compile, and freeze the weights, a second time)
             kwargs["position_ids"] = torch.arange(pointer, pointer + 2, device=device).repeat(rows, 1)
-        if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = _positions_to_keep(2, 2, device, compiled=forward is self.compiled)
+        if self.facts.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = positions_to_keep(2, 2, device, compiled=forward is self.compiled)
         forward(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
         row_ops.crop(self.cache, 2)
 
@@ -521,49 +471,3 @@ class CachedModel:
         source = (slots - new_starts_t + torch.tensor(old_starts)[:, None]).clamp(0, max(self.slots - 1, 0))
         self.slot_is_real = (slots >= new_starts_t) & self.slot_is_real.gather(1, source)
         self.fed = list(keep)
-
-
-def _positions_to_keep(width: int, num_logits: int, device: torch.device, compiled: bool) -> int | torch.Tensor:
-    """`logits_to_keep` for a forward over `width` positions that returns the last `num_logits` logits.
-
-    Compiled code gets the positions as a tensor of at least two: an int argument is specialised by dynamo (a guard
-    on its value, which also pins the query length it equals), and so is a length of 1, so each new value would
-    compile, and freeze the weights, again; a longer tensor's length stays symbolic, and one graph serves the prompt
-    and every round. The caller keeps the last `num_logits` of the logits returned.
-    """
-    if not compiled:
-        return num_logits
-    return torch.arange(width - max(num_logits, 2), width, device=device)  # a length of 1 would be specialised too
-
-
-def _contiguous_attention(cache: Cache) -> None:
-    """Every attention layer's keys and values as contiguous tensors (what a forward's concatenation leaves): a
-    rollback leaves views of longer tensors and a per-row move other layouts, and dynamo guards on strides, so a
-    compiled step would compile again for each. A copy of the cache at most once per round (after a rollback)."""
-    for layer in row_ops.attention_layers(cache):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-                setattr(layer, name, tensor.contiguous())
-
-
-def _fresh(value):
-    """A tensor as a fresh, row-major tensor of its own (anything else as it is).
-
-    Dynamo guards on strides and on a view's base, so an input that is a view, or has the strides of one (a
-    `(1, w)` slice of a wider row keeps the row's stride: `.contiguous()` keeps it, since a size-1 dimension is
-    contiguous whatever its stride), fed where a fresh tensor was fed before, compiles and freezes the weights
-    again. Only such tensors are copied (a few hundred integers).
-    """
-    if isinstance(value, torch.Tensor) and (value._base is not None or value.stride() != _row_major(value.shape)):
-        return value.clone(memory_format=torch.contiguous_format)
-    return value
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a fresh row-major tensor of `shape`."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 from torch.fx.experimental import _config as fx_config
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
-from .. import distributed
 from ..kernels.small_rows import MAX_ROWS, SmallRowsLinear
 from . import row_ops
 
@@ -74,8 +73,8 @@ class CompileSettings:
         """What `SpeculativeConfig(compile=True)` uses: fast small-M GEMM on CPU, CUDA graphs on CUDA.
 
         Args:
-            kernel: on CPU, the linears of round widths (at most `MAX_ROWS` rows) are the small-rows kernel's
-                (`linear_kernel="on"`, or "auto" where the plan serves the rounds: `decoding._kernel_in_graph`),
+            kernel: on CPU, the linears of round sizes (at most `MAX_ROWS` kernel rows) are the small-rows kernel's
+                (`linear_kernel="on"`, or "auto" where the plan serves the rounds: `plan._kernel_in_graph`),
                 and inductor fuses the rest of the forward (norms, rotary, attention's reshapes, residuals: the
                 eager glue around the kernel's linears), rounding its intermediates to bf16 where eager code does
                 (`emulate_precision_casts`: fused, they would stay float32, and greedy output could part from plain
@@ -268,6 +267,52 @@ def _captured_graphs() -> int:
         return 0
 
 
+def positions_to_keep(width: int, num_logits: int, device: torch.device, compiled: bool) -> int | torch.Tensor:
+    """`logits_to_keep` for a forward over `width` positions that returns the last `num_logits` logits.
+
+    Compiled code gets the positions as a tensor of at least two: an int argument is specialised by dynamo (a guard
+    on its value, which also pins the query length it equals), and so is a length of 1, so each new value would
+    compile, and freeze the weights, again; a longer tensor's length stays symbolic, and one graph serves the prompt
+    and every round. The caller keeps the last `num_logits` of the logits returned.
+    """
+    if not compiled:
+        return num_logits
+    return torch.arange(width - max(num_logits, 2), width, device=device)  # a length of 1 would be specialised too
+
+
+def contiguous_attention(cache: Cache) -> None:
+    """Every attention layer's keys and values as contiguous tensors (what a forward's concatenation leaves): a
+    rollback leaves views of longer tensors and a per-row move other layouts, and dynamo guards on strides, so a
+    compiled step would compile again for each. A copy of the cache at most once per round (after a rollback)."""
+    for layer in row_ops.attention_layers(cache):
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                setattr(layer, name, tensor.contiguous())
+
+
+def fresh_input(value):
+    """A tensor as a fresh, row-major tensor of its own (anything else as it is).
+
+    Dynamo guards on strides and on a view's base, so an input that is a view, or has the strides of one (a
+    `(1, w)` slice of a wider row keeps the row's stride: `.contiguous()` keeps it, since a size-1 dimension is
+    contiguous whatever its stride), fed where a fresh tensor was fed before, compiles and freezes the weights
+    again. Only such tensors are copied (a few hundred integers).
+    """
+    if isinstance(value, torch.Tensor) and (value._base is not None or value.stride() != _row_major(value.shape)):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a fresh row-major tensor of `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 # model -> {settings: CompiledForward}. Weak: freed with the model. Each entry references the model weakly too.
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[CompileSettings, CompiledForward]]" = (
     weakref.WeakKeyDictionary()
@@ -285,26 +330,3 @@ def compiled_forward(model: PreTrainedModel, settings: CompileSettings) -> Compi
 def release_compiled(model: PreTrainedModel) -> None:
     """Drop the compiled forwards kept for `model` (and the frozen weight copies they hold)."""
     _COMPILED.pop(model, None)
-
-
-def compile_problem(model: PreTrainedModel) -> str | None:
-    """Why `model`'s forward cannot be compiled here, or None.
-
-    As plain `generate()` decides (`_valid_auto_compile_criteria`): a quantizer that is not compileable, CPU or disk
-    offload (accelerate hooks move weights during the forward). Tensor-parallel models are left eager too, and so
-    are hybrid and state-space models (their convolution histories grow between rollbacks, and their recurrent
-    states are swapped for snapshots: `cache.checkpoints`).
-    """
-    if row_ops.keeps_state(model):
-        return "it keeps convolution / recurrent states, which hf_specsample rolls back in eager forwards only"
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
-        return f"its quantization ({type(quantizer).__name__}) cannot be compiled"
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map:
-        devices = set(device_map.values())
-        if "disk" in devices or ("cpu" in devices and len(devices) > 1):
-            return "it is offloaded by accelerate (device_map with CPU or disk parts)"
-    if distributed.is_tensor_parallel(model):
-        return "it is tensor-parallel"
-    return None

@@ -28,9 +28,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import Cache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-LinearLayer = LinearAttentionCacheLayerMixin
+from ..model_facts import LinearLayer, linear_layers  # noqa: F401  (`linear_layers` also read as ours)
 
 
 class StateField(str, enum.Enum):
@@ -41,13 +40,6 @@ class StateField(str, enum.Enum):
 
 
 StateKey = tuple[int, StateField, int]  # (layer index in the cache, field, state index)
-
-
-def linear_layers(cache: Cache) -> Iterator[tuple[int, LinearLayer]]:
-    """(index, layer) of every layer of `cache` with a linear-attention part."""
-    for index, layer in enumerate(getattr(cache, "layers", ())):
-        if isinstance(layer, LinearLayer):
-            yield index, layer
 
 
 def is_recurrent(layer: LinearLayer) -> bool:

@@ -30,12 +30,10 @@ import copy
 from collections.abc import Sequence
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache
 from transformers.cache_utils import (
     DummyLayer,
-    DynamicLayer,
     DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionAndStaticFullAttentionLayer,
     LinearAttentionAndStaticSlidingWindowAttentionLayer,
@@ -44,23 +42,9 @@ from transformers.cache_utils import (
     StaticLayer,
 )
 
-from .. import transformers_api
 from ..devices import to_device
+from ..model_facts import ATTENTION_PART, linear_layers
 from . import linear_states
-
-# Every layer type this module and `cache.linear_states` move row by row -> the class of its attention part (None:
-# no keys and values).
-ATTENTION_PART: dict[type, type | None] = {
-    DynamicLayer: DynamicLayer,
-    DynamicSlidingWindowLayer: DynamicSlidingWindowLayer,
-    StaticLayer: StaticLayer,
-    LinearAttentionLayer: None,
-    LinearAttentionAndFullAttentionLayer: DynamicLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer: DynamicSlidingWindowLayer,
-    LinearAttentionAndStaticFullAttentionLayer: StaticLayer,
-    DummyLayer: None,  # a layer without attention (MLP / MoE only); KV-sharing models are refused by their config
-}
-SUPPORTED_LAYERS = tuple(ATTENTION_PART)
 
 
 def attention_part(layer) -> type | None:
@@ -89,70 +73,9 @@ def _slotless(layer) -> bool:
     return type(layer) in (LinearAttentionLayer, DummyLayer)
 
 
-def unsupported_layers(cache: Cache) -> list[str]:
-    """Names of the cache's layer types that cannot be moved row by row (empty if all are supported)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return [type(cache).__name__]
-    return sorted({type(layer).__name__ for layer in layers if type(layer) not in SUPPORTED_LAYERS})
-
-
-def model_cache_problem(model: PreTrainedModel, verifies: bool = True) -> str | None:
-    """Why this model's cache cannot be rolled back per row, or None if it can.
-
-    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config holds attention
-    layers (full or sliding window) and transformers' convolution / recurrent state layers (`cache.linear_states`),
-    in any mix: hybrids (Jamba, Qwen3.5, LFM2, ...) and state-space models (Mamba-2, ...). A target also verifies
-    several drafts in one forward from its cached state: transformers' Mamba-1 layers cannot (their selective scan
-    starts every multi-token forward from a zero state, `transformers_api.scan_restarts_from_zero`), so such a model
-    is refused as a target, not as a draft (which is fed one token per forward).
-
-    Args:
-        verifies: the model is the target (it scores several positions per forward from a cached state).
-    """
-    name = transformers_api.forward_cache_name(model)
-    if name is None:
-        return f"{type(model).__name__}'s forward takes no cache"
-    supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
-    if supports_dynamic is not None and not supports_dynamic():
-        return f"{type(model).__name__} keeps a cache of its own, not a DynamicCache (transformers says so itself)"
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception as error:  # noqa: BLE001 (any config this cannot build a cache for is refused)
-        return f"no DynamicCache can be built for {type(model).__name__} ({error})"
-    if "reuse" in (getattr(model.config.get_text_config(decoder=True), "kv_sharing_modes", None) or ()):
-        return (
-            f"{type(model).__name__}'s layers reuse keys and values shared with other layers (KV sharing), which "
-            "hf_specsample cannot roll back row by row"
-        )
-    unsupported = unsupported_layers(cache)
-    if unsupported:
-        return (
-            f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (for instance a sparse-"
-            "attention indexer), which hf_specsample cannot roll back row by row"
-        )
-    if verifies and transformers_api.scan_restarts_from_zero(model):
-        return (
-            f"{type(model).__name__}'s Mamba-1 layers cannot continue a forward of several tokens from a cached "
-            "state (transformers' selective scan starts each such forward from a zero state), so the target cannot "
-            "verify drafts in one forward. It can still serve as the draft of another target"
-        )
-    return None
-
-
 def keeps_state_layers(cache: Cache, initialized: bool = False) -> bool:
     """Whether `cache` has linear-attention layers (convolution / recurrent states), initialised ones if asked."""
-    return any(
-        not initialized or linear_states.is_initialized(layer) for _, layer in linear_states.linear_layers(cache)
-    )
-
-
-def keeps_state(model: PreTrainedModel) -> bool:
-    """Whether the model's cache holds convolution or recurrent states (a hybrid or state-space model)."""
-    try:
-        return keeps_state_layers(DynamicCache(config=model.config))
-    except Exception:  # noqa: BLE001 (no cache can be built: `model_cache_problem` says why)
-        return False
+    return any(not initialized or linear_states.is_initialized(layer) for _, layer in linear_layers(cache))
 
 
 def total_slots(cache: Cache) -> int:

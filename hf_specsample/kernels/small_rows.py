@@ -13,10 +13,7 @@ row. No compilation of the model, no copy of the weights: the kernel reads the m
   for its own instruction set in one binary; the best one the CPU supports runs (a test can run each).
 - `SmallRowsLinear`: a `TorchFunctionMode` that sends every eligible `F.linear` call (CPU, bf16 input and weight,
   at most `max_rows` rows, no autograd) to the kernel while it is active; anything else runs as it would.
-- `KernelPlan.for_model(model, choice)`: which forward widths of `model` the kernel serves, after checking it
-  against eager `F.linear` on the model's own largest weight (a disagreement turns it off, with a message): under
-  `LinearKernel.AUTO`, each round width 1..16 (and a prompt's) where a timing on that weight finds it faster,
-  kept per model (weakly) for later calls.
+- `kernels.plan.KernelPlan` decides, per model, which forwards run in `SmallRowsLinear`.
 
 Exactness: outputs differ from eager ones by rounding only (fp32 accumulation in another order, rounded to bf16),
 as compiled or batched logits do. The kernel is batch-invariant: a row's output never depends on the other rows.
@@ -24,21 +21,17 @@ as compiled or batched logits do. The kernel is batch-invariant: a row's output 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
-import statistics
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from ..options import LinearKernel
 
 MAX_ROWS = 16  # rows (batch * positions) of the forwards a round runs, at most; the kernel's design point
 # The widest forward (a prompt) the kernel may take, where it also beats eager GEMM at PROMPT_PROBE_ROWS rows: beyond
@@ -287,7 +280,7 @@ class SmallRowsLinear(TorchFunctionMode):
         RuntimeError: the operator cannot be built here (the message says why).
     """
 
-    def __init__(self, max_rows: int | None = MAX_ROWS, plan: "KernelPlan | None" = None):
+    def __init__(self, max_rows: int | None = MAX_ROWS, plan: Any = None):
         super().__init__()
         problem = load().problem
         if problem is not None:
@@ -305,223 +298,3 @@ class SmallRowsLinear(TorchFunctionMode):
             if planned and eligible(x, weight, bias, self.max_rows):
                 return small_rows_linear(x, weight, bias)
         return func(*args, **kwargs)
-
-
-def _largest_weight(model: torch.nn.Module) -> torch.Tensor | None:
-    weights = [
-        module.weight
-        for module in model.modules()
-        if isinstance(module, torch.nn.Linear) and type(module.weight) is torch.nn.Parameter
-    ]
-    return max(weights, key=lambda weight: weight.numel(), default=None)
-
-
-@dataclass(frozen=True)
-class KernelPlan:
-    """Which forwards of a model the kernel serves, by their rows (batch * positions).
-
-    Attributes:
-        widths: the forward widths (rows) of at most `MAX_ROWS` that run with `SmallRowsLinear`, each decided on its
-            own (AUTO times every width on the model's own weights: a wide round may lose where a narrow one wins).
-        reason: what decided it, for `SpeculativeStats.linear_kernel` (the path, the timings, or why the kernel is
-            off; the build time where this call built the operator).
-        prompt_rows: forwards wider than `MAX_ROWS` (prompts) run on the kernel up to this many rows, where it also
-            won at `PROMPT_PROBE_ROWS` rows; 0: they run eagerly.
-    """
-
-    widths: frozenset[int]
-    reason: str
-    prompt_rows: int = 0
-
-    def serves(self, rows: int) -> bool:
-        """Whether a forward (or a linear) over `rows` rows (batch * positions) runs on the kernel."""
-        return rows in self.widths or MAX_ROWS < rows <= self.prompt_rows
-
-    def applied(self, rows: int):
-        """The context a forward over `rows` rows (batch * positions) runs in."""
-        return SmallRowsLinear(max(rows, MAX_ROWS)) if self.serves(rows) else contextlib.nullcontext()
-
-    def everywhere(self):
-        """A context in which every linear runs as this plan says by its own row count: plain `generate()` with
-        the kernel where it pays (its prompt and its steps), to tell the kernel's share from speculation's."""
-        return SmallRowsLinear(plan=self) if self.is_on else contextlib.nullcontext()
-
-    @property
-    def is_on(self) -> bool:
-        return bool(self.widths) or self.prompt_rows > 0
-
-    @classmethod
-    def off(cls, reason: str) -> "KernelPlan":
-        return cls(frozenset(), reason)
-
-    @classmethod
-    def every_round(cls, reason: str) -> "KernelPlan":
-        return cls(ALL_WIDTHS, reason)
-
-    @classmethod
-    def for_model(
-        cls, model: torch.nn.Module, choice: LinearKernel, clock_free: bool = False, role: str = "model"
-    ) -> "KernelPlan":
-        """The plan for `model` under `choice` (AUTO's timing and the check are done once per model and weight set).
-
-        Before the kernel serves a model, its output is checked against eager `F.linear` on the model's own largest
-        weight (`_check_against_eager`): a path that disagrees beyond bf16 rounding (a CPU no session tested, a
-        compiler's miscompilation) turns the kernel off for the model, with a message, so it can never become a
-        wrong sample.
-
-        Args:
-            clock_free: the output must not depend on the clock (a seeded call): AUTO then decides without timing,
-                using the kernel for every round width wherever a vector path runs, since a timing that flips
-                between processes would change the logits' rounding and so a seeded sample.
-            role: what the model is to the call ("target", "draft"), for messages. `LinearKernel.ON` is refused
-                only for the target: a draft whose form has no bf16 `nn.Linear` (an int8 copy) runs without it.
-
-        Raises:
-            ValueError: `LinearKernel.ON` where the kernel cannot serve the target (not a CPU bf16 model, the
-                operator cannot be built here, or it disagrees with eager `F.linear`).
-        """
-        if choice is LinearKernel.OFF:
-            return cls.off("off (linear_kernel='off')")
-        weight = _largest_weight(model)
-        problem = _model_problem(weight, role)
-        built_now = load.cache_info().currsize == 0
-        build = load() if problem is None else Build(None, 0.0)
-        problem = problem or build.problem
-        built = f"; operator built or loaded in {build.seconds:.1f} s" if built_now and problem is None else ""
-        if problem is None:
-            key = (weight.data_ptr(), weight._version if not weight.is_inference() else -1, torch.get_num_threads())
-            checks = _CHECKS.setdefault(model, {})
-            if key not in checks:
-                checks[key] = _check_against_eager(weight)
-            problem = checks[key]
-        if problem is not None:
-            if choice is LinearKernel.ON and role != "draft":
-                raise ValueError(
-                    f"linear_kernel='on' cannot be honoured: {problem}. Use linear_kernel='auto' (the kernel where it "
-                    "runs and pays, eager elsewhere) or 'off'."
-                )
-            return cls.off(f"off: {problem}")
-        path = best_path()
-        if choice is LinearKernel.ON:
-            return cls.every_round(f"on for 1-{MAX_ROWS} rows, {path} path (linear_kernel='on'){built}")
-        if clock_free:
-            if path is KernelPath.SCALAR:
-                return cls.off(f"off: a seeded call decides without the clock (no vector path here){built}")
-            return cls.every_round(f"on for 1-{MAX_ROWS} rows, {path} path: a seeded call decides without the clock"
-                                   f"{built}")  # fmt: skip
-        plans = _PLANS.setdefault(model, {})
-        if key not in plans:
-            plans[key] = _timed_plan(weight)
-        plan = plans[key]
-        return cls(plan.widths, plan.reason + built, plan.prompt_rows)
-
-
-ALL_WIDTHS = frozenset(range(1, MAX_ROWS + 1))
-
-
-def _model_problem(weight: torch.Tensor | None, role: str) -> str | None:
-    if weight is None:
-        return f"the {role} has no plain bf16 nn.Linear weights"
-    if weight.device.type != "cpu":
-        return f"the {role}'s weights are on {weight.device.type}, the kernel runs on the CPU"
-    if weight.dtype != torch.bfloat16:
-        return f"the {role}'s weights are {weight.dtype}, the kernel reads bf16"
-    return None
-
-
-CHECK_ROWS = (1, 5, MAX_ROWS)  # rows the check compares at (every tile shape of the kernel is among them)
-CHECK_WEIGHT_ROWS = 256  # weight rows it compares on (the first ones of the model's largest weight)
-
-
-@torch.no_grad()
-def _check_against_eager(weight: torch.Tensor) -> str | None:
-    """None where the kernel agrees with eager `F.linear` on `weight`'s first rows within bf16 rounding; else why not.
-
-    Both round the output to bf16 (2^-8 relative) after fp32 sums in different orders, so they may differ by about
-    2^-7 of the sum of absolute products; a wrong kernel (a scale off, a lane dropped) differs by far more.
-    """
-    generator = torch.Generator().manual_seed(0)
-    part = weight[:CHECK_WEIGHT_ROWS]
-    for rows in CHECK_ROWS:
-        x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
-        got, expected = small_rows_linear(x, part).float(), F.linear(x, part).float()
-        scale = x.float().abs() @ part.float().abs().T
-        error = float(((got - expected).abs() / (scale + 1e-30)).max())
-        if not error <= 2**-6:
-            return (
-                f"the kernel's {best_path()} path disagrees with eager F.linear on the model's own weights "
-                f"(relative error {error:.2g} at {rows} rows; bf16 rounding allows 2^-6): please report this CPU"
-            )
-    return None
-
-
-# Timed calls per width and method (after one warm-up call each), medians compared. With 3 a width whose costs are
-# within a few percent (the AMX path at 11 rows of Qwen2.5's head: 0.69 against 0.71 ms) fell to either side by noise,
-# leaving holes in the plan between widths the kernel won; 7 cost 0.1 s more per model.
-TIMED_REPEATS = 7
-PROBE_WEIGHT_ROWS = 4096  # weight rows per timed call (12.6 MB of Qwen2.5's head); calls step through the weight
-
-
-@torch.no_grad()
-def _timed_plan(weight: torch.Tensor) -> KernelPlan:
-    """Time the kernel against eager `F.linear` on `weight` at every round width 1..`MAX_ROWS` and at a prompt's
-    `PROMPT_PROBE_ROWS` rows; the kernel serves the widths where it is faster (about 0.3-0.6 s in all).
-
-    Each timed call reads the next `PROBE_WEIGHT_ROWS` rows of the weight (wrapping around), so that a large weight
-    is read from memory as a forward reads it, not from cache; eager and kernel calls alternate.
-    """
-    generator = torch.Generator().manual_seed(0)
-    slices = [weight[start : start + PROBE_WEIGHT_ROWS] for start in range(0, weight.shape[0], PROBE_WEIGHT_ROWS)]
-    slices = [part for part in slices if part.shape[0] == slices[0].shape[0]]
-    turn = iter(range(10**9))
-
-    def next_part():
-        return slices[next(turn) % len(slices)]
-
-    # Warm-up: every slice once by each method. The first touch of a weight loaded from a memory-mapped file pages it
-    # in, and a path's first call pays one-time costs (threads waking, AMX's tile state): timed, they made the first
-    # widths look several times slower for both methods and decided them by noise.
-    warm = torch.randn(1, weight.shape[1], generator=generator).to(torch.bfloat16)
-    for part in slices:
-        F.linear(warm, part)
-        small_rows_linear(warm, part)
-    timings = {}
-    for rows in (*range(1, MAX_ROWS + 1), PROMPT_PROBE_ROWS):
-        x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
-        part = slices[0][:1024] if rows == PROMPT_PROBE_ROWS else None  # a prompt's width is compute-bound
-        eager, kernel = [], []
-        for repeat in range(TIMED_REPEATS + 1):
-            for method, times in ((F.linear, eager), (small_rows_linear, kernel)):
-                chosen = part if part is not None else next_part()
-                start = time.perf_counter()
-                method(x, chosen)
-                if repeat:  # the first call of each warms up
-                    times.append(time.perf_counter() - start)
-        timings[rows] = (1e3 * statistics.median(eager), 1e3 * statistics.median(kernel))
-    widths = frozenset(rows for rows, (eager, kernel) in timings.items() if rows <= MAX_ROWS and kernel < eager)
-    prompt_rows = PROMPT_ROWS if timings[PROMPT_PROBE_ROWS][1] < timings[PROMPT_PROBE_ROWS][0] else 0
-    shown = ", ".join(f"{rows}: {eager:.2f}/{kernel:.2f}" for rows, (eager, kernel) in timings.items())
-    shown = (
-        f"{best_path()} path, timed on the model's largest weight {tuple(weight.shape)}, ms eager/kernel by rows: "
-        f"{shown}"
-    )
-    if not widths and not prompt_rows:
-        return KernelPlan.off(f"off: eager is faster at every width here ({shown})")
-    return KernelPlan(widths, f"on for {_ranges(widths)} rows{' and prompts' if prompt_rows else ''} ({shown})",
-                      prompt_rows)  # fmt: skip
-
-
-def _ranges(widths: frozenset[int]) -> str:
-    """`{1, 2, 3, 5, 7, 8}` -> "1-3, 5, 7-8"."""
-    runs: list[list[int]] = []
-    for width in sorted(widths):
-        if runs and runs[-1][-1] == width - 1:
-            runs[-1].append(width)
-        else:
-            runs.append([width])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs) or "no"
-
-
-# model -> {(largest weight's storage, version, threads): timed plan / check}. Weak: dropped with the model.
-_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, KernelPlan]]" = weakref.WeakKeyDictionary()
-_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str | None]]" = weakref.WeakKeyDictionary()

@@ -1,5 +1,5 @@
 """Timing a draft's forms on this machine, and measuring how often the target would accept each, so that
-`DraftQuantization.AUTO` keeps the form that yields the most tokens per second.
+`DraftForm.AUTO` keeps the form that yields the most tokens per second.
 
 Which form of a draft steps faster depends on the CPU: a dynamic-int8 copy ran a Qwen2.5-Coder-0.5B step in 46 ms
 where bf16 took 93 ms on an AVX2-only EPYC, 27 ms against 50 ms on an EPYC with native bf16 instructions, and a CPU

@@ -5,7 +5,7 @@ different lengths, and returning what exactness needs: the distributions the dra
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
 is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rejection.py`
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
-drafts what it is told (`lookahead.RoundWidths`).
+drafts what it is told (`DraftBudget`, made by `lookahead.RoundLookahead`).
 
 Drafters: `proposers.draft_model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer`
 (n-gram continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both).
@@ -19,8 +19,20 @@ from typing import NamedTuple
 
 import torch
 
-from ..lookahead import RoundWidths
 from ..sequences import Sequences
+
+
+class DraftBudget(NamedTuple):
+    """How many tokens a round may draft, decided by `RoundLookahead` alone; each drafter reads its own field.
+
+    Attributes:
+        model: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
+        lookup: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
+            ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
+    """
+
+    model: int
+    lookup: int
 
 
 class Proposal(NamedTuple):
@@ -55,16 +67,16 @@ class Proposer(ABC):
         """Draft-model forwards run so far in this call (0 for a drafter that runs no model)."""
 
     @abstractmethod
-    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
         """Write this round's draft tokens after every active row's committed tokens and return them.
 
         Args:
             sequences: the call's token buffer: `tokens` `(batch, capacity)`, the committed `lengths` per active
                 row. The proposal's ``k`` tokens of each row are written at columns ``lengths[b] .. lengths[b]+k-1``
                 (`Sequences.write`); the committed lengths do not move.
-            widths: how many tokens this round may draft, already capped by the room left before `max_length`
-                (`lookahead.RoundLookahead.widths`): a model drafts `widths.model`, a lookup at most
-                `widths.lookup`; 0 drafts nothing.
+            budget: how many tokens this round may draft, already capped by the room left before `max_length`
+                (`lookahead.RoundLookahead.budget`): a model drafts `budget.model`, a lookup at most
+                `budget.lookup`; 0 drafts nothing.
 
         Returns:
             A `Proposal` with `(batch, k)` tokens, ``k`` at most the drafter's width (all rows the same ``k``).

@@ -9,34 +9,45 @@ batched over rows of different lengths and returning the draft's *processed* pro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
-from .. import transformers_api
-from ..cache.cached_model import CachedModel, WideForwards
-from ..cache.compiled import CompiledForward
-from ..kernels.small_rows import KernelPlan
-from ..lookahead import RoundWidths
+from ..cache.cached_model import CachedModel
+from ..cache.forwards import Forwards
+from ..model_facts import ModelFacts
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
 from ..verify.rejection import first_argmax, sample_from_weights
-from .base import Proposal, Proposer
+from .base import DraftBudget, Proposal, Proposer
 from .cross_vocab import DraftIdBuffer
 
-_DYNAMIC_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+
+class DraftVocabulary(NamedTuple):
+    """Which target ids a draft's logits stand for (decided by the call's plan).
+
+    Attributes:
+        ids: `(n,)` the target ids the draft's logits stand for (an FR-Spec subset, see
+            `prepare.surgery.restrict_vocabulary`; the ids both models have when their logit widths differ; the
+            tokens a draft with another tokenizer shares with the target), or None: logit column ``i`` is id ``i``.
+        columns: `(n,)` the draft's logit columns standing for `ids`; None: the first n.
+        target_width: the target's logit width.
+    """
+
+    ids: torch.Tensor | None
+    columns: torch.Tensor | None
+    target_width: int
 
 
 class DraftModelProposer(Proposer):
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
-    With a `vocabulary` (target token ids: an FR-Spec subset, see `prepare.prepared_draft.restrict_vocabulary`, the
-    ids both models have when their logit widths differ, or the tokens a draft with another tokenizer shares with the
-    target) the draft's logits stand for those ids only: the logit `columns` (default: the first
-    `len(vocabulary)`) are used, a draft wider than the target never proposes an id the target lacks, and ids
-    outside the vocabulary get draft probability 0. When every logits processor is vocabulary-free (temperature,
-    top-k/p, min-p, ...) the draft's processing and sampling run on that compact vocabulary; otherwise its logits
-    are spread over the full vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
+    With a vocabulary (`DraftVocabulary.ids`) the draft's logits stand for those ids only: the logit columns are
+    gathered, a draft wider than the target never proposes an id the target lacks, and ids outside the vocabulary get
+    draft probability 0. When every logits processor is vocabulary-free (temperature, top-k/p, min-p, ...) the
+    draft's processing and sampling run on that compact vocabulary; otherwise its logits are spread over the full
+    vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
 
     What the draft reads: the target's own token buffer, or with another tokenizer (`inputs`, a
     `proposers.cross_vocab.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the
@@ -45,57 +56,43 @@ class DraftModelProposer(Proposer):
 
     def __init__(
         self,
-        draft_model: PreTrainedModel,
+        facts: ModelFacts,
+        forwards: Forwards,
+        vocabulary: DraftVocabulary,
         sequences: Sequences,
         processor: PositionwiseProcessor,
         do_sample: bool,
         generator: torch.Generator | None = None,
-        vocabulary: torch.Tensor | None = None,
-        vocab_size: int | None = None,
-        columns: torch.Tensor | None = None,
         inputs: DraftIdBuffer | None = None,
-        kernel: KernelPlan | None = None,
-        wide: WideForwards | None = None,
-        step: CompiledForward | None = None,
     ):
         """
         Args:
-            draft_model: the model to run (possibly a prepared copy).
+            facts: the facts of the model that drafts (possibly a prepared copy).
+            forwards: how its forwards run (the kernel plan, prompts on its float original, the compiled step).
+            vocabulary: which target ids its logits stand for.
             sequences: the target's rows.
             processor: the call's processors (applied with the target-id prefix).
             do_sample: sample proposals (else argmax).
             generator: for the draft's samples.
-            vocabulary: `(n,)` the target ids the draft's logits stand for; None: its logit column ``i`` is id ``i``.
-            vocab_size: the target's logit width.
-            columns: `(n,)` the draft's logit columns standing for `vocabulary`; None: the first n.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
-            kernel: the small-rows kernel plan the draft's forwards run under (None: plain eager).
-            wide: where the draft's forwards of many positions (the prompt) run on its float original (None: none).
-            step: the compiled forward the draft's single-token steps run on (None: eager; see `CachedModel`).
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
-        embeddings = draft_model.get_input_embeddings()
-        embeddable = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
-        if inputs is None:
-            embeddable = embeddable if vocab_size and embeddable < vocab_size else None
         # With another tokenizer the draft's rows may have to drop positions confirmed in earlier rounds to even up
         # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
         cache = DynamicCache() if inputs is not None else None
-        self.runner = CachedModel(
-            draft_model, reads.num_active, cache=cache, embeddable=embeddable, kernel=kernel, source=reads,
-            single_step=transformers_api.scan_restarts_from_zero(draft_model), wide=wide, step=step,
-        )  # fmt: skip
+        self.runner = CachedModel(facts, reads.num_active, cache=cache, forwards=forwards, source=reads)
         reads.rows.attach(self.runner)
-        self.int8 = any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in draft_model.modules())
+        self.int8 = facts.dynamic_int8
         self.processor = processor
         self.do_sample = do_sample
         self.generator = generator
-        self.vocabulary = None if vocabulary is None else vocabulary.to(sequences.tokens.device)  # (subset,)
-        self.columns = None if columns is None else columns.to(sequences.tokens.device)  # (subset,)
-        self.vocab_size = vocab_size
-        self.compact = vocabulary is not None and processor.vocabulary_free
+        device = sequences.tokens.device
+        self.vocabulary = None if vocabulary.ids is None else vocabulary.ids.to(device)  # (subset,)
+        self.columns = None if vocabulary.columns is None else vocabulary.columns.to(device)  # (subset,)
+        self.vocab_size = vocabulary.target_width
+        self.compact = vocabulary.ids is not None and processor.vocabulary_free
 
     @property
     def forward_passes(self) -> int:
@@ -105,14 +102,14 @@ class DraftModelProposer(Proposer):
         """Compile the draft's single-token step now, if it runs compiled, so that no round pays for it."""
         self.runner.warm_step()
 
-    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
-        """Draft `widths.model` (K) tokens after every active row's committed tokens (see `Proposer.get_candidates`).
+    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
+        """Draft `budget.model` (K) tokens after every active row's committed tokens (see `Proposer.get_candidates`).
 
         Returns:
             `Proposal` with `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions (None
             for greedy drafts: argmax tokens are point masses).
         """
-        return self.draft(sequences, widths.model)
+        return self.draft(sequences, budget.model)
 
     def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
         """Draft `num_tokens` tokens after every active row's committed tokens, some of them possibly forced.
@@ -185,10 +182,10 @@ class DraftModelProposer(Proposer):
             # fbgemm's dynamic quantization cannot choose a scale for NaN/inf activations; say what that means.
             if self.int8 and "ChooseQuantizationParams" in str(error):
                 raise RuntimeError(
-                    "The draft's activations contain NaN or inf, which its dynamic-int8 copy (draft_quantization "
-                    "'auto' on the CPU) cannot quantize: the draft is broken (float16 overflow, a bad checkpoint). "
-                    "Use another draft, load it in bfloat16 or float32, or run it as given with "
-                    "speculative_config=SpeculativeConfig(draft_quantization='none')."
+                    "The draft's activations contain NaN or inf, which its dynamic-int8 copy (draft_form 'auto' on "
+                    "the CPU) cannot quantize: the draft is broken (float16 overflow, a bad checkpoint). Use another "
+                    "draft, load it in bfloat16 or float32, or run it as given with "
+                    "speculative_config=SpeculativeConfig(draft_form='as_given')."
                 ) from error
             raise
 

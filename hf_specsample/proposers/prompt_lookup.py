@@ -20,9 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..lookahead import RoundWidths
 from ..sequences import Sequences
-from .base import Proposal, Proposer
+from .base import DraftBudget, Proposal, Proposer
 from .draft_model import DraftModelProposer
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
@@ -76,14 +75,14 @@ class PromptLookupProposer(Proposer):
             for row, length in enumerate(sequences.lengths)
         ]
 
-    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
-        """Write up to `widths.lookup` proposed tokens after every active row's committed tokens: as many as the
+    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
+        """Write up to `budget.lookup` proposed tokens after every active row's committed tokens: as many as the
         longest continuation found (rows with shorter ones, or none, repeat their last token).
 
         Returns:
-            `Proposal` with `(batch, k)` tokens, ``k <= widths.lookup``, and no probabilities (all point masses).
+            `Proposal` with `(batch, k)` tokens, ``k <= budget.lookup``, and no probabilities (all point masses).
         """
-        return self.propose(sequences, self.continuations(sequences, widths.lookup))
+        return self.propose(sequences, self.continuations(sequences, budget.lookup))
 
     def propose(self, sequences: Sequences, found: Sequence[torch.Tensor]) -> Proposal:
         """Write the rows' continuations `found` (per active row, `(m,)` long, possibly empty), padded to the longest
@@ -110,9 +109,9 @@ class PromptLookupProposer(Proposer):
 class LookupThenModelProposer(Proposer):
     """`draft_model=small, prompt_lookup_num_tokens=N`: n-gram continuations where rows have one, the model elsewhere.
 
-    With one active row, a round in which it has a continuation drafts up to `widths.lookup` (``max(K, N)``) tokens
+    With one active row, a round in which it has a continuation drafts up to `budget.lookup` (``max(K, N)``) tokens
     by lookup alone and the draft model does not run (its cache catches up in a later round). Otherwise the model
-    drafts `widths.model` (K) tokens, and rows with a continuation take its tokens first
+    drafts `budget.model` (K) tokens, and rows with a continuation take its tokens first
     (`DraftModelProposer.draft(forced=...)`, marked as point masses in the proposal). In a batch the model runs every
     round: skipping it would leave rows behind in its cache by different amounts, and a forward feeds every row the
     same number of positions.
@@ -130,17 +129,17 @@ class LookupThenModelProposer(Proposer):
     def forward_passes(self) -> int:
         return self.model.forward_passes
 
-    def get_candidates(self, sequences: Sequences, widths: RoundWidths) -> Proposal:
+    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
         """A lookup round (one active row with a continuation), else the model's proposal with n-gram tokens forced.
 
         Returns:
-            `Proposal` with `(batch, k)` tokens: ``k <= widths.lookup`` and `probs` None for a lookup round;
-            ``k = widths.model``, the model's distributions and a `point_mass` mask where tokens were forced.
+            `Proposal` with `(batch, k)` tokens: ``k <= budget.lookup`` and `probs` None for a lookup round;
+            ``k = budget.model``, the model's distributions and a `point_mass` mask where tokens were forced.
         """
-        found = self.lookup.continuations(sequences, widths.lookup)
-        if widths.lookup > 0 and sequences.num_active == 1 and found[0].numel():
+        found = self.lookup.continuations(sequences, budget.lookup)
+        if budget.lookup > 0 and sequences.num_active == 1 and found[0].numel():
             return self.lookup.propose(sequences, found)
-        return self.model.draft(sequences, widths.model, forced=found)
+        return self.model.draft(sequences, budget.model, forced=found)
 
     def keep_confirmed(self, lengths: Sequence[int]) -> None:
         self.model.keep_confirmed(lengths)

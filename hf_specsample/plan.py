@@ -1,0 +1,364 @@
+"""A call's plan: its inputs inspected once, every refusal before any forward, every decision frozen (`plan_call`).
+
+`decoding.speculative_generate` is resolve -> plan -> run: `CallInputs` holds what `generate()` handed over,
+`plan_call` turns it into a `CallPlan`, and `decoding.SpeculativeDecoder` runs the rounds from that plan alone. In
+the order `plan_call` runs them:
+
+1. what `draft_model=` is (`prepare.prepared_draft.resolve_draft`: a model, a `PreparedDraft`, "auto", "prompt_lookup");
+2. each model inspected once (`model_facts.ModelFacts.of`): the target, the draft as given;
+3. the refusals, in this order, before any forward: the models, the tokenizers (does the draft read another
+   vocabulary?), a hybrid draft with another tokenizer, the generation mode and flags, the prompt-lookup options,
+   the inputs, the target's static cache or compilation, the stopping criteria, the logits processors, options a
+   draft-free call cannot use, a draft that `compile_draft` cannot compile, and `linear_kernel="on"` where the kernel
+   cannot serve the target (its plan is made here: `kernels.plan.KernelPlan`);
+4. the decisions: the prepared draft (AUTO's timings and calibration forwards, the first forwards of the call) and,
+   for a tensor-parallel target, that every rank runs the same one; the draft's facts, kernel plan, compiled step,
+   vocabulary and the tokenizers it reads; the target's cache and compiled forward; the rounds' K owner
+   (`lookahead.RoundLookahead`); whether the call returns a cache.
+
+Glossary: `docs/ARCHITECTURE.md` ("Words").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+from . import distributed, transformers_api, validation
+from .cache import row_ops
+from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
+from .cache.forwards import Forwards
+from .call_inputs import CallInputs
+from .kernels.plan import KernelPlan
+from .kernels.small_rows import MAX_ROWS, best_path
+from .lookahead import RoundLookahead, largest_round
+from .model_facts import ModelFacts, Role
+from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig
+from .prepare.implicit import draft_for_call
+from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, resolve_draft
+from .prepare.vocabulary import special_token_ids
+from .proposers.cross_vocab import SharedVocabulary, shared_vocabulary
+from .proposers.draft_model import DraftVocabulary
+from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM
+from .round_costs import weight_bytes_ratio
+from .verify.processing import check_supported
+
+_NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
+CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
+CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The draft model of a call, decided.
+
+    Attributes:
+        prepared: the `PreparedDraft` it runs (the caller's, or the implicit one).
+        facts: the facts of the model that drafts (`prepared.model`).
+        forwards: how its forwards run (kernel plan, prompts on its float original, compiled steps, embeddable ids).
+        vocabulary: which target ids its logits stand for.
+        shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_vocab`); else None.
+        tokenizers: with another tokenizer, (the target's, the draft's); else None.
+        description: what drafts, for `SpeculativeStats.draft_form`.
+    """
+
+    prepared: PreparedDraft
+    facts: ModelFacts
+    forwards: Forwards
+    vocabulary: DraftVocabulary
+    shared: SharedVocabulary | None
+    tokenizers: tuple[Any, Any] | None
+    description: str
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything a call decided before its first round; `decoding.SpeculativeDecoder` reads nothing else.
+
+    Attributes:
+        inputs: what `generate()` handed over (`CallInputs`).
+        target: the target's facts.
+        cache: the target's cache (the caller's, made static, or None: a new dynamic one).
+        forwards: how the target's forwards run (kernel plan, compiled forward and the rounds it serves).
+        draft: the draft model, or None (`draft_model="prompt_lookup"`: n-gram continuations alone).
+        lookup: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
+            draft), the longest n-gram looked up; None: no lookup.
+        generator: the generator every draw uses (rank 0's for a tensor-parallel target).
+        clock_free: no decision depends on the clock (a generator was given, or ranks must agree).
+        lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
+        keep_cache: the call returns the target's cache (or leaves the caller's as plain `generate()` does).
+        kernel_description: what ran the eager forwards' linears, for `SpeculativeStats.linear_kernel`.
+    """
+
+    inputs: CallInputs
+    target: ModelFacts
+    cache: Any
+    forwards: Forwards
+    draft: DraftPlan | None
+    lookup: int | None
+    generator: torch.Generator | None
+    clock_free: bool
+    lookahead: RoundLookahead
+    keep_cache: bool
+    kernel_description: str
+
+    @property
+    def config(self) -> SpeculativeConfig:
+        return self.inputs.config
+
+
+def plan_call(inputs: CallInputs) -> CallPlan:
+    """Resolve, inspect, refuse and decide, in the order of the module docstring."""
+    config, model_kwargs = inputs.config, inputs.model_kwargs
+    spec = resolve_draft(inputs.draft_model)
+    target = ModelFacts.of(inputs.model)
+    draft = ModelFacts.of(spec.model) if spec.model is not None else None
+    tokenizers = _refuse(inputs, spec, target, draft)
+    generator = inputs.generator
+    if target.tensor_parallel:  # every rank must draw the same randomness (`distributed`)
+        generator = distributed.shared_generator(generator, inputs.input_ids.device)
+    # No choice below may depend on the clock where a seeded call must repeat in any process, or ranks agree.
+    clock_free = inputs.generator is not None or target.tensor_parallel
+    # The target's kernel plan: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
+    # draft's form timings and calibration forwards.
+    kernel = KernelPlan.for_model(target, config.linear_kernel, clock_free, Role.TARGET)
+    lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
+    draft_plan = None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers)
+    largest = largest_round(config, inputs.lookup_tokens, lookup_only)
+    cache, forwards, kernel_description = _target_forwards(inputs, target, kernel, largest)
+    ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
+    prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
+    lookahead = RoundLookahead.for_call(
+        config, clock_free=clock_free, batch_size=inputs.batch_size, max_length=int(max_length),
+        prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
+        cost_ratio=weight_bytes_ratio(prepared.model, target.model) if prepared is not None else 0.0,
+        draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
+    )  # fmt: skip
+    cached = row_ops.total_slots(cache) if cache is not None else 0
+    # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
+    # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
+    wanted = bool(inputs.generation_config.return_dict_in_generate) or inputs.caller_cache or cached > 0
+    keep_cache = wanted and model_kwargs.get("use_cache") is not False
+    if draft_plan is not None:
+        kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
+    lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
+    return CallPlan(
+        inputs, target, cache, forwards, draft_plan, lookup, generator, clock_free, lookahead, keep_cache,
+        kernel_description,
+    )  # fmt: skip
+
+
+def _refuse(
+    inputs: CallInputs, spec: DraftSpec, target: ModelFacts, draft: ModelFacts | None
+) -> tuple[Any, Any] | None:
+    """Every refusal that needs no forward, in order; returns the (target, draft) tokenizers where the draft reads
+    another tokenizer's ids (a `PreparedDraft` may hold them), else None."""
+    config, generation_config = inputs.config, inputs.generation_config
+    validation.check_models(target, draft)
+    tokenizers, held = inputs.tokenizers, spec.prepared.tokenizers if spec.prepared is not None else None
+    if held is not None and (tokenizers is None or _same_objects(tokenizers, held)):
+        tokenizers, other_tokenizer = held, True  # prepare_draft compared their vocabularies
+    else:
+        draft_width = spec.prepared.logit_width if spec.prepared is not None else draft.logit_width if draft else None
+        named = _NAMED.get(spec.kind)
+        other_tokenizer = validation.check_tokenizers(target.logit_width, draft_width, tokenizers, named)
+    validation.check_hybrid_draft(draft, other_tokenizer)
+    validation.check_generation_config(generation_config)
+    validation.check_prompt_lookup(inputs.lookup_tokens, inputs.max_ngram)
+    validation.check_inputs(inputs.input_ids, inputs.model_kwargs, inputs.streamer)
+    validation.check_cache_plan(target, transformers_api.generate_cache(inputs.model_kwargs), generation_config, config)
+    validation.check_stopping(inputs.stopping_criteria, inputs.batch_size)
+    check_supported(inputs.logits_processor)
+    if spec.kind is DraftKind.PROMPT_LOOKUP and (
+        config.draft_form is not DraftForm.AUTO or config.draft_vocabulary is not None
+    ):
+        raise ValueError(
+            "draft_model='prompt_lookup' runs no draft model: draft_form / draft_vocabulary have nothing to act on. "
+            "Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
+        )
+    if config.compile_draft and spec.kind is not DraftKind.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
+        validation.check_draft_compiles(draft if draft is not None else target)
+    return tokenizers if other_tokenizer else None
+
+
+def _draft_plan(
+    inputs: CallInputs,
+    spec: DraftSpec,
+    target: ModelFacts,
+    draft: ModelFacts | None,
+    target_kernel: KernelPlan,
+    clock_free: bool,
+    tokenizers: tuple[Any, Any] | None,
+) -> DraftPlan:
+    """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
+    config = inputs.config
+    auto_plan = target_kernel if config.linear_kernel is LinearKernel.AUTO else None
+    auto_plan = auto_plan or KernelPlan.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
+    prepared = draft_for_call(
+        spec, target, draft, config.draft_form, config.draft_vocabulary, special_token_ids(inputs.generation_config),
+        auto_plan, other_tokenizer=tokenizers is not None, clock_free=clock_free,
+        calibration=_calibration(inputs.input_ids, inputs.model_kwargs.get("attention_mask")),
+    )  # fmt: skip
+    if target.tensor_parallel:
+        distributed.check_same_draft(prepared.form, prepared.vocabulary, inputs.input_ids.device)
+    same_config = draft if draft is not None else target
+    facts = same_config if prepared.model is same_config.model else ModelFacts.of(prepared.model, same_config)
+    if prepared.form is DraftForm.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
+        kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
+    elif prepared.form is DraftForm.INT4_WEIGHTS:
+        kernel = KernelPlan.off(f"int4 weights on the kernel's {best_path(torch.uint8)} path (LM head int8)")
+    else:
+        kernel = KernelPlan.for_model(facts, config.linear_kernel, clock_free, Role.DRAFT)
+    description = prepared.description
+    step = None
+    if config.compile_draft and prepared.form is DraftForm.DYNAMIC_INT8:
+        # torch's dynamic int8 linears are script objects dynamo cannot trace: compiling would only add graph breaks
+        description += "; its steps run eagerly under compile_draft: torch's dynamic int8 linears break compiled "
+        description += "graphs (draft_form='int8_weights' compiles)"
+    elif config.compile_draft:
+        step = compiled_forward(prepared.step_model(), CompileSettings.for_draft_steps())
+    shared = None
+    if tokenizers is None:
+        ids = prepared.ids_for(target)  # (subset,) the ids its logits stand for, or None: all of the target's
+        vocabulary = DraftVocabulary(ids, None, target.logit_width)
+    else:
+        shared = _shared(prepared, tokenizers, target)
+        vocabulary = DraftVocabulary(shared.target_ids, shared.draft_columns, target.logit_width)
+    embeddable = facts.embeddable if tokenizers is None and facts.embeddable < target.logit_width else None
+    forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable)
+    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description)
+
+
+def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
+    """The tokens both tokenizers share: the prepared draft's where it holds these very tokenizers' (built by
+    `prepare_draft`), else looked up (`proposers.cross_vocab.shared_vocabulary`, cached per tokenizer pair)."""
+    if prepared.shared_vocabulary is not None and _same_objects(tokenizers, prepared.tokenizers):
+        shared = prepared.shared_vocabulary
+    else:
+        shared = shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
+    if shared.size == 0:
+        raise ValueError(
+            "The draft's tokenizer shares no token with the target's, so it can propose nothing. Use a draft whose "
+            "vocabulary overlaps the target's."
+        )
+    return shared
+
+
+def _target_forwards(
+    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int
+) -> tuple[Any, Forwards, str]:
+    """The target's cache, how its forwards run, and what ran its linears (for the statistics).
+
+    Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (`kernel`). Compiled ones
+    (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and under
+    "auto" where its plan serves every round size of this batch (`_kernel_in_graph`); else inductor's GEMM. The plan
+    also serves the forwards that run eagerly (wider than the kernel's rows, or a batch that shrinks to one row).
+    """
+    config = inputs.config
+    kernel_in_graph = config.compile and _kernel_in_graph(kernel, config.linear_kernel, inputs.batch_size, largest)
+    cache, compiled = _target_cache(inputs, target, kernel_in_graph)
+    in_graph = compiled is not None and compiled.settings.kernel_rows > 0
+    eager_kernel = kernel if compiled is None or in_graph else None
+    if eager_kernel is None:
+        description = "target compiled"
+    elif in_graph:
+        rows = compiled.settings.kernel_rows
+        description = f"target compiled, its linears of 1-{rows} rows on the kernel: {kernel.reason}"
+    else:
+        description = f"target {kernel.reason}"
+    return cache, Forwards(kernel=eager_kernel, compiled=compiled, largest_round=largest), description
+
+
+def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool) -> tuple[Any, CompiledForward | None]:
+    """The target's cache, and its compiled forward if this call compiles (else None).
+
+    A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
+    or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full `StaticLayer`s of at least
+    `max_length` slots (`cache.row_ops.full_static_cache`, converting the caller's cache in place). The forward is
+    compiled as plain `generate()` would compile it for this static cache (`compile_config`, on CPU only with its
+    `_compile_all_devices`), or with `CompileSettings.for_device` under `compile=True` (`kernel_in_graph`: its
+    round-size linears are the small-rows kernel's).
+    """
+    config, generation_config = inputs.config, inputs.generation_config
+    cache = transformers_api.generate_cache(inputs.model_kwargs)
+    implementation = generation_config.cache_implementation
+    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
+        return cache, None
+    # `validation.check_cache_plan` refused offloaded caches and compile=True for a target that cannot compile.
+    given = not inputs.caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache)
+    fresh = cache is None or given
+    # At least max_length slots; as many as generate() allocated (it keeps the largest size seen, so that compiled
+    # code is not recompiled for a new size) or `max_cache_len` asks for.
+    sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
+    sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
+    cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
+    if config.compile:
+        settings = CompileSettings.for_device(target.input_device, kernel=kernel_in_graph)
+    elif target.compile_problem is None and transformers_api.valid_auto_compile(target.model, cache, generation_config):
+        compile_config = generation_config.compile_config or transformers_api.default_compile_config(target.model)
+        settings = CompileSettings.from_compile_config(compile_config)
+    else:
+        return cache, None
+    return cache, compiled_forward(target.model, settings)
+
+
+def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, largest: int) -> bool:
+    """Whether `compile=True` compiles the target with its round-size linears on the small-rows kernel.
+
+    Under "on", always (`KernelPlan.for_model` refused it first where the kernel cannot serve the target). Under
+    "auto", where the model's plan serves every forward a round of this batch runs (`batch` rows times 2 ..
+    `largest` positions: a one-position round runs as two in compiled code), all within the kernel's `MAX_ROWS`:
+    the plan's timing on the model's own weights (eager `F.linear` against the kernel) decides, on the machine at
+    hand. Elsewhere inductor's GEMM serves every forward (a batch whose rounds the kernel cannot all serve would
+    otherwise run its larger rounds eagerly).
+    """
+    if choice is LinearKernel.ON:
+        return True
+    if choice is LinearKernel.OFF or batch * largest > MAX_ROWS:
+        return False
+    return all(plan.serves(batch * size) for size in range(2, largest + 1))
+
+
+def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few."""
+    row = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
+    return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None
+
+
+def _ends_in_padding(attention_mask: torch.Tensor | None) -> bool:
+    """Whether some row's prompt ends in padding (right padding): its first round then drafts nothing."""
+    return attention_mask is not None and not bool(attention_mask[:, -1].bool().all())
+
+
+def _same_objects(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
+    """Whether two (target tokenizer, draft tokenizer) pairs are the very same objects."""
+    return other is not None and pair[0] is other[0] and pair[1] is other[1]
+
+
+def resolve_inputs(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    speculative_config: SpeculativeConfig | None,
+    num_lookahead: int | None,
+    lookup_tokens: int | None,
+    max_ngram: int | None,
+    **fields: Any,
+) -> CallInputs:
+    """`CallInputs` from `speculative_generate`'s arguments: the config with `num_lookahead=` merged in, and
+    transformers' own prompt-lookup fields where the registered `generate()` did not pass them (`custom_generate=`
+    called directly)."""
+    if fields.get("draft_model") is None:
+        raise ValueError(
+            "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
+        )
+    return CallInputs(
+        model=model, input_ids=input_ids, generation_config=generation_config,
+        config=SpeculativeConfig.resolve(speculative_config, num_lookahead),
+        lookup_tokens=lookup_tokens if lookup_tokens is not None else generation_config.prompt_lookup_num_tokens,
+        max_ngram=max_ngram if max_ngram is not None else generation_config.max_matching_ngram_size, **fields,
+    )  # fmt: skip

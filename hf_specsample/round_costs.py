@@ -1,0 +1,203 @@
+"""What a round costs and yields, and the cost models the adaptive lookahead learns (`lookahead.AdaptiveLookahead`).
+
+- `RoundRecord`: one round's width, acceptance and durations, handed to the policy after the round.
+- `MeasuredCosts`: d (a draft step) and v(K) (the rest of a round verifying K draft tokens) on the wall clock.
+- `StaticCosts`: the same without a clock, from weight sizes (`weight_bytes_ratio`: decoding a token reads every
+  weight once), for calls whose K must repeat (a seeded call, tensor-parallel ranks).
+- `expected_speedup`: Leviathan et al.'s Theorem 3.8 at the best K, for AUTO's choice of a draft's form.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .kernels.quantized_linear import Int4Linear, Int8Linear
+from .options import DEFAULT_MAX_LOOKAHEAD
+
+# Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
+# K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
+# but a batch verifies batch * (K+1) tokens and turns compute-bound.
+STATIC_VERIFY_SLOPE = 0.02
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one round cost and yielded, summed over the batch's rows."""
+
+    lookahead: int
+    accepted: int  # draft tokens accepted, all rows
+    tested: int  # draft tokens tested: accepted + one per row that saw a rejection
+    draft_seconds: float
+    verify_seconds: float  # everything in the round but drafting (a hybrid target's re-feeds after a rejection too)
+    prefill: bool = False  # the first round also encodes the prompt: its costs say nothing about later rounds
+    refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
+
+
+class DecayedMean:
+    """Exponentially decayed mean: recent rounds count most; `weight` is the prior's weight in observations."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.total, self.count, self.decay = prior * weight, weight, decay
+
+    def add(self, value: float, count: float = 1.0) -> None:
+        self.total = self.decay * self.total + value
+        self.count = self.decay * self.count + count
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count
+
+
+class MeasuredCosts:
+    """Round costs from the wall clock: d per draft step, and v(K) as a line through the K's observed.
+
+    Args:
+        decay: per round, how much earlier observations still count.
+        growth: how far K may go beyond the largest K observed: to ``max(largest + 1, growth * largest)``. 1 (a
+            model draft): one more, since each extra draft step costs d for sure and v's line is a guess. 2 (prompt
+            lookup): doubling, since an unobserved width then risks only the verification's slope and an n-gram
+            continuation is either copied whole or rejected early (the +1 ramp took 8 of a code edit's 25 rounds to
+            reach the 10 tokens transformers' lookup proposes from its first round).
+        draft_step_prior: seconds of one draft step measured before the call (`PreparedDraft.step_seconds`, where
+            `draft_form="auto"` timed the draft's forms), the starting estimate of d; it counts as one
+            drafted token (a bare single-row forward, without the processing and sampling a round adds) and fades
+            with `decay`. None: d is unknown until a round drafts.
+    """
+
+    def __init__(self, decay: float, draft_step_prior: float | None = None, growth: float = 1.0):
+        if growth < 1:
+            raise ValueError(f"growth must be at least 1, got {growth}.")
+        self.decay, self.growth = decay, growth
+        prior_weight = 0.0 if draft_step_prior is None else 1.0
+        self.draft_step = DecayedMean(draft_step_prior or 0.0, weight=prior_weight, decay=decay)
+        self.verify: dict[int, DecayedMean] = {}  # K -> decayed mean of v(K)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.verify) and self.draft_step.count > 0
+
+    @property
+    def knows_plain_step(self) -> bool:
+        """Whether a draft step and a round without drafts (v(0)) have both been measured."""
+        return 0 in self.verify and self.draft_step.count > 0
+
+    def observe(self, record: RoundRecord) -> None:
+        if record.prefill:
+            return
+        if record.lookahead > 0:
+            self.draft_step.add(record.draft_seconds, record.lookahead)
+        self.verify.setdefault(record.lookahead, DecayedMean(0.0, 0.0, self.decay)).add(record.verify_seconds)
+
+    def draft_seconds(self) -> float:
+        return self.draft_step.value
+
+    def verify_seconds(self, lookahead: int) -> float:
+        """v(K): the decayed mean where K was observed; between observed K's, the straight line joining the nearest
+        two; outside them, the slope of the nearest segment (flat with a single K observed).
+
+        Not one line through every K: verification cost is convex where it turns compute-bound (compiled on an
+        AVX2 CPU: 146, 162, 222, 304 ms for K = 1..4), and a line through such points puts v(0) below the real cost
+        and makes drafting look dear.
+        """
+        if lookahead in self.verify:
+            return max(1e-9, self.verify[lookahead].value)
+        points = sorted((k, mean.value) for k, mean in self.verify.items())
+        below = [point for point in points if point[0] < lookahead]
+        above = [point for point in points if point[0] > lookahead]
+        if below and above:
+            (k0, v0), (k1, v1) = below[-1], above[0]
+        elif above:  # below every K observed
+            (k0, v0), (k1, v1) = above[0], above[1] if len(above) > 1 else above[0]
+        else:  # above every K observed
+            (k0, v0), (k1, v1) = below[-2] if len(below) > 1 else below[-1], below[-1]
+        slope = max(0.0, (v1 - v0) / (k1 - k0)) if k1 != k0 else 0.0
+        return max(1e-9, v0 + slope * (lookahead - k0))
+
+    def largest_lookahead(self, max_lookahead: int) -> int:
+        """The largest K worth trying now: one beyond the largest K observed, or `growth` times it (its cost is a
+        guess until then)."""
+        largest = max(self.verify, default=0)
+        return min(max_lookahead, max(largest + 1, math.ceil(self.growth * largest)))
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes of weights a decoding step reads: every parameter and int8-packed linear, except the input embedding
+    (a step reads one row of it) unless it is tied to the LM head."""
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    skipped = {id(embedding)} if head is not embedding else set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            # One byte per int8 weight. Not `module.weight().numel()`: that unpacks the weight (~15 ms a layer).
+            total += module.in_features * module.out_features
+        if isinstance(module, (Int8Linear, Int4Linear)):  # their weights are buffers: values and scales
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if id(p) not in skipped)
+    return total
+
+
+def expected_speedup(alpha: float, cost_ratio: float, max_lookahead: int = DEFAULT_MAX_LOOKAHEAD) -> float:
+    """Leviathan et al.'s Theorem 3.8 at the best K: tokens per unit of time over plain decoding's, for a draft
+    accepted at rate `alpha` whose step costs `cost_ratio` target steps (verification as `StaticCosts` models it).
+    1.0 where drafting does not pay (K = 0)."""
+    costs = StaticCosts(cost_ratio)
+
+    def rate(lookahead: int) -> float:
+        tokens = sum(alpha**i for i in range(lookahead + 1))
+        return tokens / (costs.draft_seconds() * lookahead + costs.verify_seconds(lookahead))
+
+    return max(rate(lookahead) for lookahead in range(max_lookahead + 1))
+
+
+def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """Draft over target weight bytes per step: a clock-free estimate of c for memory-bound decoding."""
+    return weight_bytes(draft) / max(1, weight_bytes(target))
+
+
+class StaticCosts:
+    """Costs in units of one target step, without a clock: d = c, v(K) = 1 + slope K + r(K), where r(K) is the
+    number of forwards a hybrid target re-feeds per round to restore its recurrent states after rejections
+    (`cache.checkpoints`; each costs about one target step: it reads every weight once), counted from the rounds
+    themselves: a decayed mean per K observed, the nearest K's for others, 0 before any round and for models
+    without recurrent states. The choice of K then depends only on the tokens drawn: runs with the same generator
+    repeat exactly, and tensor-parallel ranks agree.
+
+    Args:
+        cost_ratio: c, the draft step's cost in target steps (`weight_bytes_ratio`).
+        verify_slope: v(K)'s growth per draft token (`STATIC_VERIFY_SLOPE` per row verified together).
+        decay: per round, how much earlier re-feed counts still count.
+    """
+
+    ready = True
+    knows_plain_step = True
+
+    def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE, decay: float = 0.85):
+        self.cost_ratio, self.verify_slope, self.decay = cost_ratio, verify_slope, decay
+        self.refeeds: dict[int, DecayedMean] = {}  # K -> decayed mean of re-feed forwards per round
+
+    def observe(self, record: RoundRecord) -> None:
+        if record.lookahead > 0 and not record.prefill:
+            mean = self.refeeds.setdefault(record.lookahead, DecayedMean(0.0, 0.0, self.decay))
+            mean.add(record.refeed_forwards)
+
+    def draft_seconds(self) -> float:
+        return self.cost_ratio
+
+    def verify_seconds(self, lookahead: int) -> float:
+        return 1.0 + self.verify_slope * lookahead + self.refeed_steps(lookahead)
+
+    def refeed_steps(self, lookahead: int) -> float:
+        """r(K): re-feed forwards per round with K drafts (see the class doc)."""
+        if lookahead == 0 or not self.refeeds:
+            return 0.0
+        nearest = min(self.refeeds, key=lambda observed: (abs(observed - lookahead), observed))
+        return self.refeeds[nearest].value
+
+    def largest_lookahead(self, max_lookahead: int) -> int:
+        """Every K up to `max_lookahead` (the costs are fixed in advance, none is a guess)."""
+        return max_lookahead

@@ -1,0 +1,136 @@
+"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the old spellings of the draft's
+form still accepted with a warning."""
+
+import collections
+import warnings
+
+import pytest
+import torch
+from tiny import PAD, perturbed_copy, tiny_lm
+from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList
+
+import hf_specsample
+from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft
+from hf_specsample.kernels.plan import KernelPlan
+
+PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2, 8, 19, 41, 7, 3, 11, 29, 5, 9, 61, 4]])
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Per model object: how often its logit width, cache kind (its config's cache layers) and kernel plan were
+    worked out, and how often it was inspected (`ModelFacts.of`)."""
+    counts = collections.defaultdict(collections.Counter)
+    for name in ("logit_width", "_cache_kind"):
+        real = getattr(model_facts, name)
+
+        def wrapper(model, *args, _real=real, _name=name):
+            counts[id(model)][_name] += 1
+            return _real(model, *args)
+
+        monkeypatch.setattr(model_facts, name, wrapper)
+    real_of, real_plan = model_facts.ModelFacts.of.__func__, KernelPlan.for_model.__func__
+
+    def of(cls, model, same_config=None):
+        counts[id(model)]["facts"] += 1
+        return real_of(cls, model, same_config)
+
+    def for_model(cls, facts, *args, **kwargs):
+        counts[id(facts.model)]["kernel plan"] += 1
+        return real_plan(cls, facts, *args, **kwargs)
+
+    monkeypatch.setattr(model_facts.ModelFacts, "of", classmethod(of))
+    monkeypatch.setattr(KernelPlan, "for_model", classmethod(for_model))
+    return counts
+
+
+@pytest.mark.parametrize("form", ["as_given", "dynamic_int8", "auto"])
+def test_each_model_is_inspected_once_per_call(counted, form):
+    """Within one generate() call each model's logit width, cache kind (hybrid layers included) and kernel plan are
+    worked out once: the target's, the draft's as given, and the prepared draft's (a compact copy: its cache
+    questions are its source's, not asked again). A call that builds the implicit draft (the first) also inspects
+    the forms it times; the target and the draft as given still once."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    config = SpeculativeConfig(draft_form=form)
+    for call in range(2):
+        counted.clear()
+        out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=draft, num_lookahead=2,
+                              speculative_config=config, return_dict_in_generate=True)  # fmt: skip
+        assert out.speculative_stats.rounds > 0
+        for model in (target, draft):
+            assert counted[id(model)]["facts"] == 1 and counted[id(model)]["_cache_kind"] == 1, (call, counted)
+            assert counted[id(model)]["logit_width"] == 1, (call, counted)
+        assert counted[id(target)]["kernel plan"] == 1
+        others = [counts for key, counts in counted.items() if key not in (id(target), id(draft))]
+        assert all(counts["_cache_kind"] == 0 for counts in others)  # a copy's cache is its source's
+        if call == 1:  # the implicit draft is made: every model of the call, once
+            assert all(
+                value == 1 for counts in counted.values() for key, value in counts.items() if key != "_cache_kind"
+            )
+
+
+def test_the_plan_refuses_before_any_forward():
+    """Every refusal runs before the first forward of either model: here one of the last (a logits processor that
+    keeps state across calls) stops a call whose draft would otherwise be timed (AUTO) and run."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    forwards = []
+    for model in (target, draft):
+        model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    processors = LogitsProcessorList([ClassifierFreeGuidanceLogitsProcessor(1.5)])
+    with pytest.raises(ValueError, match="keeps state across calls"):
+        target.generate(PROMPT, max_new_tokens=4, pad_token_id=PAD, draft_model=draft, logits_processor=processors)
+    assert forwards == []
+
+
+def test_a_plans_decisions_are_frozen_and_read_by_the_decoder():
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    captured = []
+    real = plan.plan_call
+
+    def recording(inputs):
+        captured.append(real(inputs))
+        return captured[-1]
+
+    import hf_specsample.decoding as decoding
+
+    original = decoding.plan_call
+    decoding.plan_call = recording
+    try:
+        target.generate(PROMPT, max_new_tokens=4, pad_token_id=PAD, draft_model=draft, num_lookahead=2)
+    finally:
+        decoding.plan_call = original
+    (made,) = captured
+    assert made.target.model is target and made.draft.prepared.model is not None
+    assert made.draft.vocabulary.target_width == made.target.logit_width == 64
+    assert made.lookup is None and not made.clock_free and made.config.num_lookahead == 2
+    with pytest.raises(AttributeError):
+        made.clock_free = True  # frozen
+
+
+def test_the_old_spellings_of_the_drafts_form_still_work_with_a_warning():
+    """`draft_quantization=` is `draft_form=`, "none" is "as_given", "int8" is "dynamic_int8", `DraftQuantization` is
+    `DraftForm`, `prepare_draft(quantization=)` is `prepare_draft(form=)`, `PreparedDraft.quantization` is `.form`:
+    each old spelling works as before and says what to write instead."""
+    with pytest.warns(FutureWarning, match="draft_form"):
+        config = SpeculativeConfig(draft_quantization="int8")
+    assert config.draft_form is DraftForm.DYNAMIC_INT8 and config.draft_quantization is None
+    with pytest.warns(FutureWarning, match="'as_given'"):
+        assert DraftForm("none") is DraftForm.AS_GIVEN
+    assert DraftForm.NONE is DraftForm.AS_GIVEN and DraftForm.INT8 is DraftForm.DYNAMIC_INT8
+    assert list(DraftForm) == [DraftForm(value) for value in ("auto", "as_given", "dynamic_int8", "int8_weights",
+                                                              "int4_weights")]  # fmt: skip
+    with pytest.warns(FutureWarning, match="DraftForm"):
+        assert hf_specsample.DraftQuantization is DraftForm
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    with pytest.warns(FutureWarning, match="form="):
+        prepared = prepare_draft(draft, target, quantization="as_given")
+    with pytest.warns(FutureWarning, match="PreparedDraft.form"):
+        assert prepared.quantization is DraftForm.AS_GIVEN
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings say nothing
+        SpeculativeConfig(draft_form="dynamic_int8")
+        prepare_draft(draft, target, form="as_given")
