@@ -235,15 +235,17 @@ class SpeculativeDecoder:
         seqs.write(verdict.num_accepted, verdict.next_tokens)
         width = proposal.tokens.shape[1]
         flags = None if eos_flags is None else [row[1 : width + 2] for row in values]
-        stops = self.stops.first_stops(seqs.tokens, seqs.lengths, num_accepted, flags)
-        counts = [stop if stop is not None else accepted + 1 for stop, accepted in zip(stops, num_accepted)]
+        callers, candidates = seqs.rows.callers(), [accepted + 1 for accepted in num_accepted]
+        # recorded before the criteria run, which read the scores so far as plain's do; `keep` drops those past a stop
+        self.recorder.record(callers, candidates, scores, raw_logits if self.recorder.wants_raw_logits else None)
+        stops = self.stops.first_stops(seqs.tokens, seqs.lengths, num_accepted, flags, callers, self.caller_view)
+        counts = [stop if stop is not None else count for stop, count in zip(stops, candidates)]
+        self.recorder.keep(callers, candidates, counts)
 
-        if self.streamer is not None:
+        if self.streamer is not None:  # token by token, `(1,)` each, as plain `generate()` streams them
             tokens = values[0][-(width + 1) :]  # row 0's drafts, then its next token
-            committed = tokens[: num_accepted[0]] + [tokens[-1]]
-            self.streamer.put(torch.tensor([committed[: counts[0]]]))
-        callers = seqs.rows.callers()
-        self.recorder.record(callers, counts, scores, raw_logits if self.recorder.wants_raw_logits else None)
+            for token in (tokens[: num_accepted[0]] + [tokens[-1]])[: counts[0]]:
+                self.streamer.put(torch.tensor([token]))
         self.stats.record_round(callers, proposal.tokens.shape[1], num_accepted, counts)
 
         seqs.advance(counts)
@@ -255,6 +257,12 @@ class SpeculativeDecoder:
         if seqs.num_active:
             self.drafter.keep_confirmed(seqs.lengths)
         return num_accepted
+
+    def caller_view(self, length: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """What plain `generate()` passes its stopping criteria once rows hold `length` columns: `(batch, length)`
+        ids in the caller's row order (`Sequences.caller_prefixes`) and the scores so far (`verify.stopping`)."""
+        steps = length - self.sequences.prompt_length
+        return self.sequences.caller_prefixes(length, self.pad_token_id), self.recorder.scores_so_far(steps)
 
     def keep_finished_caches(self, done: list[bool]) -> None:
         """Set aside the target cache of each row that stops this round, for the cache `generate()` returns."""

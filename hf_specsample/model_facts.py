@@ -97,6 +97,8 @@ class ModelFacts:
         cache_name: the keyword its forward takes its cache under (None: it takes none).
         takes_position_ids, takes_logits_to_keep: what its forward takes.
         dynamic_int8: it has torch's dynamic int8 linears (`draft_form="dynamic_int8"`).
+        unloaded: some of its weights are on the `meta` device and no accelerate hook loads them (a model built
+            under `init_empty_weights` or moved with `.to("meta")`): nothing to run.
     """
 
     model: PreTrainedModel
@@ -113,6 +115,7 @@ class ModelFacts:
     takes_position_ids: bool
     takes_logits_to_keep: bool
     dynamic_int8: bool
+    unloaded: bool
 
     @classmethod
     def of(cls, model: PreTrainedModel, same_config: ModelFacts | None = None) -> ModelFacts:
@@ -142,6 +145,8 @@ class ModelFacts:
             takes_position_ids="position_ids" in parameters,
             takes_logits_to_keep="logits_to_keep" in parameters,
             dynamic_int8=any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in model.modules()),
+            unloaded=any(p.device.type == "meta" for p in model.parameters())
+            and not any(hasattr(module, "_hf_hook") for module in model.modules()),
         )
 
     def problem_as(self, role: Role) -> str | None:

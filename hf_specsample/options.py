@@ -11,6 +11,8 @@ All enums are `str` enums: the plain strings compare equal, and an invalid one i
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,6 +21,31 @@ from typing import Any
 import torch
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def deprecated(message: str) -> None:
+    """A `FutureWarning` reported at the user's line: the first frame outside this package, the enum machinery, a
+    dataclass's generated `__init__` and the import system (`from hf_specsample import OldName`)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called this function
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:  # `warnings.warn` skips these frames itself
+            frame = frame.f_back
+            continue
+        if not (name.startswith(_PACKAGE) or name in (enum.__file__, "<string>")):
+            break
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, FutureWarning, stacklevel=level)
+
+
+def parse_choice(kind: type[enum.Enum], value: object, name: str):
+    """`kind(value)`, or a ValueError naming the option and its choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(dict.fromkeys(repr(member.value) for member in kind))
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.") from None
 
 
 class NamedDraft(str, enum.Enum):
@@ -53,11 +80,9 @@ class DraftForm(str, enum.Enum):
     def _missing_(cls, value: object) -> DraftForm | None:
         renamed = _RENAMED_FORMS.get(value) if isinstance(value, str) else None
         if renamed is not None:
-            warnings.warn(
+            deprecated(
                 f"The draft form {value!r} is now spelled {renamed.value!r}; {value!r} will stop working in a later "
-                "release.",
-                FutureWarning,
-                stacklevel=4,
+                "release."
             )
         return renamed
 
@@ -69,11 +94,9 @@ def __getattr__(name: str):
     """`DraftQuantization`, the enum's name before `DraftForm` (with a warning; its members kept their values but
     "none" and "int8", which are `AS_GIVEN` and `DYNAMIC_INT8` now)."""
     if name == "DraftQuantization":
-        warnings.warn(
+        deprecated(
             "hf_specsample.DraftQuantization is now DraftForm (NONE is AS_GIVEN, INT8 is DYNAMIC_INT8); the old name "
-            "will stop working in a later release.",
-            FutureWarning,
-            stacklevel=2,
+            "will stop working in a later release."
         )
         return DraftForm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -188,29 +211,21 @@ class SpeculativeConfig:
         _check_lookahead("num_lookahead", self.num_lookahead)
         _check_lookahead("max_lookahead", self.max_lookahead)
         if self.draft_quantization is not None:
-            warnings.warn(
+            deprecated(
                 "SpeculativeConfig(draft_quantization=...) is now SpeculativeConfig(draft_form=...); the old name will "
-                "stop working in a later release.",
-                FutureWarning,
-                stacklevel=3,
+                "stop working in a later release."
             )
-            object.__setattr__(self, "draft_form", self.draft_quantization)
-        try:
-            object.__setattr__(self, "draft_form", DraftForm(self.draft_form))
-        except ValueError:
-            choices = ", ".join(repr(form.value) for form in DraftForm)
-            raise ValueError(f"draft_form must be one of {choices}, got {self.draft_form!r}.") from None
+            old = parse_choice(DraftForm, self.draft_quantization, "draft_quantization")
+            if self.draft_form != DraftForm.AUTO and parse_choice(DraftForm, self.draft_form, "draft_form") != old:
+                raise ValueError(
+                    f"draft_form={self.draft_form!r} and draft_quantization={self.draft_quantization!r} (its old name) "
+                    "disagree: pass draft_form= alone."
+                )
+            object.__setattr__(self, "draft_form", old)
+        object.__setattr__(self, "draft_form", parse_choice(DraftForm, self.draft_form, "draft_form"))
         object.__setattr__(self, "draft_quantization", None)
-        try:
-            object.__setattr__(self, "verification", Verification(self.verification))
-        except ValueError:
-            choices = ", ".join(repr(v.value) for v in Verification)
-            raise ValueError(f"verification must be one of {choices}, got {self.verification!r}.") from None
-        try:
-            object.__setattr__(self, "linear_kernel", LinearKernel(self.linear_kernel))
-        except ValueError:
-            choices = ", ".join(repr(k.value) for k in LinearKernel)
-            raise ValueError(f"linear_kernel must be one of {choices}, got {self.linear_kernel!r}.") from None
+        object.__setattr__(self, "verification", parse_choice(Verification, self.verification, "verification"))
+        object.__setattr__(self, "linear_kernel", parse_choice(LinearKernel, self.linear_kernel, "linear_kernel"))
         for name in ("fast_processors", "compile", "compile_draft"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -219,6 +234,10 @@ class SpeculativeConfig:
             raise TypeError(f"draft_vocabulary must be None, an int or a tensor of token ids, got {vocabulary!r}.")
         if isinstance(vocabulary, int) and vocabulary < 1:
             raise ValueError(f"draft_vocabulary must be a positive number of tokens, got {vocabulary}.")
+        if isinstance(vocabulary, torch.Tensor) and (
+            vocabulary.is_floating_point() or vocabulary.is_complex() or vocabulary.dtype is torch.bool
+        ):
+            raise TypeError(f"draft_vocabulary's token ids must be integers, got a {vocabulary.dtype} tensor.")
 
     @classmethod
     def resolve(cls, config: "SpeculativeConfig | None", num_lookahead: int | None) -> "SpeculativeConfig":

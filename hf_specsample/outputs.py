@@ -29,14 +29,21 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 
 class OutputRecorder:
-    """Collects the per-token scores/logits `generate()` was asked for, row by row."""
+    """Collects the per-token scores/logits `generate()` was asked for, step by step in the caller's row order.
+
+    Each kept step is one `(batch, vocab)` tensor, `-inf` in rows that hold no token at that step (finished, or not
+    there yet), so the steps so far are at hand as plain `generate()` holds them (its stopping criteria read them).
+    A round records its candidate tokens before the stopping criteria run, and `keep` drops those past a stop.
+    """
 
     def __init__(self, generation_config: GenerationConfig, batch_size: int):
         self.return_dict = bool(generation_config.return_dict_in_generate)
         self.keep_scores = self.return_dict and bool(generation_config.output_scores)
         self.keep_logits = self.return_dict and bool(generation_config.output_logits)
-        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
-        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+        self.batch_size = batch_size
+        self.recorded = [0] * batch_size  # per caller row, the steps recorded
+        self.scores: list[torch.Tensor] = []  # per step, (batch, vocab)
+        self.logits: list[torch.Tensor] = []
 
     @property
     def wants_raw_logits(self) -> bool:
@@ -49,13 +56,39 @@ class OutputRecorder:
         scores: torch.Tensor,
         raw_logits: torch.Tensor | None,
     ) -> None:
-        """Keep positions ``0 .. counts[b] - 1`` of `scores` / `raw_logits` (`(active rows, positions, vocab)`), under
-        each active row's caller row (`callers`, from the row book)."""
-        for row, (row_id, count) in enumerate(zip(callers, counts)):
-            if self.keep_scores:
-                self.scores[row_id].extend(scores[row, :count].unbind(0))
-            if self.keep_logits and raw_logits is not None:
-                self.logits[row_id].extend(raw_logits[row, :count].unbind(0))
+        """Keep positions ``0 .. counts[b] - 1`` of `scores` / `raw_logits` (`(active rows, positions, vocab)`) as the
+        next steps of each active row's caller row (`callers`, from the row book)."""
+        pairs = [(self.scores, scores)] if self.keep_scores else []
+        pairs += [(self.logits, raw_logits)] if self.keep_logits and raw_logits is not None else []
+        for kept, source in pairs:
+            # one copy per (step, position) shared by rows: one per position when the rows are aligned
+            groups: dict[tuple[int, int], list[int]] = {}
+            for row, (caller, count) in enumerate(zip(callers, counts)):
+                for position in range(count):
+                    groups.setdefault((self.recorded[caller] + position, position), []).append(row)
+            for (step, position), rows in groups.items():
+                while len(kept) <= step:
+                    kept.append(source.new_full((self.batch_size, source.shape[-1]), float("-inf")))
+                index = torch.tensor([callers[row] for row in rows], device=kept[step].device)
+                kept[step][index] = source[rows, position].to(kept[step].device)
+        for caller, count in zip(callers, counts):
+            self.recorded[caller] += count
+
+    def keep(self, callers: Sequence[int], recorded: Sequence[int], counts: Sequence[int]) -> None:
+        """Drop the last ``recorded[b] - counts[b]`` steps `record` kept for each active row (candidates past a
+        stop): `-inf` again, and steps no row reaches any more are gone."""
+        for caller, extra in zip(callers, (had - kept for had, kept in zip(recorded, counts))):
+            self.recorded[caller] -= extra
+            for kept in (self.scores, self.logits):
+                for step in range(self.recorded[caller], min(self.recorded[caller] + extra, len(kept))):
+                    kept[step][caller] = float("-inf")
+        longest = max(self.recorded, default=0)
+        del self.scores[longest:], self.logits[longest:]
+
+    def scores_so_far(self, steps: int) -> tuple[torch.Tensor, ...] | None:
+        """What plain `generate()` passes its stopping criteria as `scores` after `steps` new tokens: its processed
+        scores per step, `(batch, vocab)` each, where they are returned, else None."""
+        return tuple(self.scores[:steps]) if self.keep_scores else None
 
     def build(
         self, sequences: torch.Tensor, stats: SpeculativeStats, cache
@@ -65,16 +98,8 @@ class OutputRecorder:
             return sequences
         return SpeculativeDecoderOnlyOutput(
             sequences=sequences,
-            scores=_per_step(self.scores) if self.keep_scores else None,
-            logits=_per_step(self.logits) if self.keep_logits else None,
+            scores=tuple(self.scores) if self.keep_scores else None,
+            logits=tuple(self.logits) if self.keep_logits else None,
             speculative_stats=stats,
             **{transformers_api.CACHE: cache},
         )
-
-
-def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """Rows of per-token vectors -> tuple over steps of `(batch, vocab)`, `-inf` where a row had finished."""
-    steps = max(len(row) for row in per_row)
-    template = next(row[0] for row in per_row if row)
-    filler = torch.full_like(template, float("-inf"))
-    return tuple(torch.stack([row[step] if step < len(row) else filler for row in per_row]) for step in range(steps))

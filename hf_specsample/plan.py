@@ -169,7 +169,7 @@ def _refuse(
     validation.check_hybrid_draft(draft, other_tokenizer)
     validation.check_generation_config(generation_config)
     validation.check_prompt_lookup(inputs.lookup_tokens, inputs.max_ngram)
-    validation.check_inputs(inputs.input_ids, inputs.model_kwargs, inputs.streamer)
+    validation.check_inputs(inputs.input_ids, inputs.model_kwargs, inputs.streamer, inputs.generator)
     validation.check_cache_plan(target, transformers_api.generate_cache(inputs.model_kwargs), generation_config, config)
     validation.check_stopping(inputs.stopping_criteria, inputs.batch_size)
     check_supported(inputs.logits_processor)

@@ -225,6 +225,18 @@ class Sequences:
         self.tokens = self.tokens[torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)]
         self.lengths = [self.lengths[row] for row in rows]
 
+    def caller_prefixes(self, length: int, pad_token_id: int | None) -> torch.Tensor:
+        """`(batch, length)` the first `length` columns of every row in the caller's order, as plain `generate()`'s
+        `input_ids` would hold them: active rows from the buffer (past a row's own length: whatever the buffer
+        holds, this round's drafts), finished rows their final tokens, then `pad_token_id` (0 where None)."""
+        out = self.tokens.new_full((self.batch_size, length), pad_token_id if pad_token_id is not None else 0)
+        if self.num_active:
+            out[tensor_on(self.rows.callers(), out.device)] = self.tokens[:, :length]
+        for caller, tokens in self.finished.items():
+            kept = min(length, tokens.shape[0])
+            out[caller, :kept] = tokens[:kept]
+        return out
+
     def output(self, pad_token_id: int | None) -> torch.Tensor:
         """`(batch, longest)` sequences in the caller's row order, shorter rows right-padded with `pad_token_id`."""
         self.retire([True] * self.num_active)

@@ -131,7 +131,8 @@ class SpeculativeStats:
     def __str__(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.target_forward_passes} target passes "
-            f"({self.tokens_per_target_pass:.2f} per pass), acceptance {self.acceptance_rate:.1%} "
+            f"({self.tokens_per_target_pass:.2f} per {'row and ' if len(self.row_target_passes) > 1 else ''}pass), "
+            f"acceptance {self.acceptance_rate:.1%} "
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
             + (f", draft {self.draft_form}" if self.draft_form else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")

@@ -37,6 +37,12 @@ def check_models(target: ModelFacts, draft: ModelFacts | None) -> None:
                 f"The {role} model is encoder-decoder ({type(facts.model).__name__}); hf_specsample drafts for "
                 "decoder-only causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
+        if facts.unloaded:
+            raise ValueError(
+                f"The {role} model's weights are on the meta device, and no accelerate hook loads them (a model built "
+                "under `init_empty_weights` or moved with `.to('meta')`): load its weights first (`from_pretrained`, "
+                "or `to_empty()` then `load_state_dict`)."
+            )
         problem = facts.problem_as(role)
         if problem is not None:
             raise ValueError(
@@ -150,8 +156,15 @@ def check_prompt_lookup(num_tokens: Any, max_ngram: Any) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
 
 
-def check_inputs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer: Any = None) -> None:
+def check_inputs(
+    input_ids: torch.Tensor, model_kwargs: dict[str, Any], streamer: Any = None, generator: Any = None
+) -> None:
     """Reject inputs the loop does not handle, instead of ignoring them."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator= takes a torch.Generator (e.g. `torch.Generator().manual_seed(0)`), got "
+            f"{type(generator).__name__}."
+        )
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(
             f"streamer= takes one row, but this call generates {input_ids.shape[0]} (batch x num_return_sequences): "

@@ -99,6 +99,8 @@ def test_batch_statistics(target, draft):
     assert stats.new_tokens == 60
     assert all(0 <= a <= d for a, d in zip(stats.row_accepted_tokens, stats.row_draft_tokens))
     assert len(out.scores) == 20 and out.scores[0].shape == (3, VOCAB)
+    # the summary's rate is per row and pass (60 tokens over the rows' passes), and says so
+    assert f"({60 / sum(stats.row_target_passes):.2f} per row and pass)" in str(stats)
 
 
 def test_streamer_with_a_batch_is_refused(target, draft):
@@ -216,3 +218,71 @@ def test_custom_criterion_with_eos_pads_stopped_rows_like_plain(target, draft):
     plain = greedy(target, ids, mask, **kwargs)
     assert (plain[0, ids.shape[1] + 4 :] == PAD).all(), "row 0 stops on the criterion and is padded"
     assert greedy(target, ids, mask, draft_model=draft, num_lookahead=3, **kwargs).tolist() == plain.tolist()
+
+
+def test_custom_criteria_see_the_whole_batch_in_the_callers_row_order(target, draft):
+    """`generate()` calls stopping criteria with every row, finished ones padded, row `b` at index `b`: a criterion
+    that stops one row by its index stops that row only, whichever rows share a prefix length or have finished."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ids, mask = left_padded(PROMPTS)
+    free = greedy(target, ids, mask, max_new_tokens=16)[:, ids.shape[1] :]
+    # row 1 finishes early on an EOS id rows 0 and 2 never emit
+    eos = next(int(t) for t in free[1, 2:] if int(t) not in free[0].tolist() + free[2].tolist())
+    seen = []
+
+    class StopRowTwo(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append((input_ids.shape[0], input_ids[1].clone()))
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[2] = input_ids.shape[1] >= ids.shape[1] + 9
+            return done
+
+    kwargs = dict(max_new_tokens=16, eos_token_id=eos, stopping_criteria=StoppingCriteriaList([StopRowTwo()]))
+    plain = greedy(target, ids, mask, **kwargs)
+    assert (plain[1, -3:] == PAD).all() and (plain[2, ids.shape[1] + 9 :] == PAD).all()
+    assert plain[0, ids.shape[1] :].tolist() == free[0].tolist(), "row 0 runs to max_new_tokens"
+    plain_seen, seen[:] = list(seen), []
+    for lookahead in (2, 5):
+        got = greedy(target, ids, mask, draft_model=draft, num_lookahead=lookahead, **kwargs)
+        assert got.tolist() == plain.tolist()
+        assert {rows for rows, _ in seen} == {3}
+        # the finished row 1 is shown as plain shows it: its tokens, then padding
+        late = [row for rows, row in seen if row.shape[0] == plain.shape[1]]
+        assert late and all(row.tolist() == plain[1].tolist() for row in late)
+        seen.clear()
+    assert plain_seen
+
+
+def test_custom_criteria_read_the_scores_so_far_as_plain_passes_them(target, draft):
+    """With `output_scores=True` plain passes its processed scores so far (a tuple of `(batch, vocab)`); a criterion
+    that reads them stops where plain's does, and one called without them gets None as from plain."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ids, mask = left_padded(PROMPTS)
+    free = greedy(target, ids, mask, max_new_tokens=12, return_dict_in_generate=True, output_scores=True)
+    # a threshold between the rows' top scores at some step: rows stop at different steps
+    tops = torch.stack(free.scores).max(-1).values  # (steps, batch)
+    threshold = float(tops[3:].median())
+    calls = []
+
+    class Confident(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            calls.append(scores is None or (len(scores) == input_ids.shape[1] - ids.shape[1]))
+            if scores is None:
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return scores[-1].max(-1).values > threshold
+
+    for scored in (True, False):
+        kwargs = dict(
+            max_new_tokens=12, eos_token_id=VOCAB - 1, stopping_criteria=StoppingCriteriaList([Confident()]),
+            return_dict_in_generate=scored, output_scores=scored,
+        )  # fmt: skip
+        plain = greedy(target, ids, mask, **kwargs)
+        got = greedy(target, ids, mask, draft_model=draft, num_lookahead=3, **kwargs)
+        plain_ids, got_ids = (plain.sequences, got.sequences) if scored else (plain, got)
+        assert got_ids.tolist() == plain_ids.tolist()
+        if scored:
+            assert (plain_ids[:, -1] == PAD).any(), "no row stopped on its scores: the test has no power"
+            assert len(got.scores) == len(plain.scores)
+    assert calls and all(calls)

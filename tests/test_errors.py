@@ -226,3 +226,29 @@ def test_batch_with_per_row_stop_criteria_and_no_eos_is_refused(target, draft):
         draft_model=draft,
         stopping_criteria=StoppingCriteriaList([StopOn()]),
     )
+
+
+def test_draft_without_weights_is_refused(target):
+    """A draft on the meta device (never loaded) is refused with what to do, not torch's device error mid-forward;
+    a target likewise."""
+    unloaded = tiny_lm(seed=1, vocab_size=32).to("meta")
+    assert_fails_before_work(target, unloaded, match="draft model's weights are on the meta device.*load its weights")
+    assert_fails_before_work(unloaded, target, match="target model's weights are on the meta device")
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generator_that_is_not_a_generator(target, draft, do_sample):
+    assert_fails_before_work(
+        target, draft, match="generator= takes a torch.Generator", error=TypeError, generator=3, do_sample=do_sample
+    )
+
+
+def test_draft_vocabulary_of_non_integer_ids_or_too_wide():
+    for ids in (torch.tensor([3.0, 7.9, 12.5]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match="token ids must be integers"):
+            SpeculativeConfig(draft_vocabulary=ids)
+
+
+def test_draft_vocabulary_wider_than_the_models(target, draft):
+    config = SpeculativeConfig(draft_vocabulary=1000)
+    assert_fails_before_work(target, draft, match="draft_vocabulary=1000 exceeds the 32 ids", speculative_config=config)

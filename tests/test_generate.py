@@ -24,10 +24,11 @@ def greedy(model, **kwargs):
 
 class RecordingStreamer(BaseStreamer):
     def __init__(self):
-        self.chunks, self.ended = [], 0
+        self.chunks, self.shapes, self.ended = [], [], 0
 
     def put(self, value):
         self.chunks.append(value.reshape(-1).tolist())
+        self.shapes.append(tuple(value.shape))
 
     def end(self):
         self.ended += 1
@@ -143,11 +144,13 @@ def test_custom_stopping_criteria(target, draft):
 
 
 def test_streamer_receives_prompt_then_committed_tokens(target, draft):
-    streamer = RecordingStreamer()
+    """As plain `generate()` streams: the prompt `(1, length)`, then each new token on its own as a `(1,)` tensor."""
+    streamer, plain = RecordingStreamer(), RecordingStreamer()
     out = greedy(target, max_new_tokens=25, draft_model=draft, num_lookahead=3, streamer=streamer)
+    assert torch.equal(out, greedy(target, max_new_tokens=25, streamer=plain))
     assert streamer.chunks[0] == PROMPT[0].tolist()
     assert sum(streamer.chunks[1:], []) == out[0, PROMPT.shape[1] :].tolist()
-    assert len(streamer.chunks) > 2 and streamer.ended == 1
+    assert (streamer.chunks, streamer.shapes, streamer.ended) == (plain.chunks, plain.shapes, 1)
 
 
 def test_text_streamer_prints_the_text(target, draft, tokenizer, capsys):

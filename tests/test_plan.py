@@ -3,6 +3,7 @@ form still accepted with a warning."""
 
 import collections
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,27 @@ def test_the_old_spellings_of_the_drafts_form_still_work_with_a_warning():
         warnings.simplefilter("error")  # the new spellings say nothing
         SpeculativeConfig(draft_form="dynamic_int8")
         prepare_draft(draft, target, form="as_given")
+
+
+def test_deprecated_spellings_point_at_the_users_line_and_never_silently_lose():
+    """Each old spelling's warning names the caller's file (not the library's); both names given and disagreeing is
+    refused; a wrong form names the choices wherever it is passed."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    for make in (
+        lambda: SpeculativeConfig(draft_quantization="as_given"),
+        lambda: SpeculativeConfig(draft_form="int8"),
+        lambda: DraftForm("none"),
+        lambda: hf_specsample.DraftQuantization,
+        lambda: prepare_draft(draft, target, quantization="as_given"),
+    ):
+        with pytest.warns(FutureWarning) as caught:
+            make()
+        assert {Path(w.filename).name for w in caught} == {Path(__file__).name}, [w.filename for w in caught]
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="disagree: pass draft_form= alone"):
+        SpeculativeConfig(draft_form="int8_weights", draft_quantization="none")
+    with pytest.warns(FutureWarning):  # the same form under both names is not a conflict
+        assert SpeculativeConfig(draft_form="dynamic_int8", draft_quantization="int8").draft_form is DraftForm.INT8
+    for make in (lambda: SpeculativeConfig(draft_form="bogus"), lambda: prepare_draft(draft, target, form="bogus")):
+        with pytest.raises(ValueError, match="must be one of 'auto', 'as_given', .*got 'bogus'"):
+            make()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -32,7 +31,7 @@ from transformers import PreTrainedModel
 from ..cache.forwards import WideForwards
 from ..kernels.plan import KernelPlan
 from ..model_facts import ModelFacts
-from ..options import DraftForm, LinearKernel, NamedDraft
+from ..options import DraftForm, LinearKernel, NamedDraft, deprecated, parse_choice
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers
 from .auto import choose_form
@@ -106,13 +105,13 @@ class PreparedDraft:
     @property
     def width(self) -> int:
         """`logit_width`'s name before (with a warning)."""
-        warnings.warn("PreparedDraft.width is now PreparedDraft.logit_width.", FutureWarning, stacklevel=2)
+        deprecated("PreparedDraft.width is now PreparedDraft.logit_width.")
         return self.logit_width
 
     @property
     def quantization(self) -> DraftForm:
         """`form`'s name before (with a warning)."""
-        warnings.warn("PreparedDraft.quantization is now PreparedDraft.form.", FutureWarning, stacklevel=2)
+        deprecated("PreparedDraft.quantization is now PreparedDraft.form.")
         return self.form
 
     @property
@@ -283,7 +282,7 @@ def prepare_draft(
             form for a draft that is not a float model on the CPU.
     """
     if quantization is not None:
-        warnings.warn("prepare_draft(quantization=...) is now prepare_draft(form=...).", FutureWarning, stacklevel=2)
+        deprecated("prepare_draft(quantization=...) is now prepare_draft(form=...).")
         form = quantization
     spec = resolve_draft(draft)
     if spec.kind not in (DraftKind.MODEL, DraftKind.SELF):
@@ -299,7 +298,7 @@ def prepare_draft(
     other_tokenizer = check_tokenizers(target_facts.logit_width, draft_width, tokenizers, named)
     if other_tokenizer and vocabulary is not None:
         raise ValueError(OTHER_TOKENIZER_VOCABULARY)
-    form = DraftForm(form)
+    form = parse_choice(DraftForm, form, "form")
     ids = vocabulary_ids(
         vocabulary, shared_width(target_facts, draft_facts), special_token_ids(target.generation_config)
     )

@@ -54,8 +54,15 @@ def vocabulary_ids(vocabulary: torch.Tensor | int | None, width: int, special_id
     if vocabulary is None:
         return None
     if isinstance(vocabulary, int):
-        ids = set(range(min(vocabulary, width))) | {token for token in special_ids if 0 <= token < width}
+        if vocabulary > width:
+            raise ValueError(
+                f"draft_vocabulary={vocabulary} exceeds the {width} ids both models score: pass at most {width}, or "
+                "None for every id."
+            )
+        ids = set(range(vocabulary)) | {token for token in special_ids if 0 <= token < width}
         return torch.tensor(sorted(ids), dtype=torch.long)
+    if vocabulary.is_floating_point() or vocabulary.is_complex() or vocabulary.dtype is torch.bool:
+        raise TypeError(f"draft_vocabulary's token ids must be integers, got a {vocabulary.dtype} tensor.")
     ids = vocabulary.flatten().long().unique().cpu()
     if int(ids.min()) < 0 or int(ids.max()) >= width:
         raise ValueError(f"draft_vocabulary holds ids outside [0, {width}).")

@@ -7,8 +7,9 @@ criteria once per call by what they read:
 - `MaxLengthCriteria` reads the prefix's length only, and `MaxTimeCriteria` the clock: both are decided on the host;
 - `EosTokenCriteria` reads the last token only: whether each of the round's tokens is an EOS id is computed on the
   device for all of them at once (`eos_flags`) and read with the round's one host sync (the accepted counts);
-- any other criterion (stop strings, a user's) is called on every prefix, once per distinct prefix length with the
-  rows that share it, as `generate()` would call it; each such call reads its verdict from the device.
+- any other criterion (stop strings, a user's) is called on every prefix, once per distinct prefix length, as
+  `generate()` calls it: with the whole batch in the caller's row order (`CallerView`: finished rows padded, the
+  scores so far where they are returned); the verdicts of the rows whose prefix that is are read from the device.
 
 So a call with the default criteria syncs once per round, however many tokens it commits.
 """
@@ -17,13 +18,17 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from ..devices import tensor_on
+
+# A prefix length -> what plain `generate()` passes its stopping criteria after that many columns: `(batch, length)`
+# input ids of every caller row, and its scores so far (a tuple of `(batch, vocab)`, or None).
+CallerView = Callable[[int], tuple[torch.Tensor, "tuple[torch.Tensor, ...] | None"]]
 
 
 class StopCheck:
@@ -63,6 +68,8 @@ class StopCheck:
         lengths: Sequence[int],
         num_accepted: Sequence[int],
         eos_flags: Sequence[Sequence[int]] | None,
+        callers: Sequence[int],
+        view: CallerView,
     ) -> list[int | None]:
         """For each row, the number of new tokens after which a criterion first fires, or None.
 
@@ -74,6 +81,8 @@ class StopCheck:
             lengths: per row, the committed length before the new tokens.
             num_accepted: per row, the draft tokens accepted.
             eos_flags: `eos_flags`' rows as read on the host (None: no EOS criterion).
+            callers: per active row, its row in the caller's batch.
+            view: what the other criteria are called with at a prefix length.
 
         Returns:
             Per row, ``i`` in ``1 .. num_accepted[b] + 1`` if the criteria fire on the prefix ending at new token
@@ -99,7 +108,7 @@ class StopCheck:
             stops[row] = min(candidates) if candidates else None
         if len(self.others):
             limits = [stop if stop is not None else count for stop, count in zip(stops, counts)]
-            for row, stop in enumerate(_prefix_stops(self.others, tokens, lengths, limits)):
+            for row, stop in enumerate(_prefix_stops(self.others, lengths, limits, callers, view)):
                 if stop is not None and (stops[row] is None or stop < stops[row]):
                     stops[row] = stop
         return stops
@@ -113,11 +122,15 @@ def _warn_past_position_embeddings(criterion: MaxLengthCriteria, tokens: torch.T
 
 
 def _prefix_stops(
-    criteria: StoppingCriteriaList, tokens: torch.Tensor, lengths: Sequence[int], counts: Sequence[int]
+    criteria: StoppingCriteriaList,
+    lengths: Sequence[int],
+    counts: Sequence[int],
+    callers: Sequence[int],
+    view: CallerView,
 ) -> list[int | None]:
-    """For each row, the first ``i`` in ``1 .. counts[b]`` at which `criteria` fire on ``tokens[b, : lengths[b] + i]``,
-    or None: called once per distinct prefix length with all rows that share it (each call reads its verdict).
-    `scores` is passed as None, as `generate()` does when scores are not returned."""
+    """For each active row, the first ``i`` in ``1 .. counts[b]`` at which `criteria` fire on its prefix of
+    ``lengths[b] + i`` columns, or None. Called once per distinct prefix length with the whole batch, as `generate()`
+    calls them (`view`; row indices are the caller's), reading the verdicts of the rows whose prefix it is."""
     stops: list[int | None] = [None] * len(lengths)
     groups: dict[int, list[int]] = defaultdict(list)
     for row, (length, count) in enumerate(zip(lengths, counts)):
@@ -127,9 +140,9 @@ def _prefix_stops(
         rows = [row for row in groups[prefix_length] if stops[row] is None]
         if not rows:
             continue
-        index = tensor_on(rows, tokens.device)
-        fired = criteria(tokens[index, :prefix_length], None).tolist()
-        for row, has_fired in zip(rows, fired):
+        input_ids, scores = view(prefix_length)
+        fired = criteria(input_ids, scores)  # (batch,) bool
+        for row, has_fired in zip(rows, fired[tensor_on([callers[row] for row in rows], fired.device)].tolist()):
             if has_fired:
                 stops[row] = prefix_length - lengths[row]
     return stops
