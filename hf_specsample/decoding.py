@@ -92,7 +92,10 @@ class SpeculativeDecoder:
         self.do_sample, self.generator = bool(generation_config.do_sample), plan.generator
         self.pad_token_id = _as_int(transformers_api.pad_token_id(generation_config))
         self.verification, self.tensor_parallel = plan.config.verification, target.tensor_parallel
-        self.stops, self.streamer = StopCheck(inputs.stopping_criteria, input_ids.device), inputs.streamer
+        self.stops, self.streamer = (
+            StopCheck(inputs.stopping_criteria, input_ids.device, inputs.batch_size),
+            inputs.streamer,
+        )
         self.processor = PositionwiseProcessor(inputs.logits_processor, inputs.batch_size, plan.config.fast_processors)
         # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
         # recovered/bonus token fit (one spare column).
@@ -235,10 +238,12 @@ class SpeculativeDecoder:
         seqs.write(verdict.num_accepted, verdict.next_tokens)
         width = proposal.tokens.shape[1]
         flags = None if eos_flags is None else [row[1 : width + 2] for row in values]
-        callers, candidates = seqs.rows.callers(), [accepted + 1 for accepted in num_accepted]
+        callers, candidates = seqs.rows.callers(), self.stops.candidates(num_accepted)
         # recorded before the criteria run, which read the scores so far as plain's do; `keep` drops those past a stop
         self.recorder.record(callers, candidates, scores, raw_logits if self.recorder.wants_raw_logits else None)
-        stops = self.stops.first_stops(seqs.tokens, seqs.lengths, num_accepted, flags, callers, self.caller_view)
+        stops = self.stops.first_stops(
+            seqs.tokens, seqs.lengths, num_accepted, candidates, flags, callers, self.caller_view
+        )
         counts = [stop if stop is not None else count for stop, count in zip(stops, candidates)]
         self.recorder.keep(callers, candidates, counts)
 
@@ -258,11 +263,16 @@ class SpeculativeDecoder:
             self.drafter.keep_confirmed(seqs.lengths)
         return num_accepted
 
-    def caller_view(self, length: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    def caller_view(self, length: int, ends: dict[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """What plain `generate()` passes its stopping criteria once rows hold `length` columns: `(batch, length)`
-        ids in the caller's row order (`Sequences.caller_prefixes`) and the scores so far (`verify.stopping`)."""
-        steps = length - self.sequences.prompt_length
-        return self.sequences.caller_prefixes(length, self.pad_token_id), self.recorder.scores_so_far(steps)
+        ids in the caller's row order (`Sequences.caller_prefixes`; `ends`: active rows stopped within the round,
+        padded past their end, their scores blanked) and the scores so far (`verify.stopping`)."""
+        seqs = self.sequences
+        for row, end in ends.items():
+            self.recorder.blank(seqs.rows.caller(row), end - seqs.prompt_length)
+        return seqs.caller_prefixes(length, self.pad_token_id, ends), self.recorder.scores_so_far(
+            length - seqs.prompt_length
+        )
 
     def keep_finished_caches(self, done: list[bool]) -> None:
         """Set aside the target cache of each row that stops this round, for the cache `generate()` returns."""

@@ -33,7 +33,8 @@ class OutputRecorder:
 
     Each kept step is one `(batch, vocab)` tensor, `-inf` in rows that hold no token at that step (finished, or not
     there yet), so the steps so far are at hand as plain `generate()` holds them (its stopping criteria read them).
-    A round records its candidate tokens before the stopping criteria run, and `keep` drops those past a stop.
+    A round records its candidate tokens before the stopping criteria run, `blank` clears a row's candidates past
+    its stop before the next criterion call, and `keep` drops what no row reaches.
     """
 
     def __init__(self, generation_config: GenerationConfig, batch_size: int):
@@ -84,6 +85,13 @@ class OutputRecorder:
                     kept[step][caller] = float("-inf")
         longest = max(self.recorded, default=0)
         del self.scores[longest:], self.logits[longest:]
+
+    def blank(self, caller: int, first_step: int) -> None:
+        """`-inf` again in `caller`'s row from `first_step` on (a row that stopped within the round: before the next
+        criterion call, so that no step a criterion was handed changes after the call)."""
+        for kept in (self.scores, self.logits):
+            for step in range(first_step, len(kept)):
+                kept[step][caller] = float("-inf")
 
     def scores_so_far(self, steps: int) -> tuple[torch.Tensor, ...] | None:
         """What plain `generate()` passes its stopping criteria as `scores` after `steps` new tokens: its processed

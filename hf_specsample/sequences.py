@@ -225,13 +225,22 @@ class Sequences:
         self.tokens = self.tokens[torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)]
         self.lengths = [self.lengths[row] for row in rows]
 
-    def caller_prefixes(self, length: int, pad_token_id: int | None) -> torch.Tensor:
+    def caller_prefixes(
+        self, length: int, pad_token_id: int | None, ends: dict[int, int] | None = None
+    ) -> torch.Tensor:
         """`(batch, length)` the first `length` columns of every row in the caller's order, as plain `generate()`'s
         `input_ids` would hold them: active rows from the buffer (past a row's own length: whatever the buffer
-        holds, this round's drafts), finished rows their final tokens, then `pad_token_id` (0 where None)."""
-        out = self.tokens.new_full((self.batch_size, length), pad_token_id if pad_token_id is not None else 0)
+        holds, this round's drafts), finished rows their final tokens, then `pad_token_id` (0 where None).
+
+        Args:
+            ends: active rows that stopped within this round -> their final length: padded past it.
+        """
+        pad = pad_token_id if pad_token_id is not None else 0
+        out = self.tokens.new_full((self.batch_size, length), pad)
         if self.num_active:
             out[tensor_on(self.rows.callers(), out.device)] = self.tokens[:, :length]
+        for row, end in (ends or {}).items():
+            out[self.rows.caller(row), end:] = pad
         for caller, tokens in self.finished.items():
             kept = min(length, tokens.shape[0])
             out[caller, :kept] = tokens[:kept]

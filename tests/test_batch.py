@@ -120,16 +120,28 @@ def small_pair():
     return small_target, perturbed_copy(small_target, seed=1, scale=0.3)
 
 
-def test_each_row_follows_its_own_prompts_distribution(small_pair):
-    """Two prompts of different lengths, left-padded, ROWS rows each, in one call."""
+class NeverStops:
+    """A user's stopping criterion that never fires: in a batch it makes the rows commit in lockstep."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_each_row_follows_its_own_prompts_distribution(small_pair, lockstep):
+    """Two prompts of different lengths, left-padded, ROWS rows each, in one call; with a user's criterion the rows
+    commit in lockstep (each round the fewest tokens any row accepted), which must sample the same."""
+    from transformers import StoppingCriteriaList
+
     small_target, small_draft = small_pair
     prompts = [[1, 5, 2, 5], [1, 3]]
     ids, mask = left_padded(prompts)
     settings = dict(temperature=0.9, top_k=6, repetition_penalty=1.4)
+    extra = dict(stopping_criteria=StoppingCriteriaList([NeverStops()]), eos_token_id=VOCAB + 5) if lockstep else {}
     out = small_target.generate(
         ids, attention_mask=mask, do_sample=True, num_return_sequences=ROWS, max_new_tokens=NUM_TOKENS,
         pad_token_id=PAD, draft_model=small_draft, num_lookahead=2, generator=torch.Generator().manual_seed(21),
-        **settings,
+        **settings, **extra,
     )  # fmt: skip
     samples = continuations(out, ids.shape[1])
     for index, prompt in enumerate(prompts):
@@ -286,3 +298,59 @@ def test_custom_criteria_read_the_scores_so_far_as_plain_passes_them(target, dra
             assert (plain_ids[:, -1] == PAD).any(), "no row stopped on its scores: the test has no power"
             assert len(got.scores) == len(plain.scores)
     assert calls and all(calls)
+
+
+def test_stateful_and_cross_row_criteria_see_every_length_once_in_order(target, draft):
+    """Plain decoding calls a batch's criteria once per length, in order, with every running row at that length: a
+    criterion may keep state (count a token as it appears) or read other rows (stop all once any row says X). With
+    such a user's criterion the batch commits in lockstep, so both stop where plain's do; a row stopped earlier in a
+    round shows padded, and no scores a criterion was handed change after the call."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ids, mask = left_padded(PROMPTS)
+    width = ids.shape[1]
+    free = greedy(target, ids, mask, max_new_tokens=24)[:, width:]
+
+    class CountToken(StoppingCriteria):  # stops a row at the token's second appearance
+        def __init__(self, token):
+            self.token, self.count, self.calls = token, None, []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls.append((input_ids.clone(), None if scores is None else scores[-1], None if scores is None
+                               else scores[-1].clone()))  # fmt: skip
+            if self.count is None:
+                self.count = torch.zeros(input_ids.shape[0], dtype=torch.long)
+            self.count += (input_ids[:, -1] == self.token).long()
+            return self.count >= 2
+
+    class AnyRowSaid(StoppingCriteria):  # stops every row once any row's newest token is the token
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids[:, -1] == self.token).any().expand(input_ids.shape[0])
+
+    tokens = sorted(set(free.flatten().tolist()))[:8]
+    differing = 0
+    for token in tokens:
+        for make in (CountToken, AnyRowSaid):
+            for lookahead in (2, 4):
+                runs = []
+                for extra in ({}, dict(draft_model=draft, num_lookahead=lookahead)):
+                    criterion = make(token)
+                    out = greedy(
+                        target, ids, mask, max_new_tokens=24, eos_token_id=VOCAB - 1, return_dict_in_generate=True,
+                        output_scores=True, stopping_criteria=StoppingCriteriaList([criterion]), **extra,
+                    )  # fmt: skip
+                    runs.append((out.sequences, criterion))
+                (plain, plain_criterion), (got, got_criterion) = runs
+                assert got.tolist() == plain.tolist(), (make.__name__, token, lookahead)
+                differing += not torch.equal(plain, greedy(target, ids, mask, max_new_tokens=24)[:, : plain.shape[1]])
+                if make is CountToken:
+                    # once per length, in order, every row at that length, as plain calls it (finished rows padded)
+                    lengths = [[call[0].shape[1] for call in c.calls] for c in (got_criterion, plain_criterion)]
+                    assert lengths[0] == lengths[1]
+                    for (got_ids, kept, copy), (plain_ids, _, _) in zip(got_criterion.calls, plain_criterion.calls):
+                        assert got_ids.tolist() == plain_ids.tolist()
+                        assert torch.equal(kept, copy), "scores handed to a criterion changed after the call"
+    assert differing, "no criterion stopped any row: the test has no power"

@@ -8,8 +8,15 @@ criteria once per call by what they read:
 - `EosTokenCriteria` reads the last token only: whether each of the round's tokens is an EOS id is computed on the
   device for all of them at once (`eos_flags`) and read with the round's one host sync (the accepted counts);
 - any other criterion (stop strings, a user's) is called on every prefix, once per distinct prefix length, as
-  `generate()` calls it: with the whole batch in the caller's row order (`CallerView`: finished rows padded, the
-  scores so far where they are returned); the verdicts of the rows whose prefix that is are read from the device.
+  `generate()` calls it: with the whole batch in the caller's row order (`CallerView`: finished rows padded, those
+  stopped earlier in the round too, the scores so far where they are returned); the verdicts of the rows whose
+  prefix that is are read from the device.
+
+A user's criterion in a batch may keep state between calls or read other rows, as plain decoding allows: it must
+then see every prefix length once, in order, with every active row at that length. So a batch with such a
+criterion commits in lockstep (`lockstep`): each round, every row keeps as many tokens as the row that accepted
+fewest (a prefix of what it accepted: exact, the cut depends on acceptance alone), and its rows never drift apart.
+Transformers' `StopStringCriteria` reads each row's own tail and keeps no state: it needs no lockstep.
 
 So a call with the default criteria syncs once per round, however many tokens it commits.
 """
@@ -22,23 +29,30 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 
 from ..devices import tensor_on
 
 # A prefix length -> what plain `generate()` passes its stopping criteria after that many columns: `(batch, length)`
 # input ids of every caller row, and its scores so far (a tuple of `(batch, vocab)`, or None).
-CallerView = Callable[[int], tuple[torch.Tensor, "tuple[torch.Tensor, ...] | None"]]
+# `ends`: active rows that stopped earlier in this round -> their final length (shown padded past it).
+CallerView = Callable[[int, dict[int, int]], tuple[torch.Tensor, "tuple[torch.Tensor, ...] | None"]]
 
 
 class StopCheck:
     """A call's stopping criteria, split once into what the host, one device read and per-prefix calls decide."""
 
-    def __init__(self, criteria: StoppingCriteriaList, device: torch.device):
+    def __init__(self, criteria: StoppingCriteriaList, device: torch.device, batch_size: int):
         """
         Args:
             criteria: the stopping criteria `generate()` prepared (max length, EOS, stop strings, user criteria).
             device: the token buffer's device.
+            batch_size: rows of the call (lockstep only matters to several).
         """
         # Exact types: a subclass may read more than the length, the clock or the last token.
         self.max_lengths = [c for c in criteria if type(c) is MaxLengthCriteria]
@@ -47,6 +61,13 @@ class StopCheck:
         self.eos_ids = torch.cat(eos).to(device) if eos else None  # (ids,) long
         known = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria)
         self.others = StoppingCriteriaList([c for c in criteria if type(c) not in known])
+        self.lockstep = batch_size > 1 and any(type(c) is not StopStringCriteria for c in self.others)
+
+    def candidates(self, num_accepted: Sequence[int]) -> list[int]:
+        """Per row, the new tokens this round may commit before any criterion is asked: its accepted draft tokens and
+        the recovered or bonus token, or in `lockstep` the fewest of any row."""
+        counts = [accepted + 1 for accepted in num_accepted]
+        return [min(counts)] * len(counts) if self.lockstep else counts
 
     def eos_flags(self, draft_tokens: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor | None:
         """`(batch, K + 1)` long, 1 where the round's token at that offset is an EOS id: the K draft tokens, then the
@@ -67,31 +88,32 @@ class StopCheck:
         tokens: torch.Tensor,
         lengths: Sequence[int],
         num_accepted: Sequence[int],
+        counts: Sequence[int],
         eos_flags: Sequence[Sequence[int]] | None,
         callers: Sequence[int],
         view: CallerView,
     ) -> list[int | None]:
         """For each row, the number of new tokens after which a criterion first fires, or None.
 
-        Row b's new tokens are its `num_accepted[b]` accepted draft tokens and the recovered or bonus token after
-        them, written in `tokens` after ``lengths[b]``.
+        Row b's new tokens are the first `counts[b]` (`candidates`) of its `num_accepted[b]` accepted draft tokens
+        and the recovered or bonus token after them, written in `tokens` after ``lengths[b]``.
 
         Args:
             tokens: `(batch, capacity)` long buffer.
             lengths: per row, the committed length before the new tokens.
             num_accepted: per row, the draft tokens accepted.
+            counts: per row, the new tokens to check (`candidates`).
             eos_flags: `eos_flags`' rows as read on the host (None: no EOS criterion).
             callers: per active row, its row in the caller's batch.
             view: what the other criteria are called with at a prefix length.
 
         Returns:
-            Per row, ``i`` in ``1 .. num_accepted[b] + 1`` if the criteria fire on the prefix ending at new token
-            ``i``, else None.
+            Per row, ``i`` in ``1 .. counts[b]`` if the criteria fire on the prefix ending at new token ``i``, else
+            None.
         """
-        counts = [accepted + 1 for accepted in num_accepted]
         stops: list[int | None] = [None] * len(lengths)
         timed_out = any(time.time() - c.initial_timestamp > c.max_time for c in self.timers)
-        for row, (length, count) in enumerate(zip(lengths, counts)):
+        for row, (length, count, accepted) in enumerate(zip(lengths, counts, num_accepted)):
             candidates = [1] if timed_out else []
             for criterion in self.max_lengths:  # fires once the prefix holds max_length tokens
                 if length + count >= criterion.max_length:
@@ -99,16 +121,15 @@ class StopCheck:
                 _warn_past_position_embeddings(criterion, tokens, length + count)
             if eos_flags is not None:
                 flags = eos_flags[row]
-                # the accepted draft tokens, then the recovered / bonus token (its flag is the last one)
-                hit = next((i + 1 for i in range(count - 1) if flags[i]), None)
-                if hit is None and flags[-1]:
-                    hit = count
+                # new token i: an accepted draft token (flag i - 1) up to `accepted`, then the recovered / bonus one
+                # (the last flag)
+                hit = next((i for i in range(1, count + 1) if flags[i - 1 if i <= accepted else -1]), None)
                 if hit is not None:
                     candidates.append(hit)
             stops[row] = min(candidates) if candidates else None
         if len(self.others):
             limits = [stop if stop is not None else count for stop, count in zip(stops, counts)]
-            for row, stop in enumerate(_prefix_stops(self.others, lengths, limits, callers, view)):
+            for row, stop in enumerate(_prefix_stops(self.others, lengths, limits, stops, callers, view)):
                 if stop is not None and (stops[row] is None or stop < stops[row]):
                     stops[row] = stop
         return stops
@@ -125,12 +146,14 @@ def _prefix_stops(
     criteria: StoppingCriteriaList,
     lengths: Sequence[int],
     counts: Sequence[int],
+    known: Sequence[int | None],
     callers: Sequence[int],
     view: CallerView,
 ) -> list[int | None]:
     """For each active row, the first ``i`` in ``1 .. counts[b]`` at which `criteria` fire on its prefix of
     ``lengths[b] + i`` columns, or None. Called once per distinct prefix length with the whole batch, as `generate()`
-    calls them (`view`; row indices are the caller's), reading the verdicts of the rows whose prefix it is."""
+    calls them (`view`; row indices are the caller's; a row that stopped before that length, by `known` stops or
+    these criteria, shown padded past its end), reading the verdicts of the rows whose prefix it is."""
     stops: list[int | None] = [None] * len(lengths)
     groups: dict[int, list[int]] = defaultdict(list)
     for row, (length, count) in enumerate(zip(lengths, counts)):
@@ -140,7 +163,14 @@ def _prefix_stops(
         rows = [row for row in groups[prefix_length] if stops[row] is None]
         if not rows:
             continue
-        input_ids, scores = view(prefix_length)
+        ends = {
+            row: lengths[row] + stop
+            for row, stop in enumerate(
+                min((s for s in pair if s is not None), default=None) for pair in zip(stops, known)
+            )
+            if stop is not None and lengths[row] + stop < prefix_length
+        }
+        input_ids, scores = view(prefix_length, ends)
         fired = criteria(input_ids, scores)  # (batch,) bool
         for row, has_fired in zip(rows, fired[tensor_on([callers[row] for row in rows], fired.device)].tolist()):
             if has_fired:
