@@ -114,10 +114,10 @@ class StopCheck:
         stops: list[int | None] = [None] * len(lengths)
         timed_out = any(time.time() - c.initial_timestamp > c.max_time for c in self.timers)
         for row, (length, count, accepted) in enumerate(zip(lengths, counts, num_accepted)):
-            candidates = [1] if timed_out else []
+            fires = [1] if timed_out else []
             for criterion in self.max_lengths:  # fires once the prefix holds max_length tokens
                 if length + count >= criterion.max_length:
-                    candidates.append(max(1, criterion.max_length - length))
+                    fires.append(max(1, criterion.max_length - length))
                 _warn_past_position_embeddings(criterion, tokens, length + count)
             if eos_flags is not None:
                 flags = eos_flags[row]
@@ -125,8 +125,8 @@ class StopCheck:
                 # (the last flag)
                 hit = next((i for i in range(1, count + 1) if flags[i - 1 if i <= accepted else -1]), None)
                 if hit is not None:
-                    candidates.append(hit)
-            stops[row] = min(candidates) if candidates else None
+                    fires.append(hit)
+            stops[row] = min(fires) if fires else None
         if len(self.others):
             limits = [stop if stop is not None else count for stop, count in zip(stops, counts)]
             for row, stop in enumerate(_prefix_stops(self.others, lengths, limits, stops, callers, view)):
@@ -163,16 +163,16 @@ def _prefix_stops(
         rows = [row for row in groups[prefix_length] if stops[row] is None]
         if not rows:
             continue
-        ends = {
-            row: lengths[row] + stop
-            for row, stop in enumerate(
-                min((s for s in pair if s is not None), default=None) for pair in zip(stops, known)
-            )
-            if stop is not None and lengths[row] + stop < prefix_length
-        }
+        # rows that stopped before this length (these criteria's stop comes first: they are asked up to `known`)
+        ends = {row: lengths[row] + stop for row, stop in enumerate(map(_either, stops, known)) if stop is not None}
+        ends = {row: end for row, end in ends.items() if end < prefix_length}
         input_ids, scores = view(prefix_length, ends)
         fired = criteria(input_ids, scores)  # (batch,) bool
         for row, has_fired in zip(rows, fired[tensor_on([callers[row] for row in rows], fired.device)].tolist()):
             if has_fired:
                 stops[row] = prefix_length - lengths[row]
     return stops
+
+
+def _either(first: int | None, second: int | None) -> int | None:
+    return first if first is not None else second
