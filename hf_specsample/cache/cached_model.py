@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from transformers import Cache, DynamicCache
@@ -172,6 +173,7 @@ class CachedModel:
         Args:
             is_real: `(rows, width)` bool, False for prompt padding.
         """
+        assert self.states is not None  # `feed` splits forwards for linear-attention states only
         cut = width - num_logits
         split = cut > num_logits and self.states.may_recur and bool(is_real[:, cut:].all())
         parts = [(0, cut), (cut, width)] if split else [(0, width)]
@@ -214,11 +216,18 @@ class CachedModel:
             )  # one graph also serves the prompt
             and self.compiled.serves(rows, width)
             and self.compiled.ready_for(rows)
-            and all(layer.is_initialized for layer in cache.layers)  # a first forward allocates the cache eagerly
+            # a first forward allocates the cache eagerly (its layers: attention or dummy, a compiled model's)
+            and all(layer.is_initialized for layer in cast("list[Any]", cache.layers))
         )
         # One position is fed as two under symbolic widths (one compiled graph, one frozen weight copy): the extra
         # position repeats the last token one slot further, its logits are dropped and its slot is rolled back.
-        padded = int(compiled and width == 1 and self.compiled.symbolic_widths and slots < self.capacity)
+        padded = int(
+            compiled
+            and width == 1
+            and self.compiled is not None
+            and self.compiled.symbolic_widths
+            and slots < cast(int, self.capacity)  # compiled forwards run on static caches (`__init__` asserts it)
+        )
         input_ids, position_ids = columns.input_ids.to(device), columns.position_ids
         if padded:
             input_ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
@@ -248,8 +257,10 @@ class CachedModel:
         if compiled or stepped:  # dynamo guards on strides: row-major inputs, as the warm-up's
             input_ids, kwargs = fresh_input(input_ids), {key: fresh_input(value) for key, value in kwargs.items()}
         if compiled:
+            assert self.compiled is not None  # `compiled` says so
             logits = self.compiled(input_ids=input_ids, **kwargs).logits
         elif stepped:
+            assert self.step is not None  # `stepped` says so
             contiguous_attention(cache)
             logits = self.step(input_ids=input_ids, **kwargs).logits
         elif self.wide is not None and rows * width >= self.wide.from_rows:
@@ -274,11 +285,13 @@ class CachedModel:
         Nothing else changes.
         """
         rows = self.slot_is_real.shape[0]
-        if self.compiled is None or not self.compiled.symbolic_widths or self.slots + 2 > self.capacity:
+        # (a compiled forward runs on a static cache, of an int capacity: `__init__` asserts it)
+        if self.compiled is None or not self.compiled.symbolic_widths or self.slots + 2 > cast(int, self.capacity):
             return
         if not self.compiled.serves(rows, 2):  # this call's forwards all run eagerly: compile nothing
             return
-        if not all(layer.is_initialized for layer in self.cache.layers):  # every call's new cache, not only the first
+        layers: list[Any] = self.cache.layers  # attention or dummy layers (a compiled model's), all `is_initialized`
+        if not all(layer.is_initialized for layer in layers):  # every call's new cache, not only the first
             self._dummy_forward(self.model, rows)
         if self.compiled.needs_warm_up(rows):
             self._dummy_forward(self.compiled, rows)
@@ -309,7 +322,9 @@ class CachedModel:
                 else {}
             )
             self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
-            then = {"position_ids": torch.full((rows, 1), 2, device=device)} if self.facts.takes_position_ids else {}
+            then: dict[str, Any] = (
+                {"position_ids": torch.full((rows, 1), 2, device=device)} if self.facts.takes_position_ids else {}
+            )
             if self.facts.takes_logits_to_keep:
                 then["logits_to_keep"] = 1
             contiguous_attention(scratch)  # as `_forward` hands every step its keys: one layout, one graph
@@ -322,6 +337,7 @@ class CachedModel:
     def _dummy_forward(self, forward, rows: int) -> None:
         """Two positions of id 0 after the write pointer, then the pointer moves back."""
         pointer, device = self.slots, self.input_device
+        assert self.capacity is not None  # compiled forwards run on static caches
         mask = torch.zeros((rows, self.capacity), dtype=torch.long)
         mask[:, :pointer] = self.slot_is_real
         mask[:, pointer : pointer + 2] = 1
@@ -438,6 +454,7 @@ class CachedModel:
         """Trim sliding-window layers to their window and stop recording their past, as before this call."""
         row_ops.crop(self.cache, 0)
         linear_states.stop_recording(self.cache, self._was_recording)
+        layer: Any  # `Cache.layers`' declared union lacks `record_past`, which the layers that had one have
         for layer, was_recording in zip(self.cache.layers, self._was_recording):
             if was_recording is not None:
                 layer.record_past = was_recording

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import Cache
@@ -187,12 +188,13 @@ def shadow_cache(cache: Cache, drop: int, snapshot: Snapshot) -> Cache:
     """
     shadow = copy.copy(cache)
     shadow.layers = []
+    layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the slots read here
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, DummyLayer):
             shadow.layers.append(layer)
             continue
         linear = isinstance(layer, linear_states.LinearLayer)
-        clone = linear_states.copy_states(layer) if linear else copy.copy(layer)
+        clone: Any = linear_states.copy_states(layer) if linear else copy.copy(layer)
         part = row_ops.attention_part(layer)
         if part is row_ops.StaticLayer:
             clone.cumulative_length = layer.cumulative_length.clone()
@@ -222,5 +224,7 @@ def _rewind_linear(layer: linear_states.LinearLayer, index: int, drop: int, snap
         for state, history in layer.conv_states.items():
             if layer.is_conv_states_initialized[state] and history is not None:
                 drops = [drop] * history.shape[0]
-                layer.conv_states[state] = linear_states.conv_windows(history, drops, layer.conv_kernel_size[state])
+                window = layer.conv_kernel_size[state]
+                assert window is not None  # set with the state (transformers' `lazy_initialization`)
+                layer.conv_states[state] = linear_states.conv_windows(history, drops, window)
     layer.record_past = False

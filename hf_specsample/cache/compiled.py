@@ -157,7 +157,7 @@ class CompiledForward:
     def _fresh(self, model: torch.nn.Module) -> None:
         code = _trampoline.__code__.replace(co_name=f"hf_specsample_forward_{id(self)}_{self.compilations}")
         function = types.FunctionType(code, _trampoline.__globals__, code.co_name)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             key: dict(value) if key == "options" and value else value for key, value in self.settings.compile_kwargs
         }
         self._function = torch.compile(function, **kwargs)
@@ -173,6 +173,7 @@ class CompiledForward:
         assert model is not None, "the compiled model was freed"
         if self._stale(model):
             self._fresh(model)
+        assert self._function is not None  # made by `_fresh`
         if self.settings.freezes:
             for value in kwargs.values():  # the cache, under whichever name the model's forward takes it
                 _unmark_static(value)
@@ -239,7 +240,8 @@ def _no_duck_shapes(symbolic: bool):
     """
     if not symbolic:
         return contextlib.nullcontext()
-    return fx_config.patch(use_duck_shape=False)
+    # torch declares `patch` (added at runtime by `install_config_module`) for inductor's config module, not fx's
+    return fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
 
 
 def _unmark_static(cache: Any) -> None:

@@ -128,7 +128,9 @@ def trim_positional(cache: Cache, drops: Sequence[int]) -> None:
             continue
         for state, history in layer.conv_states.items():
             if layer.is_conv_states_initialized[state] and history is not None:
-                layer.conv_states[state] = conv_windows(history, drops, layer.conv_kernel_size[state])
+                window = layer.conv_kernel_size[state]
+                assert window is not None  # set with the state (transformers' `lazy_initialization`)
+                layer.conv_states[state] = conv_windows(history, drops, window)
 
 
 def stop_recording(cache: Cache, was_recording: Sequence[bool | None]) -> None:
@@ -137,9 +139,9 @@ def stop_recording(cache: Cache, was_recording: Sequence[bool | None]) -> None:
         if is_positional(layer):
             for state, history in layer.conv_states.items():
                 if layer.is_conv_states_initialized[state] and history is not None:
-                    layer.conv_states[state] = conv_windows(
-                        history, [0] * history.shape[0], layer.conv_kernel_size[state]
-                    )
+                    window = layer.conv_kernel_size[state]
+                    assert window is not None  # set with the state (transformers' `lazy_initialization`)
+                    layer.conv_states[state] = conv_windows(history, [0] * history.shape[0], window)
         # Layers a model appended to the cache itself (Inkling2-Loop's loop passes copy theirs) had recorded nothing.
         previous = was_recording[index] if index < len(was_recording) else False
         if previous is not None:
@@ -168,7 +170,9 @@ def settle_recording(cache: Cache) -> list[int]:
             )
         for state, history in layer.conv_states.items():
             if layer.is_conv_states_initialized[state] and history is not None:
-                layer.conv_states[state] = conv_windows(history, [0] * history.shape[0], layer.conv_kernel_size[state])
+                window = layer.conv_kernel_size[state]
+                assert window is not None  # set with the state (transformers' `lazy_initialization`)
+                layer.conv_states[state] = conv_windows(history, [0] * history.shape[0], window)
         layer.record_past = False
         settled.append(index)
     return settled

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import Cache
@@ -47,7 +48,7 @@ from ..model_facts import ATTENTION_PART, linear_layers
 from . import linear_states
 
 
-def attention_part(layer) -> type | None:
+def attention_part(layer) -> type[Any] | None:
     """The class of the layer's attention part (`DynamicLayer`, `DynamicSlidingWindowLayer`, `StaticLayer`), or None."""
     return ATTENTION_PART.get(type(layer))
 
@@ -120,11 +121,13 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
     problem = static_cache_problem(cache, config)
     if problem is not None:
         raise ValueError(problem)
+    layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the keys/slots read here
     for index, layer in enumerate(cache.layers):
         if _slotless(layer) or (attention_part(layer) is StaticLayer and layer.max_cache_len >= capacity):
             continue
         size = max(capacity, getattr(layer, "max_cache_len", 0))
         fused = isinstance(layer, linear_states.LinearLayer)
+        new: StaticLayer  # or its fusion with a linear-attention part
         if fused:
             new = LinearAttentionAndStaticFullAttentionLayer(
                 max_cache_len=size, number_of_states=layer.number_of_states
@@ -136,6 +139,7 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
             held = _slots(layer)  # positions fed so far
             stored = min(held, layer.keys.shape[-2])  # the last `stored` of them are kept, in order
             StaticLayer.lazy_initialization(new, layer.keys[:, :, :0], layer.values[:, :, :0])
+            assert new.keys is not None and new.values is not None  # allocated by lazy_initialization
             new.keys[:, :, held - stored : held] = layer.keys[:, :, :stored]
             new.values[:, :, held - stored : held] = layer.values[:, :, :stored]
             new.cumulative_length.fill_(held)
@@ -197,7 +201,9 @@ def crop(cache: Cache, num_slots: int) -> None:
                     "stores. Please report this with the model's config."
                 )
     for layer in layers:
-        attention_part(layer).crop(layer, -num_slots)
+        part = attention_part(layer)
+        assert part is not None  # `attention_layers` holds only layers with an attention part
+        part.crop(layer, -num_slots)
 
 
 def realign(
@@ -315,11 +321,12 @@ def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
     index = torch.tensor(list(rows), dtype=torch.long)
     taken = copy.copy(cache)
     taken.layers = []
+    layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the keys/slots read here
     for layer in cache.layers:
         if isinstance(layer, DummyLayer):
             taken.layers.append(layer)
             continue
-        clone = (
+        clone: Any = (
             linear_states.take_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
         )
         if attention_part(layer) is not None and _holds_keys(layer):
@@ -337,8 +344,9 @@ def stack_rows_into(target: Cache, parts: Sequence[Cache]) -> None:
 
     `target` keeps its identity: a caller who passed it to `generate()` sees the result in the object they hold.
     """
+    layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the keys/slots read here
     for index, layer in enumerate(target.layers):
-        sources = [part.layers[index] for part in parts]
+        sources: list[Any] = [part.layers[index] for part in parts]
         if isinstance(layer, linear_states.LinearLayer):
             linear_states.stack_rows(layer, sources)
         part = attention_part(layer)
@@ -358,6 +366,7 @@ def stack_rows_into(target: Cache, parts: Sequence[Cache]) -> None:
 def select_rows(cache: Cache, index: torch.Tensor) -> None:
     """Keep the rows `index` (a CPU long tensor) of every part of every layer (`Cache.batch_select_indices` does not
     reach static or linear-attention layers)."""
+    layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the keys/slots read here
     for layer in cache.layers:
         if isinstance(layer, linear_states.LinearLayer):
             linear_states.select_rows(layer, index)
