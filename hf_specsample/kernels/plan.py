@@ -100,6 +100,7 @@ class KernelPlan:
         problem = problem or build.problem
         built = f"; operator built or loaded in {build.seconds:.1f} s" if built_now and problem is None else ""
         if problem is None:
+            assert weight is not None  # `_model_problem` refuses a model without one
             key = (weight.data_ptr(), weight._version if not weight.is_inference() else -1, torch.get_num_threads())
             checks = _CHECKS.setdefault(model, {})
             if key not in checks:
@@ -112,6 +113,7 @@ class KernelPlan:
                     "runs and pays, eager elsewhere) or 'off'."
                 )
             return cls.off(f"off: {problem}")
+        assert weight is not None  # `_model_problem` refuses a model without one
         path = small_rows.best_path()
         if choice is LinearKernel.ON:
             return cls.every_round(f"on for 1-{MAX_ROWS} rows, {path} path (linear_kernel='on'){built}")
@@ -193,10 +195,13 @@ def _timed_plan(weight: torch.Tensor) -> KernelPlan:
     # in, and a path's first call pays one-time costs (threads waking, AMX's tile state): timed, they made the first
     # counts look several times slower for both methods and decided them by noise.
     warm = torch.randn(1, weight.shape[1], generator=generator).to(torch.bfloat16)
+    part: torch.Tensor | None  # a slice; below, the prompt's part or None (the next slice)
     for part in slices:
         F.linear(warm, part)
         small_rows.small_rows_linear(warm, part)
     timings = {}
+    eager: list[float]  # seconds per call, each method's
+    kernel: list[float]
     for rows in (*range(1, MAX_ROWS + 1), PROMPT_PROBE_ROWS):
         x = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
         part = slices[0][:1024] if rows == PROMPT_PROBE_ROWS else None  # a prompt's rows are compute-bound

@@ -11,6 +11,8 @@ against the target's distribution); it changes only how often they are accepted.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,11 @@ class Int8Linear(torch.nn.Module):
     Runs on the small-rows kernel's int8 path (CPU tensors, no autograd); elsewhere (another device, a gradient)
     on the dequantized weight, which computes the same function up to rounding.
     """
+
+    weight: torch.Tensor  # buffers (`register_buffer`), declared for the type checker
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    row_sums: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -64,6 +71,11 @@ class Int4Linear(torch.nn.Module):
 
     Runs on the small-rows kernel's int4 path (CPU tensors, no autograd); elsewhere on the dequantized weight.
     """
+
+    packed: torch.Tensor  # buffers (`register_buffer`), declared for the type checker
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    corrections: torch.Tensor | None
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None):
         super().__init__()
@@ -151,7 +163,8 @@ class SiblingProjection(torch.nn.Module):
         views, no weight copied. For compiled code, which traces every call: the hand-off between siblings is Python
         state that dynamo would guard on (a recompilation per layer) instead of computing once."""
         end = self.start + self.width
-        fused, bias = self.fused, None if self.fused.bias is None else self.fused.bias[self.start : end]
+        fused_bias = cast("torch.Tensor | None", self.fused.bias)  # a `Linear`'s, as every `make`'s layer has
+        fused, bias = self.fused, None if fused_bias is None else fused_bias[self.start : end]
         if isinstance(fused, Int8Linear):
             return Int8Linear(fused.weight[self.start : end], fused.scale[self.start : end], bias)
         if isinstance(fused, Int4Linear):
