@@ -16,6 +16,9 @@ boundary falls between tied scores (transformers' sort order then decides), goes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers.generation import logits_process as lp
 
@@ -185,7 +188,11 @@ def fast_equivalent(processor: lp.LogitsProcessor):
     Exact type only: a subclass may do something else. Only for scores on the CPU: deciding which rows the
     candidates settle needs the values on the host, and a GPU sorts a vocabulary in microseconds anyway.
     """
-    fast = {lp.TopPLogitsWarper: fast_top_p, lp.TypicalLogitsWarper: fast_typical}.get(type(processor))
+    fasts: dict[type, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+        lp.TopPLogitsWarper: fast_top_p,
+        lp.TypicalLogitsWarper: fast_typical,
+    }
+    fast = fasts.get(type(processor))
     if fast is None:
         return None
     return lambda scores: (

@@ -254,6 +254,7 @@ def _forbid_eos_while_short(
     if isinstance(processor, lp.MinNewTokensLengthLogitsProcessor):
         shortest = processor.prompt_length_to_skip + processor.min_new_tokens  # prefixes shorter than this
     else:
+        assert isinstance(processor, lp.MinLengthLogitsProcessor)  # `LENGTH_ONLY_PROCESSORS`' other type
         shortest = processor.min_length
     batch, positions, vocab = scores.shape
     too_short = [[length + position < shortest for position in range(positions)] for length in prefix_lengths]
@@ -268,7 +269,9 @@ def _forbid_eos_while_short(
     return out
 
 
-def _eos_columns(processor: lp.LogitsProcessor, vocab: int, device: torch.device) -> torch.Tensor:
+def _eos_columns(
+    processor: lp.MinLengthLogitsProcessor | lp.MinNewTokensLengthLogitsProcessor, vocab: int, device: torch.device
+) -> torch.Tensor:
     """`(ids,)` long: the processor's EOS ids within ``0 .. vocab - 1`` (what `torch.isin(arange(vocab), eos)`
     selects), on `device`; found once per processor and width (the ids are read from the device once)."""
     key = (vocab, device)

@@ -365,6 +365,7 @@ def residual_weights(
         weights = weights - subtracted  # (..., vocab)
     if draft_probs is None or point_mass is not None:
         point = torch.ones_like(draft_tokens, dtype=torch.bool) if draft_probs is None else point_mass  # (...)
+        assert point is not None  # draft_probs given: this branch runs for a point_mass mask only
         if subtract is not None:
             point = point & subtract
         mass = point.to(weights.dtype).unsqueeze(-1)  # (..., 1): 1 where a point mass is subtracted

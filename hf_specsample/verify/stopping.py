@@ -130,7 +130,8 @@ class StopCheck:
         if len(self.others):
             limits = [stop if stop is not None else count for stop, count in zip(stops, counts)]
             for row, stop in enumerate(_prefix_stops(self.others, lengths, limits, stops, callers, view)):
-                if stop is not None and (stops[row] is None or stop < stops[row]):
+                earlier = stops[row]
+                if stop is not None and (earlier is None or stop < earlier):
                     stops[row] = stop
         return stops
 
