@@ -136,7 +136,7 @@ class DraftModelProposer(Proposer):
                 index = sample_from_weights(probs, self.generator)  # (batch,)
             else:
                 probs, index = None, first_argmax(scores)
-            token = self.vocabulary[index] if self.compact else index
+            token = self.vocabulary[index] if self.compact and self.vocabulary is not None else index  # compact: set
             if forced is not None:
                 token, forced_here = self._force(forced, step, token)
                 pinned.append(forced_here)
@@ -208,6 +208,7 @@ class DraftModelProposer(Proposer):
         """`(batch, k, subset)` compact probabilities -> `(batch, k, vocab)`, zero outside the subset."""
         if not self.compact:
             return probs
+        assert self.vocabulary is not None  # compact: a subset
         full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
         return full.scatter_(-1, self.vocabulary.expand(*probs.shape[:-1], -1), probs)
 
