@@ -82,12 +82,13 @@ def choose_form(
     seconds, target_seconds = timings.drafts, timings.target
     logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
     if calibration is None or not math.isfinite(target_seconds or math.inf):
-        fastest = min(seconds, key=seconds.get)
+        fastest = min(seconds, key=seconds.__getitem__)
         return _with_wide_forwards(FormChoice(fastest, step_seconds=seconds), forms[fastest], source.model)
+    assert target_seconds is not None  # finite: the target was timed
     context = target_plan.applied(calibration.numel())
     rates = dict(zip(forms, acceptance(target.model, list(forms.values()), calibration, context, ids)))
     value = {form: expected_speedup(rates[form], seconds[form] / target_seconds) for form in forms}
-    best = max(value, key=value.get)
+    best = max(value, key=value.__getitem__)
     return _with_wide_forwards(FormChoice(best, step_seconds=seconds, acceptance=rates), forms[best], source.model)
 
 
@@ -127,7 +128,7 @@ def _chosen_without_clock(
     rates = dict(zip(forms, acceptance(target.model, list(forms.values()), calibration, context, ids)))
     target_bytes = max(1, weight_bytes(target.model))
     value = {form: expected_speedup(rates[form], sizes[form] / target_bytes) for form in forms}
-    best = max(value, key=value.get)  # ties: the first form, in `forms`' order
+    best = max(value, key=value.__getitem__)  # ties: the first form, in `forms`' order
     return FormChoice(best, acceptance=rates, step_bytes=sizes)
 
 

@@ -16,7 +16,7 @@ import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -49,7 +49,7 @@ def decode_step_seconds(
         quantize NaN activations): that form is not chosen, and the one that is reports its own errors when it runs.
     """
     device = next(models[0].parameters()).device
-    vocab = min(model.get_input_embeddings().weight.shape[0] for model in models)
+    vocab = min(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0] for model in models)
     ids = (torch.arange(context + steps + 1, device=device) % vocab)[None, :]  # (1, context + steps + 1)
     contexts = contexts or [lambda rows: contextlib.nullcontext()] * len(models)
     caches = [_forward(model, ids[:, :context], None, contexts[index](context)) for index, model in enumerate(models)]
@@ -75,7 +75,7 @@ def forward_seconds(models: Sequence[PreTrainedModel], width: int, repeats: int 
     cheap reads its weights once per few rows, so over many rows a float GEMM can win (`PreparedDraft.wide`).
     """
     device = next(models[0].parameters()).device
-    vocab = min(model.get_input_embeddings().weight.shape[0] for model in models)
+    vocab = min(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0] for model in models)
     ids = (torch.arange(width, device=device) % vocab)[None, :]  # (1, width)
     best = [float("inf")] * len(models)
     failed = [False] * len(models)

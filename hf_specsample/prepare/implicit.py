@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -145,7 +145,9 @@ class _ImplicitDrafts:
         AUTO) where there is none. A clock-free choice is kept apart from a timed one: the same options may choose
         differently."""
         is_self = spec.kind is DraftKind.SELF
-        owner = target.model if is_self else draft.model
+        owner_facts = target if is_self else draft
+        assert owner_facts is not None  # a model draft comes with its facts
+        owner = owner_facts.model
         how = clock_free and form is DraftForm.AUTO
         key = (is_self, form, None if ids is None else ids.numpy().tobytes(), how)
         weights = _named_weights(owner)
@@ -156,9 +158,10 @@ class _ImplicitDrafts:
             decided = prepared.step_seconds or prepared.step_bytes
             if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared
-            stored = replace(prepared, model=None) if prepared.model is owner else prepared
+            # None stands for the owner (see `_Entry`): typed Any, as `PreparedDraft.model` holds a model elsewhere
+            stored = replace(prepared, model=cast(Any, None)) if prepared.model is owner else prepared
             if prepared.wide is not None and prepared.wide.model is owner:
-                stored = replace(stored, wide=prepared.wide._replace(model=None))
+                stored = replace(stored, wide=prepared.wide._replace(model=cast(Any, None)))
             entries[key] = _Entry(stored, tuple(_TensorState.of(name, tensor) for name, tensor in weights))
         self._entries[owner] = entries
         prepared = entries[key].prepared

@@ -201,11 +201,11 @@ class DraftSpec(NamedTuple):
     @property
     def model(self) -> PreTrainedModel | None:
         """The draft model as given (a `PreparedDraft`'s model), None for "auto" and "prompt_lookup"."""
-        return self.given.model if self.kind is DraftKind.PREPARED else self.given
+        return self.given.model if isinstance(self.given, PreparedDraft) else self.given  # DraftKind.PREPARED
 
     @property
     def prepared(self) -> PreparedDraft | None:
-        return self.given if self.kind is DraftKind.PREPARED else None
+        return self.given if isinstance(self.given, PreparedDraft) else None  # DraftKind.PREPARED
 
 
 def resolve_draft(draft_model: Any) -> DraftSpec:
@@ -288,7 +288,7 @@ def prepare_draft(
     if spec.kind not in (DraftKind.MODEL, DraftKind.SELF):
         raise TypeError(f"prepare_draft takes a causal LM or '{NamedDraft.AUTO}', got {draft!r}.")
     target_facts = ModelFacts.of(target)
-    draft_facts = ModelFacts.of(spec.model) if spec.kind is DraftKind.MODEL else None
+    draft_facts = ModelFacts.of(spec.model) if spec.kind is DraftKind.MODEL and spec.model is not None else None
     check_models(target_facts, draft_facts)
     if (tokenizer is None) != (draft_tokenizer is None):
         raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
@@ -355,6 +355,7 @@ def build_draft(
             "draft_model= (a replica per rank), or use draft_model='prompt_lookup'."
         )
     source = target if is_self else draft
+    assert source is not None  # a model draft comes with its facts
     model, width = source.model, source.logit_width
     makers = compact_forms(model)
     if form not in (DraftForm.AUTO, DraftForm.AS_GIVEN) and form not in makers:

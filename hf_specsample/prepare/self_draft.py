@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -21,7 +22,10 @@ _HOOK_DICTS = (
 )  # fmt: skip
 
 
-def shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def shallow_clone(module: ModuleT) -> ModuleT:
     """A new module object sharing parameters and buffers, with its own children and no torch hooks.
 
     An accelerate hook (device_map dispatch, offload) is re-attached to the clone: the `forward` accelerate
@@ -58,11 +62,13 @@ def _renumbered(layer: torch.nn.Module, index: int) -> torch.nn.Module:
     """A clone of a decoder layer whose layer-index attributes (its own and its children's) read `index`."""
     clone = shallow_clone(layer)
     if hasattr(clone, "layer_idx"):
-        clone.layer_idx = index
+        # torch types Module.__setattr__'s value as Tensor | Module; a module keeps any attribute
+        clone.layer_idx = index  # type: ignore[assignment]
     for name, child in layer.named_children():
         if hasattr(child, "layer_idx"):
             child_clone = shallow_clone(child)
-            child_clone.layer_idx = index
+            # torch types Module.__setattr__'s value as Tensor | Module; a module keeps any attribute
+            child_clone.layer_idx = index  # type: ignore[assignment]
             clone._modules[name] = child_clone
     return clone
 
@@ -103,7 +109,8 @@ def layer_skip_draft(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedM
 
     new_base = shallow_clone(base)
     new_base._modules[attribute] = torch.nn.ModuleList(_renumbered(layers[index], i) for i, index in enumerate(keep))
-    new_base.config = text_config if getattr(base, "config", None) is not model.config else config
+    # torch types Module.__setattr__'s value as Tensor | Module; a module keeps any attribute
+    new_base.config = text_config if getattr(base, "config", None) is not model.config else config  # type: ignore[assignment]
 
     draft = shallow_clone(model)
     draft.config = config

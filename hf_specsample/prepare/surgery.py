@@ -16,7 +16,7 @@ import contextlib
 import copy
 import inspect
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -25,7 +25,7 @@ from transformers.utils.quantization_config import QuantizationMethod
 from ..kernels import small_rows
 from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, SiblingProjection, fuse_siblings
 from ..options import DraftForm
-from .self_draft import shallow_clone
+from .self_draft import ModuleT, shallow_clone
 
 CANNOT_MAKE = {
     DraftForm.DYNAMIC_INT8: (
@@ -107,7 +107,7 @@ class SharedFloat32Embedding(torch.nn.Module):
         self._source = (source,)
 
     @property
-    def weight(self) -> torch.nn.Parameter:
+    def weight(self) -> torch.Tensor:
         return self._source[0].weight
 
     @property
@@ -129,7 +129,9 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
         raise RuntimeError("this torch build has no quantized CPU engine for dynamic int8 (fbgemm/x86/qnnpack).")
     embedding = model.get_input_embeddings()
     memo = {id(embedding): SharedFloat32Embedding(embedding)} if type(embedding) is torch.nn.Embedding else {}
-    quantized = copy.deepcopy(model, memo).to(torch.float32).eval()  # not .float(): refused for GGUF-loaded models
+    # not .float(): refused for GGUF-loaded models. transformers wraps `to` in `functools.wraps(Module.to)`, whose
+    # type takes the module as the first argument
+    quantized = copy.deepcopy(model, memo).to(torch.float32).eval()  # type: ignore[arg-type]
     linears = {
         name for name, module in quantized.named_modules() if type(module) is torch.nn.Linear and name
     } - _weights_read(quantized)
@@ -172,12 +174,13 @@ def _with_linears(model: PreTrainedModel, make) -> PreTrainedModel:
     reads, `_weights_read`); the modules on the way are shallow clones, every other module is `model`'s own."""
     kept = {id(model.get_submodule(name)) for name in _weights_read(model)}
 
-    def replaced(module: torch.nn.Module) -> torch.nn.Module:
+    def replaced(module: ModuleT) -> ModuleT:
         clone = shallow_clone(module)
         for names in SIBLING_GROUPS:  # projections of one input: one kernel call (`SiblingProjection`)
             group = [getattr(module, name, None) for name in names]
             if all(_fusable(linear, group[0]) and id(linear) not in kept for linear in group):
-                for name, sibling in zip(names, fuse_siblings(group, make)):
+                fusable = cast("list[torch.nn.Linear]", group)  # `_fusable` checked each is one
+                for name, sibling in zip(names, fuse_siblings(fusable, make)):
                     clone._modules[name] = sibling
         for name, child in module.named_children():
             if clone._modules[name] is not child:
@@ -210,7 +213,7 @@ def without_siblings(model: PreTrainedModel) -> PreTrainedModel:
     if not any(isinstance(module, SiblingProjection) for module in model.modules()):
         return model
 
-    def replaced(module: torch.nn.Module) -> torch.nn.Module:
+    def replaced(module: ModuleT) -> ModuleT:
         clone = shallow_clone(module)
         for name, child in module.named_children():
             if isinstance(child, SiblingProjection):

@@ -33,7 +33,7 @@ def default_cache_dir() -> Path:
 
 def special_token_ids(generation_config) -> list[int]:
     """The EOS, padding and BOS ids of a `GenerationConfig`: the ids a draft vocabulary of N lowest ids keeps."""
-    ids = []
+    ids: list[int] = []
     for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
         if value is not None:
             ids.extend(value if isinstance(value, (list, tuple)) else [value])
