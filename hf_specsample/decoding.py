@@ -6,7 +6,7 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -113,7 +113,8 @@ class SpeculativeDecoder:
         self.stats.linear_kernel = plan.kernel_description
         self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         self.model_drafter = self.draft_proposer() if draft is not None else None
-        self.drafter: Proposer = self.model_drafter or PromptLookupProposer(plan.lookup)
+        # without a draft model the plan looks up n-grams (`plan_call` sets their size)
+        self.drafter: Proposer = self.model_drafter or PromptLookupProposer(cast(int, plan.lookup))
         if self.model_drafter is not None and plan.lookup is not None:  # n-gram continuations first, the model else
             self.drafter = LookupThenModelProposer(self.model_drafter, PromptLookupProposer(plan.lookup))
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
@@ -123,8 +124,10 @@ class SpeculativeDecoder:
     def draft_proposer(self) -> DraftModelProposer:
         """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
         draft = self.plan.draft
+        assert draft is not None  # built where the plan has a draft model
         inputs = None
         if draft.shared is not None:  # reads the rows' text in its own ids
+            assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
             self.stats.shared_vocabulary = draft.shared.size
             shared = draft.shared.to(self.sequences.tokens.device)
             inputs = DraftIdBuffer(self.sequences, shared, TextBridge(*draft.tokenizers))

@@ -16,6 +16,7 @@ import enum
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from . import transformers_api
 
 # Every cache layer type `cache.row_ops` and `cache.linear_states` move row by row -> the class of its attention part
 # (None: no keys and values).
-ATTENTION_PART: dict[type, type | None] = {
+ATTENTION_PART: dict[type, type[Any] | None] = {  # type[Any]: the layer classes' attributes are read by name
     DynamicLayer: DynamicLayer,
     DynamicSlidingWindowLayer: DynamicSlidingWindowLayer,
     StaticLayer: StaticLayer,
@@ -133,7 +134,9 @@ class ModelFacts:
         return cls(
             model=model,
             logit_width=logit_width(model),
-            embeddable=int(getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]),
+            embeddable=int(
+                getattr(embeddings, "num_embeddings", None) or cast(torch.Tensor, embeddings.weight).shape[0]
+            ),
             cache_problem=cache_problem,
             scan_restarts_from_zero=restarts,
             keeps_state=keeps_state,
@@ -263,4 +266,5 @@ def input_device(model: PreTrainedModel) -> torch.device:
         device = getattr(hook, "execution_device", None)
         if device is not None:
             return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    return embeddings.weight.device if embeddings.weight.device.type != "meta" else torch.device("cpu")
+    weight_device = cast(torch.Tensor, embeddings.weight).device  # torch types a submodule's attribute loosely
+    return weight_device if weight_device.type != "meta" else torch.device("cpu")

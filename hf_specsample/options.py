@@ -16,7 +16,8 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +28,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 def deprecated(message: str) -> None:
     """A `FutureWarning` reported at the user's line: the first frame outside this package, the enum machinery, a
     dataclass's generated `__init__` and the import system (`from hf_specsample import OldName`)."""
+    frame: FrameType | None
     frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called this function
     while frame is not None:
         name = frame.f_code.co_filename
@@ -39,7 +41,10 @@ def deprecated(message: str) -> None:
     warnings.warn(message, FutureWarning, stacklevel=level)
 
 
-def parse_choice(kind: type[enum.Enum], value: object, name: str):
+EnumT = TypeVar("EnumT", bound=enum.Enum)
+
+
+def parse_choice(kind: type[EnumT], value: object, name: str) -> EnumT:
     """`kind(value)`, or a ValueError naming the option and its choices."""
     try:
         return kind(value)

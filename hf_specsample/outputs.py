@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import GenerationConfig
@@ -100,14 +101,16 @@ class OutputRecorder:
 
     def build(
         self, sequences: torch.Tensor, stats: SpeculativeStats, cache
-    ) -> torch.Tensor | SpeculativeDecoderOnlyOutput:
+    ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         """The tensor, or the output object when `return_dict_in_generate=True`."""
+        ids = cast(torch.LongTensor, sequences)  # long ids: the type transformers gives `generate()`'s output
         if not self.return_dict:
-            return sequences
+            return ids
+        # transformers annotates `scores` / `logits` as `tuple[torch.Tensor]`, a one-element tuple: one per step
         return SpeculativeDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(self.scores) if self.keep_scores else None,
-            logits=tuple(self.logits) if self.keep_logits else None,
+            sequences=ids,
+            scores=tuple(self.scores) if self.keep_scores else None,  # type: ignore[arg-type]
+            logits=tuple(self.logits) if self.keep_logits else None,  # type: ignore[arg-type]
             speculative_stats=stats,
             **{transformers_api.CACHE: cache},
         )

@@ -22,7 +22,7 @@ Glossary: `docs/ARCHITECTURE.md` ("Words").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -125,7 +125,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     clock_free = inputs.generator is not None or target.tensor_parallel
     # The target's kernel plan: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
     # draft's form timings and calibration forwards.
-    kernel = KernelPlan.for_model(target, config.linear_kernel, clock_free, Role.TARGET)
+    # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
+    kernel = KernelPlan.for_model(target, cast(LinearKernel, config.linear_kernel), clock_free, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
     draft_plan = None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers)
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
@@ -144,6 +145,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     wanted = bool(inputs.generation_config.return_dict_in_generate) or inputs.caller_cache or cached > 0
     keep_cache = wanted and model_kwargs.get("use_cache") is not False
     if draft_plan is not None:
+        assert draft_plan.forwards.kernel is not None  # a draft's forwards always have a kernel plan
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
     lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
@@ -199,7 +201,8 @@ def _draft_plan(
     auto_plan = target_kernel if config.linear_kernel is LinearKernel.AUTO else None
     auto_plan = auto_plan or KernelPlan.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
     prepared = draft_for_call(
-        spec, target, draft, config.draft_form, config.draft_vocabulary, special_token_ids(inputs.generation_config),
+        spec, target, draft, cast(DraftForm, config.draft_form), config.draft_vocabulary,
+        special_token_ids(inputs.generation_config),
         auto_plan, other_tokenizer=tokenizers is not None, clock_free=clock_free,
         calibration=_calibration(inputs.input_ids, inputs.model_kwargs.get("attention_mask")),
     )  # fmt: skip
@@ -212,7 +215,7 @@ def _draft_plan(
     elif prepared.form is DraftForm.INT4_WEIGHTS:
         kernel = KernelPlan.off(f"int4 weights on the kernel's {best_path(torch.uint8)} path (LM head int8)")
     else:
-        kernel = KernelPlan.for_model(facts, config.linear_kernel, clock_free, Role.DRAFT)
+        kernel = KernelPlan.for_model(facts, cast(LinearKernel, config.linear_kernel), clock_free, Role.DRAFT)
     description = prepared.description
     step = None
     if config.compile_draft and prepared.form is DraftForm.DYNAMIC_INT8:
@@ -259,13 +262,15 @@ def _target_forwards(
     also serves the forwards that run eagerly (wider than the kernel's rows, or a batch that shrinks to one row).
     """
     config = inputs.config
-    kernel_in_graph = config.compile and _kernel_in_graph(kernel, config.linear_kernel, inputs.batch_size, largest)
+    choice = cast(LinearKernel, config.linear_kernel)  # parsed by SpeculativeConfig
+    kernel_in_graph = config.compile and _kernel_in_graph(kernel, choice, inputs.batch_size, largest)
     cache, compiled = _target_cache(inputs, target, kernel_in_graph)
     in_graph = compiled is not None and compiled.settings.kernel_rows > 0
     eager_kernel = kernel if compiled is None or in_graph else None
     if eager_kernel is None:
         description = "target compiled"
     elif in_graph:
+        assert compiled is not None  # `in_graph` says so
         rows = compiled.settings.kernel_rows
         description = f"target compiled, its linears of 1-{rows} rows on the kernel: {kernel.reason}"
     else:

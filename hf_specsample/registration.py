@@ -114,12 +114,12 @@ def generate(self, *args, **kwargs):
 
 def register() -> None:
     """Add `draft_model=` and friends to `generate()` (done on `import hf_specsample`); idempotent."""
-    GenerationMixin.generate = generate
+    GenerationMixin.generate = generate  # type: ignore[method-assign]  # registering is replacing transformers' method
 
 
 def unregister() -> None:
     """Restore transformers' own `generate()`; `custom_generate=speculative_generate` still works after this."""
-    GenerationMixin.generate = _ORIGINAL_GENERATE
+    GenerationMixin.generate = _ORIGINAL_GENERATE  # type: ignore[method-assign]  # transformers' own, put back
 
 
 def is_registered() -> bool:

@@ -157,7 +157,9 @@ def scan_restarts_from_zero(model: PreTrainedModel) -> bool:
 
 def valid_auto_compile(model: PreTrainedModel, cache: Any, generation_config: GenerationConfig) -> bool:
     """Whether plain `generate()` would compile this model's decoding forward with this cache and config."""
-    return bool(model._valid_auto_compile_criteria({CACHE: cache}, generation_config))
+    # A causal LM is a PreTrainedModel and a GenerationMixin; transformers' types have no class for both (the mixin
+    # types its own `self` as a private protocol), so this method is unknown on a PreTrainedModel
+    return bool(model._valid_auto_compile_criteria({CACHE: cache}, generation_config))  # type: ignore[operator]
 
 
 def default_compile_config(model: PreTrainedModel):

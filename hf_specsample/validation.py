@@ -109,6 +109,7 @@ def check_tokenizers(
         return False
     if tokenizers is not None:
         return differ
+    assert draft_width is not None  # only a named draft (returned above) has no model of its own
     if abs(target_width - draft_width) > max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(
             f"The draft scores {draft_width} token ids and the target {target_width}: they look like models with "
