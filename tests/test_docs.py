@@ -48,7 +48,7 @@ README = REPO / "README.md"
 QUICK_START = "Quick start"  # the README section whose first python block every other block continues
 DEMO_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[bench]" && python examples/quickstart.py'
 CI_TEST_COMMENT = "# The README's test command, verbatim:"
-ALLOWED_PROGRAMS = {"pip", "python", "torchrun", "ruff", "git", "cd"}
+ALLOWED_PROGRAMS = {"pip", "python", "torchrun", "ruff", "mypy", "git", "cd"}
 
 
 def quick_start() -> Block:
