@@ -1,16 +1,13 @@
-"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the old spellings of the draft's
-form still accepted with a warning."""
+"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the refusal of what it does not
+know."""
 
 import collections
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList
 
-import hf_specsample
 from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft
 from hf_specsample.kernels.plan import KernelPlan
 
@@ -111,51 +108,27 @@ def test_a_plans_decisions_are_frozen_and_read_by_the_decoder():
         made.clock_free = True  # frozen
 
 
-def test_the_old_spellings_of_the_drafts_form_still_work_with_a_warning():
-    """`draft_quantization=` is `draft_form=`, "none" is "as_given", "int8" is "dynamic_int8", `DraftQuantization` is
-    `DraftForm`, `prepare_draft(quantization=)` is `prepare_draft(form=)`, `PreparedDraft.quantization` is `.form`:
-    each old spelling works as before and says what to write instead."""
-    with pytest.warns(FutureWarning, match="draft_form"):
-        config = SpeculativeConfig(draft_quantization="int8")
-    assert config.draft_form is DraftForm.DYNAMIC_INT8 and config.draft_quantization is None
-    with pytest.warns(FutureWarning, match="'as_given'"):
-        assert DraftForm("none") is DraftForm.AS_GIVEN
-    assert DraftForm.NONE is DraftForm.AS_GIVEN and DraftForm.INT8 is DraftForm.DYNAMIC_INT8
+def test_a_wrong_form_names_the_choices_wherever_it_is_passed():
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
     assert list(DraftForm) == [DraftForm(value) for value in ("auto", "as_given", "dynamic_int8", "int8_weights",
                                                               "int4_weights")]  # fmt: skip
-    with pytest.warns(FutureWarning, match="DraftForm"):
-        assert hf_specsample.DraftQuantization is DraftForm
-    target = tiny_lm(seed=0, vocab_size=64)
-    draft = perturbed_copy(target, seed=1, scale=0.1)
-    with pytest.warns(FutureWarning, match="form="):
-        prepared = prepare_draft(draft, target, quantization="as_given")
-    with pytest.warns(FutureWarning, match="PreparedDraft.form"):
-        assert prepared.quantization is DraftForm.AS_GIVEN
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spellings say nothing
-        SpeculativeConfig(draft_form="dynamic_int8")
-        prepare_draft(draft, target, form="as_given")
+    for value in ("bogus", "int8", "none"):
+        with pytest.raises(ValueError, match=f"draft_form must be one of 'auto', 'as_given', .*got '{value}'"):
+            SpeculativeConfig(draft_form=value)
+        with pytest.raises(ValueError, match=f"form must be one of 'auto', 'as_given', .*got '{value}'"):
+            prepare_draft(draft, target, form=value)
 
 
-def test_deprecated_spellings_point_at_the_users_line_and_never_silently_lose():
-    """Each old spelling's warning names the caller's file (not the library's); both names given and disagreeing is
-    refused; a wrong form names the choices wherever it is passed."""
+@pytest.mark.parametrize("draft_model", ["model", "prompt_lookup"])
+def test_an_unknown_keyword_gets_plain_generates_error(draft_model):
+    """A keyword generate() does not know (a typo, a name that never shipped) is refused with plain generate()'s own
+    error, as transformers words it, with `draft_model=` as without."""
     target = tiny_lm(seed=0, vocab_size=64)
-    draft = perturbed_copy(target, seed=1, scale=0.1)
-    for make in (
-        lambda: SpeculativeConfig(draft_quantization="as_given"),
-        lambda: SpeculativeConfig(draft_form="int8"),
-        lambda: DraftForm("none"),
-        lambda: hf_specsample.DraftQuantization,
-        lambda: prepare_draft(draft, target, quantization="as_given"),
-    ):
-        with pytest.warns(FutureWarning) as caught:
-            make()
-        assert {Path(w.filename).name for w in caught} == {Path(__file__).name}, [w.filename for w in caught]
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="disagree: pass draft_form= alone"):
-        SpeculativeConfig(draft_form="int8_weights", draft_quantization="none")
-    with pytest.warns(FutureWarning):  # the same form under both names is not a conflict
-        assert SpeculativeConfig(draft_form="dynamic_int8", draft_quantization="int8").draft_form is DraftForm.INT8
-    for make in (lambda: SpeculativeConfig(draft_form="bogus"), lambda: prepare_draft(draft, target, form="bogus")):
-        with pytest.raises(ValueError, match="must be one of 'auto', 'as_given', .*got 'bogus'"):
-            make()
+    draft = perturbed_copy(target, seed=1, scale=0.1) if draft_model == "model" else draft_model
+    for name in ("bogus", "draft_quantization"):
+        with pytest.raises(ValueError) as plain:
+            target.generate(PROMPT, max_new_tokens=2, pad_token_id=PAD, **{name: 1})
+        with pytest.raises(ValueError) as ours:
+            target.generate(PROMPT, max_new_tokens=2, pad_token_id=PAD, draft_model=draft, **{name: 1})
+        assert str(ours.value) == str(plain.value) and repr(name) in str(plain.value)

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ..cache.forwards import WideForwards
 from ..kernels.plan import KernelPlan
 from ..model_facts import ModelFacts
-from ..options import DraftForm, LinearKernel, NamedDraft, deprecated, parse_choice
+from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers
 from .auto import choose_form
@@ -101,18 +101,6 @@ class PreparedDraft:
         if view is not self.model:  # a view holds the compact copy's modules, never the draft as given
             self._step_model[:] = [(weakref.ref(self.model), view)]
         return view
-
-    @property
-    def width(self) -> int:
-        """`logit_width`'s name before (with a warning)."""
-        deprecated("PreparedDraft.width is now PreparedDraft.logit_width.")
-        return self.logit_width
-
-    @property
-    def quantization(self) -> DraftForm:
-        """`form`'s name before (with a warning)."""
-        deprecated("PreparedDraft.quantization is now PreparedDraft.form.")
-        return self.form
 
     @property
     def description(self) -> str:
@@ -236,7 +224,6 @@ def prepare_draft(
     tokenizer=None,
     draft_tokenizer=None,
     calibration: torch.Tensor | None = None,
-    quantization: DraftForm | str | None = None,
 ) -> PreparedDraft:
     """Prepare a draft once, to pass as `target.generate(..., draft_model=prepared)` in every later call.
 
@@ -269,7 +256,6 @@ def prepare_draft(
             the target is timed too, each form's acceptance is measured on it (`draft_timing.acceptance`), and the
             form with the highest expected speedup wins, int4 weights included. `generate(draft_model=draft)` uses
             its first call's prompt. Not for a draft with another tokenizer.
-        quantization: `form`'s name before (with a warning).
 
     For a tensor-parallel target, AUTO chooses without the clock (as a seeded `generate()` call does), so that
     every rank prepares the same form.
@@ -281,9 +267,6 @@ def prepare_draft(
         ValueError / TypeError: a draft `generate(draft_model=...)` would refuse, options out of range, or a compact
             form for a draft that is not a float model on the CPU.
     """
-    if quantization is not None:
-        deprecated("prepare_draft(quantization=...) is now prepare_draft(form=...).")
-        form = quantization
     spec = resolve_draft(draft)
     if spec.kind not in (DraftKind.MODEL, DraftKind.SELF):
         raise TypeError(f"prepare_draft takes a causal LM or '{NamedDraft.AUTO}', got {draft!r}.")
