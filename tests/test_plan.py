@@ -5,11 +5,13 @@ import collections
 
 import pytest
 import torch
-from tiny import PAD, perturbed_copy, tiny_lm
-from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList
+from tiny import PAD, perturbed_copy, tiny_arch, tiny_lm
+from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList, cache_utils
 
-from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft
+from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft, validation
 from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.prepare import prepared_draft
+from hf_specsample_bench.hybrids import tiny_hybrid
 
 PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2, 8, 19, 41, 7, 3, 11, 29, 5, 9, 61, 4]])
 
@@ -132,3 +134,66 @@ def test_an_unknown_keyword_gets_plain_generates_error(draft_model):
         with pytest.raises(ValueError) as ours:
             target.generate(PROMPT, max_new_tokens=2, pad_token_id=PAD, draft_model=draft, **{name: 1})
         assert str(ours.value) == str(plain.value) and repr(name) in str(plain.value)
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [
+        ("llama", dict(speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("llama", dict(cache_implementation="static", speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("llama", dict(prompt_lookup_num_tokens=3, do_sample=True, generator=torch.Generator().manual_seed(0))),
+        ("llama", dict(batch=3)),
+        ("llama", dict(draft_model="prompt_lookup")),
+        ("gemma2", dict(speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("qwen3_5", dict(do_sample=True, speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("lfm2", dict(do_sample=True, speculative_config=SpeculativeConfig(draft_form="as_given"))),
+    ],
+    ids=["dynamic", "static", "lookup-and-model", "batch", "lookup-only", "sliding-window", "recurrent", "convolution"],
+)
+def test_a_call_builds_only_the_caches_it_runs_on(model, options, monkeypatch):
+    """One generate() call builds at most two caches, the target's (generate() makes it) and the draft's, and one
+    without a draft model only the target's: no cache is built to ask a model what kind its cache is. (A draft's
+    first preparation under draft_form="auto" times each form's forwards on caches of their own: not counted here,
+    the draft is prepared first.)"""
+
+    options = dict(options)
+    target = tiny_lm(seed=0, vocab_size=64) if model == "llama" else None
+    target = target or (tiny_arch(model, seed=0) if model == "gemma2" else tiny_hybrid(model, seed=0, vocab_size=64))
+    draft = options.pop("draft_model", None) or perturbed_copy(target, seed=1, scale=0.1)
+    prompt = PROMPT.repeat(options.pop("batch", 1), 1) % 48
+    kwargs = dict(max_new_tokens=10, pad_token_id=PAD, num_lookahead=3, draft_model=draft, **options)
+    target.generate(prompt, **kwargs)  # the draft's preparation, if any
+    built = []
+    real_init = cache_utils.Cache.__init__
+
+    def counting(cache, *args, **kwargs):
+        built.append(type(cache).__name__)
+        real_init(cache, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.Cache, "__init__", counting)
+    out = target.generate(prompt, return_dict_in_generate=True, **kwargs)
+    assert out.speculative_stats.rounds > 0
+    assert len(built) == (1 if isinstance(draft, str) else 2), built
+
+
+def test_the_drafts_refusals_are_asked_in_one_place(monkeypatch):
+    """`prepare_draft` and a call's plan refuse a draft through the same `check_draft`: the models and the ids the
+    draft reads are checked there once per call (a held `PreparedDraft` too), and nowhere else."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
+    asked = collections.Counter()
+    for name in ("check_models", "check_tokenizers"):
+        real = getattr(prepared_draft, name)
+
+        def counting(*args, _real=real, _name=name):
+            asked[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(prepared_draft, name, counting)
+        monkeypatch.setattr(validation, name, counting)  # a second home would count twice
+    prepared = prepare_draft(draft, target, form="as_given")
+    assert asked == {"check_models": 1, "check_tokenizers": 1}
+    for draft_model in (draft, prepared, "auto"):
+        asked.clear()
+        target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft_model, num_lookahead=2)
+        assert asked == {"check_models": 1, "check_tokenizers": 1}, draft_model

@@ -272,13 +272,8 @@ def prepare_draft(
         raise TypeError(f"prepare_draft takes a causal LM or '{NamedDraft.AUTO}', got {draft!r}.")
     target_facts = ModelFacts.of(target)
     draft_facts = ModelFacts.of(spec.model) if spec.kind is DraftKind.MODEL else None
-    check_models(target_facts, draft_facts)
-    if (tokenizer is None) != (draft_tokenizer is None):
-        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
-    tokenizers = (tokenizer, draft_tokenizer) if tokenizer is not None else None
-    draft_width = draft_facts.logit_width if draft_facts is not None else None
-    named = NamedDraft.AUTO if draft_facts is None else None
-    other_tokenizer = check_tokenizers(target_facts.logit_width, draft_width, tokenizers, named)
+    tokenizers = check_draft(spec, target_facts, draft_facts, (tokenizer, draft_tokenizer))
+    other_tokenizer = tokenizers is not None
     if other_tokenizer and vocabulary is not None:
         raise ValueError(OTHER_TOKENIZER_VOCABULARY)
     form = parse_choice(DraftForm, form, "form")
@@ -293,6 +288,45 @@ def prepare_draft(
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, target_facts.logit_width, prepared.logit_width)
     return replace(prepared, tokenizers=tokenizers, shared_vocabulary=shared)
+
+
+_NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
+
+
+def check_draft(
+    spec: DraftSpec, target: ModelFacts, draft: ModelFacts | None, tokenizers: tuple[Any, Any] | None
+) -> tuple[Any, Any] | None:
+    """The refusals of a draft for a target that need no forward, asked by `prepare_draft` and by `plan.plan_call`
+    alike (nothing else makes them): both models (`validation.check_models`), then which token ids the draft reads
+    (`validation.check_tokenizers`; a `PreparedDraft` holding its tokenizers was compared by `prepare_draft`).
+
+    Args:
+        spec: `draft_model=` resolved; `draft`: its model's facts (None for "auto" and "prompt_lookup").
+        tokenizers: (the target's tokenizer, the draft's) as given, None or (None, None) for neither.
+
+    Returns:
+        (target tokenizer, draft tokenizer) where the draft reads another tokenizer's ids, else None.
+
+    Raises:
+        ValueError: a model that cannot be used, one tokenizer of the two, or a draft that reads other ids than the
+            target's without both tokenizers to say which.
+    """
+    check_models(target, draft)
+    if tokenizers is not None and (tokenizers[0] is None) != (tokenizers[1] is None):
+        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
+    tokenizers = tokenizers if tokenizers is not None and tokenizers[0] is not None else None
+    prepared = spec.prepared
+    held = prepared.tokenizers if prepared is not None else None
+    if held is not None and (tokenizers is None or same_tokenizers(tokenizers, held)):
+        return held
+    width = prepared.logit_width if prepared is not None else draft.logit_width if draft is not None else None
+    other_tokenizer = check_tokenizers(target.logit_width, width, tokenizers, _NAMED.get(spec.kind))
+    return tokenizers if other_tokenizer else None
+
+
+def same_tokenizers(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
+    """Whether two (target tokenizer, draft tokenizer) pairs are the very same objects."""
+    return other is not None and pair[0] is other[0] and pair[1] is other[1]
 
 
 OTHER_TOKENIZER_VOCABULARY = (
