@@ -13,7 +13,6 @@ from .transformers_api import CACHE, check_installed
 
 check_installed()  # before anything else: an unsupported transformers is refused here, with what to do
 
-from . import options
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
@@ -50,8 +49,3 @@ __all__ = [
 ]
 
 register()
-
-
-def __getattr__(name: str):
-    """`DraftForm`, `DraftForm`'s name before (with a warning: `options.__getattr__`)."""
-    return getattr(options, name)

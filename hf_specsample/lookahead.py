@@ -40,7 +40,7 @@ from dataclasses import replace
 
 from .options import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
 from .proposers.base import DraftBudget
-from .round_costs import STATIC_VERIFY_SLOPE, DecayedMean, MeasuredCosts, RoundRecord, StaticCosts
+from .round_costs import STATIC_VERIFY_SLOPE, DecayedMean, MeasuredCosts, RoundRecord, StaticCosts, expected_rate
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -122,9 +122,7 @@ class AdaptiveLookahead(LookaheadPolicy):
 
     def expected_rate(self, lookahead: int) -> float:
         """Expected tokens per second per row with K = lookahead: E(K) / (d K + v(K))."""
-        alpha = self.alpha.value
-        tokens = sum(alpha**i for i in range(lookahead + 1))
-        return tokens / (self.costs.draft_seconds() * lookahead + self.costs.verify_seconds(lookahead))
+        return expected_rate(self.alpha.value, lookahead, self.costs)
 
     def perfect_draft_gain(self) -> float:
         """How much faster than plain decoding a draft whose every token were accepted would be at the costs known

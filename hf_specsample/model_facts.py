@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
@@ -182,9 +182,10 @@ def _forward_cache_name(model: PreTrainedModel) -> str | None:
 def _cache_kind(model: PreTrainedModel) -> tuple[str | None, bool]:
     """(why its cache cannot be rolled back per row, or None; whether it keeps convolution / recurrent states).
 
-    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config holds attention
-    layers (full or sliding window) and transformers' convolution / recurrent state layers, in any mix: hybrids
-    (Jamba, Qwen3.5, LFM2, ...) and state-space models (Mamba-2, ...).
+    A model qualifies when its forward takes a cache and the `DynamicCache` built from its config would hold
+    attention layers (full or sliding window) and transformers' convolution / recurrent state layers, in any mix:
+    hybrids (Jamba, Qwen3.5, LFM2, ...) and state-space models (Mamba-2, ...). The layers are read off the config
+    (`transformers_api.cache_layer_classes`), not built: the call's caches are the only ones it makes.
     """
     if transformers_api.forward_cache_name(model) is None:
         return f"{type(model).__name__}'s forward takes no cache", False
@@ -193,16 +194,16 @@ def _cache_kind(model: PreTrainedModel) -> tuple[str | None, bool]:
         own = "keeps a cache of its own, not a DynamicCache (transformers says so itself)"
         return f"{type(model).__name__} {own}", False
     try:
-        cache = DynamicCache(config=model.config)
+        layers = transformers_api.cache_layer_classes(model.config)
     except Exception as error:  # noqa: BLE001 (any config this cannot build a cache for is refused)
         return f"no DynamicCache can be built for {type(model).__name__} ({error})", False
-    keeps_state = any(True for _ in linear_layers(cache))
+    keeps_state = any(issubclass(layer, LinearLayer) for layer in layers)
     if "reuse" in (getattr(model.config.get_text_config(decoder=True), "kv_sharing_modes", None) or ()):
         return (
             f"{type(model).__name__}'s layers reuse keys and values shared with other layers (KV sharing), which "
             "hf_specsample cannot roll back row by row"
         ), keeps_state
-    unsupported = unsupported_layers(cache)
+    unsupported = sorted({layer.__name__ for layer in layers if layer not in SUPPORTED_LAYERS})
     if unsupported:
         return (
             f"{type(model).__name__}'s cache has layers of type {', '.join(unsupported)} (for instance a sparse-"

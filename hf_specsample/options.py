@@ -11,34 +11,13 @@ All enums are `str` enums: the plain strings compare equal, and an invalid one i
 from __future__ import annotations
 
 import enum
-import os
-import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def deprecated(message: str) -> None:
-    """A `FutureWarning` reported at the user's line: the first frame outside this package, the enum machinery, a
-    dataclass's generated `__init__` and the import system (`from hf_specsample import OldName`)."""
-    frame: FrameType | None
-    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called this function
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if "importlib" in name and "_bootstrap" in name:  # `warnings.warn` skips these frames itself
-            frame = frame.f_back
-            continue
-        if not (name.startswith(_PACKAGE) or name in (enum.__file__, "<string>")):
-            break
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, FutureWarning, stacklevel=level)
 
 
 EnumT = TypeVar("EnumT", bound=enum.Enum)
@@ -64,9 +43,7 @@ class NamedDraft(str, enum.Enum):
 
 
 class DraftForm(str, enum.Enum):
-    """The form a draft model runs in (`SpeculativeConfig(draft_form=)`, `prepare_draft(form=)`).
-
-    The spellings of before (`draft_quantization=`, "none" and "int8") are still accepted, with a warning."""
+    """The form a draft model runs in (`SpeculativeConfig(draft_form=)`, `prepare_draft(form=)`)."""
 
     AUTO = "auto"  # a float draft on the CPU: whichever form below steps fastest here (timed); otherwise as given
     AS_GIVEN = "as_given"  # the draft as given (a CPU bf16 draft's linears run on the small-rows kernel where it pays)
@@ -75,36 +52,9 @@ class DraftForm(str, enum.Enum):
     # int4 weights (a scale per 128 inputs; the LM head int8) on the small-rows kernel, CPUs with AVX-512 VNNI/BF16;
     # drafts worse: AUTO weighs its measured acceptance against its step time, given calibration text
     INT4_WEIGHTS = "int4_weights"
-    NONE = "as_given"  # the members' names before (aliases: `DraftForm.NONE is DraftForm.AS_GIVEN`)
-    INT8 = "dynamic_int8"
 
     def __str__(self) -> str:
         return self.value
-
-    @classmethod
-    def _missing_(cls, value: object) -> DraftForm | None:
-        renamed = _RENAMED_FORMS.get(value) if isinstance(value, str) else None
-        if renamed is not None:
-            deprecated(
-                f"The draft form {value!r} is now spelled {renamed.value!r}; {value!r} will stop working in a later "
-                "release."
-            )
-        return renamed
-
-
-_RENAMED_FORMS = {"none": DraftForm.AS_GIVEN, "int8": DraftForm.DYNAMIC_INT8}
-
-
-def __getattr__(name: str):
-    """`DraftQuantization`, the enum's name before `DraftForm` (with a warning; its members kept their values but
-    "none" and "int8", which are `AS_GIVEN` and `DYNAMIC_INT8` now)."""
-    if name == "DraftQuantization":
-        deprecated(
-            "hf_specsample.DraftQuantization is now DraftForm (NONE is AS_GIVEN, INT8 is DYNAMIC_INT8); the old name "
-            "will stop working in a later release."
-        )
-        return DraftForm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Verification(str, enum.Enum):
@@ -210,25 +160,11 @@ class SpeculativeConfig:
     compile: bool = False
     compile_draft: bool = False
     linear_kernel: LinearKernel | str = LinearKernel.AUTO
-    draft_quantization: DraftForm | str | None = None  # `draft_form`'s name before (a warning)
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
         _check_lookahead("max_lookahead", self.max_lookahead)
-        if self.draft_quantization is not None:
-            deprecated(
-                "SpeculativeConfig(draft_quantization=...) is now SpeculativeConfig(draft_form=...); the old name will "
-                "stop working in a later release."
-            )
-            old = parse_choice(DraftForm, self.draft_quantization, "draft_quantization")
-            if self.draft_form != DraftForm.AUTO and parse_choice(DraftForm, self.draft_form, "draft_form") != old:
-                raise ValueError(
-                    f"draft_form={self.draft_form!r} and draft_quantization={self.draft_quantization!r} (its old name) "
-                    "disagree: pass draft_form= alone."
-                )
-            object.__setattr__(self, "draft_form", old)
         object.__setattr__(self, "draft_form", parse_choice(DraftForm, self.draft_form, "draft_form"))
-        object.__setattr__(self, "draft_quantization", None)
         object.__setattr__(self, "verification", parse_choice(Verification, self.verification, "verification"))
         object.__setattr__(self, "linear_kernel", parse_choice(LinearKernel, self.linear_kernel, "linear_kernel"))
         for name in ("fast_processors", "compile", "compile_draft"):

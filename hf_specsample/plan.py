@@ -26,7 +26,6 @@ from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from . import distributed, transformers_api, validation
 from .cache import row_ops
@@ -37,9 +36,9 @@ from .kernels.plan import KernelPlan
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
-from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig
+from .options import DraftForm, LinearKernel, SpeculativeConfig
 from .prepare.implicit import draft_for_call
-from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, resolve_draft
+from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from .prepare.vocabulary import special_token_ids
 from .proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from .proposers.draft_model import DraftVocabulary
@@ -47,7 +46,6 @@ from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM
 from .round_costs import weight_bytes_ratio
 from .verify.processing import check_supported
 
-_NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
 
@@ -160,15 +158,8 @@ def _refuse(
     """Every refusal that needs no forward, in order; returns the (target, draft) tokenizers where the draft reads
     another tokenizer's ids (a `PreparedDraft` may hold them), else None."""
     config, generation_config = inputs.config, inputs.generation_config
-    validation.check_models(target, draft)
-    tokenizers, held = inputs.tokenizers, spec.prepared.tokenizers if spec.prepared is not None else None
-    if held is not None and (tokenizers is None or _same_objects(tokenizers, held)):
-        tokenizers, other_tokenizer = held, True  # prepare_draft compared their vocabularies
-    else:
-        draft_width = spec.prepared.logit_width if spec.prepared is not None else draft.logit_width if draft else None
-        named = _NAMED.get(spec.kind)
-        other_tokenizer = validation.check_tokenizers(target.logit_width, draft_width, tokenizers, named)
-    validation.check_hybrid_draft(draft, other_tokenizer)
+    tokenizers = check_draft(spec, target, draft, inputs.tokenizers)  # the models and the ids the draft reads
+    validation.check_hybrid_draft(draft, tokenizers is not None)
     validation.check_generation_config(generation_config)
     validation.check_prompt_lookup(inputs.lookup_tokens, inputs.max_ngram)
     validation.check_inputs(inputs.input_ids, inputs.model_kwargs, inputs.streamer, inputs.generator)
@@ -184,7 +175,7 @@ def _refuse(
         )
     if config.compile_draft and spec.kind is not DraftKind.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
-    return tokenizers if other_tokenizer else None
+    return tokenizers
 
 
 def _draft_plan(
@@ -239,7 +230,7 @@ def _draft_plan(
 def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
     """The tokens both tokenizers share: the prepared draft's where it holds these very tokenizers' (built by
     `prepare_draft`), else looked up (`proposers.cross_vocab.shared_vocabulary`, cached per tokenizer pair)."""
-    if prepared.shared_vocabulary is not None and _same_objects(tokenizers, prepared.tokenizers):
+    if prepared.shared_vocabulary is not None and same_tokenizers(tokenizers, prepared.tokenizers):
         shared = prepared.shared_vocabulary
     else:
         shared = shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
@@ -290,8 +281,7 @@ def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool)
     """
     config, generation_config = inputs.config, inputs.generation_config
     cache = transformers_api.generate_cache(inputs.model_kwargs)
-    implementation = generation_config.cache_implementation
-    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
+    if not row_ops.runs_static(cache, generation_config.cache_implementation, config.compile):
         return cache, None
     # `validation.check_cache_plan` refused offloaded caches and compile=True for a target that cannot compile.
     given = not inputs.caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache)
@@ -337,11 +327,6 @@ def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 def _ends_in_padding(attention_mask: torch.Tensor | None) -> bool:
     """Whether some row's prompt ends in padding (right padding): its first round then drafts nothing."""
     return attention_mask is not None and not bool(attention_mask[:, -1].bool().all())
-
-
-def _same_objects(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
-    """Whether two (target tokenizer, draft tokenizer) pairs are the very same objects."""
-    return other is not None and pair[0] is other[0] and pair[1] is other[1]
 
 
 def resolve_inputs(

@@ -4,7 +4,9 @@
 - `MeasuredCosts`: d (a draft step) and v(K) (the rest of a round verifying K draft tokens) on the wall clock.
 - `StaticCosts`: the same without a clock, from weight sizes (`weight_bytes_ratio`: decoding a token reads every
   weight once), for calls whose K must repeat (a seeded call, tensor-parallel ranks).
-- `expected_speedup`: Leviathan et al.'s Theorem 3.8 at the best K, for AUTO's choice of a draft's form.
+- `expected_tokens`, `expected_rate`: Leviathan et al.'s Theorem 3.8, a round's expected tokens and their rate, the
+  one home of the formula (the adaptive lookahead and the benchmark's report use it too).
+- `expected_speedup`: Theorem 3.8 at the best K, for AUTO's choice of a draft's form.
 """
 
 from __future__ import annotations
@@ -141,17 +143,27 @@ def weight_bytes(model: PreTrainedModel) -> int:
     return total
 
 
+def expected_tokens(alpha: float, lookahead: float) -> float:
+    """Leviathan et al.'s E(K) (Theorem 3.8): the tokens a round of K = `lookahead` draft tokens commits per row,
+    1 + alpha + ... + alpha^K = (1 - alpha^(K+1)) / (1 - alpha), where `alpha` is the probability that a tested
+    draft token is accepted. `lookahead` may be a mean over rounds (not a whole number); 0 is plain decoding."""
+    whole = int(lookahead)
+    if whole == lookahead:  # summed term by term: exact as alpha nears 1, where the closed form cancels digits away
+        return sum(alpha**i for i in range(whole + 1))
+    return (1 - alpha ** (lookahead + 1)) / (1 - alpha) if alpha < 1.0 else lookahead + 1
+
+
+def expected_rate(alpha: float, lookahead: int, costs: MeasuredCosts | StaticCosts) -> float:
+    """Expected tokens per unit of `costs`' time and row with K = `lookahead`: E(K) / (d K + v(K))."""
+    return expected_tokens(alpha, lookahead) / (costs.draft_seconds() * lookahead + costs.verify_seconds(lookahead))
+
+
 def expected_speedup(alpha: float, cost_ratio: float, max_lookahead: int = DEFAULT_MAX_LOOKAHEAD) -> float:
     """Leviathan et al.'s Theorem 3.8 at the best K: tokens per unit of time over plain decoding's, for a draft
     accepted at rate `alpha` whose step costs `cost_ratio` target steps (verification as `StaticCosts` models it).
     1.0 where drafting does not pay (K = 0)."""
     costs = StaticCosts(cost_ratio)
-
-    def rate(lookahead: int) -> float:
-        tokens = sum(alpha**i for i in range(lookahead + 1))
-        return tokens / (costs.draft_seconds() * lookahead + costs.verify_seconds(lookahead))
-
-    return max(rate(lookahead) for lookahead in range(max_lookahead + 1))
+    return max(expected_rate(alpha, lookahead, costs) for lookahead in range(max_lookahead + 1))
 
 
 def weight_bytes_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:

@@ -11,6 +11,8 @@ old name broke at once. So the library spells none of them: it asks this module.
 - `CALLER_CACHE_NAMES` / `take_caller_cache`: the names `generate()` accepts from a caller, and the renaming it
   does itself (with its deprecation message) for the old ones.
 - the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
+- `cache_layer_classes(config)`: the layer classes of the cache transformers builds for a config, read as its
+  constructor reads them, without building one.
 - `scan_restarts_from_zero(model)`: whether a model's recurrent layers can continue a multi-token forward from a
   cached state, read off the installed modeling module's scan function.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import transformers
 from packaging.version import Version
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, cache_utils
 from transformers.generation import utils as generation_utils
 
 # The range CI runs the suite on (`.ci/run`): the floor is also `pyproject.toml`'s, the ceiling its upper bound's
@@ -155,6 +157,19 @@ def scan_restarts_from_zero(model: PreTrainedModel) -> bool:
     return not any(name in parameters for name in _INITIAL_STATE_ARGUMENTS)
 
 
+def cache_layer_classes(config: Any, static: bool = False) -> list[type]:
+    """The classes of the layers a `DynamicCache(config=config)` (a `StaticCache`, where `static`) is made of, one per
+    decoder layer, without making one: read as their constructors read them, the decoder's text config's layer
+    types (`get_layer_types_and_kwargs`) looked up in the mapping a layer class registers its type in.
+
+    Raises:
+        Exception: whatever building that cache would raise on reading the config (an unknown layer type: KeyError).
+    """
+    layer_types, _ = cache_utils.get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING if static else cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+    return [mapping[layer_type] for layer_type in layer_types]
+
+
 def valid_auto_compile(model: PreTrainedModel, cache: Any, generation_config: GenerationConfig) -> bool:
     """Whether plain `generate()` would compile this model's decoding forward with this cache and config."""
     # A causal LM is a PreTrainedModel and a GenerationMixin; transformers' types have no class for both (the mixin
@@ -176,6 +191,9 @@ def pad_token_id(generation_config: GenerationConfig) -> Any:
 _REQUIRED_HOOKS = (
     (generation_utils.GenerationMixin, "_valid_auto_compile_criteria"),
     (PreTrainedModel, "_default_compile_config"),
+    (cache_utils, "get_layer_types_and_kwargs"),
+    (cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING"),
+    (cache_utils, "STATIC_LAYER_TYPE_MAPPING"),
 )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from transformers import Cache, GenerationConfig, StaticCache, StoppingCriteriaList
-from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, GenerationMode
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
 from . import transformers_api
@@ -237,7 +237,7 @@ def check_cache_plan(
     with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
     """
     implementation = generation_config.cache_implementation
-    if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
+    if not row_ops.runs_static(cache, implementation, config.compile):
         return
     if implementation == "offloaded_static" or getattr(cache, "offloading", False):
         raise ValueError(

@@ -6,6 +6,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from hf_specsample.round_costs import expected_tokens
+
 from .measure import Measurement
 
 
@@ -13,13 +15,13 @@ def expected_speedup(alpha: float, lookahead: float, c: float) -> float:
     """Leviathan et al. (2022), Theorem 3.8: expected walltime improvement of speculative decoding.
 
     (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)), with alpha the acceptance probability of a tested draft token,
-    K the draft tokens per round and c the draft/target cost ratio. It ignores the extra cost of verifying K+1
-    positions instead of one (small when decoding is memory-bound).
+    K the draft tokens per round (a mean over rounds) and c the draft/target cost ratio; the tokens per round are
+    `hf_specsample.round_costs.expected_tokens`. It ignores the extra cost of verifying K+1 positions instead of one
+    (small when decoding is memory-bound).
     """
     if lookahead <= 0:
         return 1.0
-    tokens_per_round = lookahead + 1 if alpha >= 1.0 else (1 - alpha ** (lookahead + 1)) / (1 - alpha)
-    return tokens_per_round / (lookahead * c + 1)
+    return expected_tokens(alpha, lookahead) / (lookahead * c + 1)
 
 
 @dataclass

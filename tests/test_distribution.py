@@ -13,7 +13,8 @@ from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 import hf_specsample.decoding as decoding
 from hf_specsample import SpeculativeConfig
 from hf_specsample.kernels import small_rows
-from hf_specsample.verify.rejection import Verdict, Verification, block_accept, sample_from_weights, speculative_accept
+from hf_specsample.options import Verification
+from hf_specsample.verify.rejection import Verdict, block_accept, sample_from_weights, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
 NUM_TOKENS = 3

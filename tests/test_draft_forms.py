@@ -60,10 +60,10 @@ def test_auto_quantizes_float_cpu_drafts_once(pair, int8_steps_faster):
     assert prepare_draft(draft, target, form=DraftForm.AS_GIVEN).model is draft
 
 
-@pytest.mark.parametrize("quantization", ["auto", "dynamic_int8", "as_given"])
-def test_greedy_identity_whatever_the_draft_quantization(pair, quantization):
+@pytest.mark.parametrize("form", ["auto", "dynamic_int8", "as_given"])
+def test_greedy_identity_whatever_the_draft_form(pair, form):
     target, draft = pair
-    config = SpeculativeConfig(draft_form=quantization)
+    config = SpeculativeConfig(draft_form=form)
     assert torch.equal(greedy(target, draft_model=draft, speculative_config=config), greedy(target))
 
 

@@ -146,6 +146,27 @@ def test_expected_rate_is_theorem_3_8():
     assert policy.choose() == max(range(9), key=policy.expected_rate)
 
 
+def test_expected_tokens_is_one_formula_for_the_policy_the_forms_and_the_report():
+    """E(K) (Theorem 3.8) lives in `round_costs.expected_tokens`: the sum 1 + alpha + ... + alpha^K for a whole K,
+    the closed form for a mean K between whole ones, K + 1 at alpha = 1; the policy's rate, AUTO's expected speedup
+    and the benchmark report's prediction all read it."""
+    from hf_specsample.round_costs import expected_speedup, expected_tokens
+    from hf_specsample_bench.report import expected_speedup as predicted_speedup
+
+    for alpha in (0.0, 0.3, 0.8, 0.999999):
+        for k in range(6):
+            assert expected_tokens(alpha, k) == sum(alpha**i for i in range(k + 1))
+            assert expected_tokens(alpha, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), rel=1e-9)
+        assert expected_tokens(alpha, 2.5) == pytest.approx((1 - alpha**3.5) / (1 - alpha))
+        assert expected_tokens(alpha, 2) <= expected_tokens(alpha, 2.5) <= expected_tokens(alpha, 3)
+    assert expected_tokens(1.0, 3) == expected_tokens(1.0, 3.0) == 4 and expected_tokens(1.0, 2.5) == 3.5
+    costs = StaticCosts(cost_ratio=0.45)
+    policy = AdaptiveLookahead(costs=costs)
+    policy.alpha.total, policy.alpha.count = 0.8, 1.0
+    assert expected_speedup(0.8, 0.45) == max(policy.expected_rate(k) for k in range(9))
+    assert predicted_speedup(0.8, 2.5, 0.45) == expected_tokens(0.8, 2.5) / (2.5 * 0.45 + 1)
+
+
 def test_static_costs_draft_less_for_large_batches():
     single = make_policy(SpeculativeConfig(), clock_free=True, cost_ratio=0.3, batch_size=1)
     batch = make_policy(SpeculativeConfig(), clock_free=True, cost_ratio=0.3, batch_size=32)

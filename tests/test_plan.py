@@ -1,18 +1,17 @@
-"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the old spellings of the draft's
-form still accepted with a warning."""
+"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the refusal of what it does not
+know."""
 
 import collections
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from tiny import PAD, perturbed_copy, tiny_lm
-from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList
+from tiny import PAD, perturbed_copy, tiny_arch, tiny_lm
+from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList, cache_utils
 
-import hf_specsample
-from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft
+from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft, validation
 from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.prepare import prepared_draft
+from hf_specsample_bench.hybrids import tiny_hybrid
 
 PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2, 8, 19, 41, 7, 3, 11, 29, 5, 9, 61, 4]])
 
@@ -111,51 +110,90 @@ def test_a_plans_decisions_are_frozen_and_read_by_the_decoder():
         made.clock_free = True  # frozen
 
 
-def test_the_old_spellings_of_the_drafts_form_still_work_with_a_warning():
-    """`draft_quantization=` is `draft_form=`, "none" is "as_given", "int8" is "dynamic_int8", `DraftQuantization` is
-    `DraftForm`, `prepare_draft(quantization=)` is `prepare_draft(form=)`, `PreparedDraft.quantization` is `.form`:
-    each old spelling works as before and says what to write instead."""
-    with pytest.warns(FutureWarning, match="draft_form"):
-        config = SpeculativeConfig(draft_quantization="int8")
-    assert config.draft_form is DraftForm.DYNAMIC_INT8 and config.draft_quantization is None
-    with pytest.warns(FutureWarning, match="'as_given'"):
-        assert DraftForm("none") is DraftForm.AS_GIVEN
-    assert DraftForm.NONE is DraftForm.AS_GIVEN and DraftForm.INT8 is DraftForm.DYNAMIC_INT8
+def test_a_wrong_form_names_the_choices_wherever_it_is_passed():
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1)
     assert list(DraftForm) == [DraftForm(value) for value in ("auto", "as_given", "dynamic_int8", "int8_weights",
                                                               "int4_weights")]  # fmt: skip
-    with pytest.warns(FutureWarning, match="DraftForm"):
-        assert hf_specsample.DraftQuantization is DraftForm
-    target = tiny_lm(seed=0, vocab_size=64)
-    draft = perturbed_copy(target, seed=1, scale=0.1)
-    with pytest.warns(FutureWarning, match="form="):
-        prepared = prepare_draft(draft, target, quantization="as_given")
-    with pytest.warns(FutureWarning, match="PreparedDraft.form"):
-        assert prepared.quantization is DraftForm.AS_GIVEN
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spellings say nothing
-        SpeculativeConfig(draft_form="dynamic_int8")
-        prepare_draft(draft, target, form="as_given")
+    for value in ("bogus", "int8", "none"):
+        with pytest.raises(ValueError, match=f"draft_form must be one of 'auto', 'as_given', .*got '{value}'"):
+            SpeculativeConfig(draft_form=value)
+        with pytest.raises(ValueError, match=f"form must be one of 'auto', 'as_given', .*got '{value}'"):
+            prepare_draft(draft, target, form=value)
 
 
-def test_deprecated_spellings_point_at_the_users_line_and_never_silently_lose():
-    """Each old spelling's warning names the caller's file (not the library's); both names given and disagreeing is
-    refused; a wrong form names the choices wherever it is passed."""
+@pytest.mark.parametrize("draft_model", ["model", "prompt_lookup"])
+def test_an_unknown_keyword_gets_plain_generates_error(draft_model):
+    """A keyword generate() does not know (a typo, a name that never shipped) is refused with plain generate()'s own
+    error, as transformers words it, with `draft_model=` as without."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    draft = perturbed_copy(target, seed=1, scale=0.1) if draft_model == "model" else draft_model
+    for name in ("bogus", "draft_quantization"):
+        with pytest.raises(ValueError) as plain:
+            target.generate(PROMPT, max_new_tokens=2, pad_token_id=PAD, **{name: 1})
+        with pytest.raises(ValueError) as ours:
+            target.generate(PROMPT, max_new_tokens=2, pad_token_id=PAD, draft_model=draft, **{name: 1})
+        assert str(ours.value) == str(plain.value) and repr(name) in str(plain.value)
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [
+        ("llama", dict(speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("llama", dict(cache_implementation="static", speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("llama", dict(prompt_lookup_num_tokens=3, do_sample=True, generator=torch.Generator().manual_seed(0))),
+        ("llama", dict(batch=3)),
+        ("llama", dict(draft_model="prompt_lookup")),
+        ("gemma2", dict(speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("qwen3_5", dict(do_sample=True, speculative_config=SpeculativeConfig(draft_form="as_given"))),
+        ("lfm2", dict(do_sample=True, speculative_config=SpeculativeConfig(draft_form="as_given"))),
+    ],
+    ids=["dynamic", "static", "lookup-and-model", "batch", "lookup-only", "sliding-window", "recurrent", "convolution"],
+)
+def test_a_call_builds_only_the_caches_it_runs_on(model, options, monkeypatch):
+    """One generate() call builds at most two caches, the target's (generate() makes it) and the draft's, and one
+    without a draft model only the target's: no cache is built to ask a model what kind its cache is. (A draft's
+    first preparation under draft_form="auto" times each form's forwards on caches of their own: not counted here,
+    the draft is prepared first.)"""
+
+    options = dict(options)
+    target = tiny_lm(seed=0, vocab_size=64) if model == "llama" else None
+    target = target or (tiny_arch(model, seed=0) if model == "gemma2" else tiny_hybrid(model, seed=0, vocab_size=64))
+    draft = options.pop("draft_model", None) or perturbed_copy(target, seed=1, scale=0.1)
+    prompt = PROMPT.repeat(options.pop("batch", 1), 1) % 48
+    kwargs = dict(max_new_tokens=10, pad_token_id=PAD, num_lookahead=3, draft_model=draft, **options)
+    target.generate(prompt, **kwargs)  # the draft's preparation, if any
+    built = []
+    real_init = cache_utils.Cache.__init__
+
+    def counting(cache, *args, **kwargs):
+        built.append(type(cache).__name__)
+        real_init(cache, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.Cache, "__init__", counting)
+    out = target.generate(prompt, return_dict_in_generate=True, **kwargs)
+    assert out.speculative_stats.rounds > 0
+    assert len(built) == (1 if isinstance(draft, str) else 2), built
+
+
+def test_the_drafts_refusals_are_asked_in_one_place(monkeypatch):
+    """`prepare_draft` and a call's plan refuse a draft through the same `check_draft`: the models and the ids the
+    draft reads are checked there once per call (a held `PreparedDraft` too), and nowhere else."""
     target = tiny_lm(seed=0, vocab_size=64)
     draft = perturbed_copy(target, seed=1, scale=0.1)
-    for make in (
-        lambda: SpeculativeConfig(draft_quantization="as_given"),
-        lambda: SpeculativeConfig(draft_form="int8"),
-        lambda: DraftForm("none"),
-        lambda: hf_specsample.DraftQuantization,
-        lambda: prepare_draft(draft, target, quantization="as_given"),
-    ):
-        with pytest.warns(FutureWarning) as caught:
-            make()
-        assert {Path(w.filename).name for w in caught} == {Path(__file__).name}, [w.filename for w in caught]
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="disagree: pass draft_form= alone"):
-        SpeculativeConfig(draft_form="int8_weights", draft_quantization="none")
-    with pytest.warns(FutureWarning):  # the same form under both names is not a conflict
-        assert SpeculativeConfig(draft_form="dynamic_int8", draft_quantization="int8").draft_form is DraftForm.INT8
-    for make in (lambda: SpeculativeConfig(draft_form="bogus"), lambda: prepare_draft(draft, target, form="bogus")):
-        with pytest.raises(ValueError, match="must be one of 'auto', 'as_given', .*got 'bogus'"):
-            make()
+    asked = collections.Counter()
+    for name in ("check_models", "check_tokenizers"):
+        real = getattr(prepared_draft, name)
+
+        def counting(*args, _real=real, _name=name):
+            asked[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(prepared_draft, name, counting)
+        monkeypatch.setattr(validation, name, counting)  # a second home would count twice
+    prepared = prepare_draft(draft, target, form="as_given")
+    assert asked == {"check_models": 1, "check_tokenizers": 1}
+    for draft_model in (draft, prepared, "auto"):
+        asked.clear()
+        target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft_model, num_lookahead=2)
+        assert asked == {"check_models": 1, "check_tokenizers": 1}, draft_model

@@ -42,9 +42,11 @@ from transformers.cache_utils import (
     StaticCache,
     StaticLayer,
 )
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from ..devices import to_device
 from ..model_facts import ATTENTION_PART, linear_layers
+from ..transformers_api import cache_layer_classes
 from . import linear_states
 
 
@@ -67,6 +69,13 @@ def is_static(cache: Cache | None) -> bool:
     converted it); linear-attention and dummy layers have no slots and do not count."""
     layers = [layer for layer in getattr(cache, "layers", None) or () if not _slotless(layer)]
     return bool(layers) and all(isinstance(layer, StaticLayer) for layer in layers)
+
+
+def runs_static(cache: Cache | None, cache_implementation: str | None, compile: bool) -> bool:
+    """Whether a call's target runs on a static cache (`full_static_cache`): one asked for
+    (`cache_implementation="static"` and the other static implementations, or a static `cache` passed in), or
+    compiled verification (`SpeculativeConfig(compile=True)`)."""
+    return compile or cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or is_static(cache)
 
 
 def _slotless(layer) -> bool:
@@ -148,14 +157,13 @@ def full_static_cache(cache: Cache | None, config, capacity: int) -> Cache:
 
 
 def static_cache_problem(cache: Cache | None, config) -> str | None:
-    """Why a static cache of this model (`cache`, or one built from `config`) cannot be used, or None.
+    """Why a static cache of this model (`cache`, or the one `config` makes: read, not built) cannot be used, or None.
 
     Convolutions fused with sliding-window static attention (Inkling's layers) are refused: transformers' own static
     decoding fails on them, so there is no plain result to be exact against.
     """
-    if cache is None:
-        cache = StaticCache(config=config.get_text_config(decoder=True), max_cache_len=1)  # allocates nothing yet
-    fused_sliding = sorted({type(layer).__name__ for layer in cache.layers if _fused_sliding(layer)})
+    layers = [type(layer) for layer in cache.layers] if cache is not None else cache_layer_classes(config, static=True)
+    fused_sliding = sorted({layer.__name__ for layer in layers if issubclass(layer, _FUSED_SLIDING)})
     if not fused_sliding:
         return None
     return (
@@ -165,10 +173,7 @@ def static_cache_problem(cache: Cache | None, config) -> str | None:
     )
 
 
-def _fused_sliding(layer) -> bool:
-    return isinstance(
-        layer, (LinearAttentionAndStaticSlidingWindowAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
-    )
+_FUSED_SLIDING = (LinearAttentionAndStaticSlidingWindowAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
 
 
 def _stored_after(layer, total: int) -> int:

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ..cache.forwards import WideForwards
 from ..kernels.plan import KernelPlan
 from ..model_facts import ModelFacts
-from ..options import DraftForm, LinearKernel, NamedDraft, deprecated, parse_choice
+from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
 from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers
 from .auto import choose_form
@@ -101,18 +101,6 @@ class PreparedDraft:
         if view is not self.model:  # a view holds the compact copy's modules, never the draft as given
             self._step_model[:] = [(weakref.ref(self.model), view)]
         return view
-
-    @property
-    def width(self) -> int:
-        """`logit_width`'s name before (with a warning)."""
-        deprecated("PreparedDraft.width is now PreparedDraft.logit_width.")
-        return self.logit_width
-
-    @property
-    def quantization(self) -> DraftForm:
-        """`form`'s name before (with a warning)."""
-        deprecated("PreparedDraft.quantization is now PreparedDraft.form.")
-        return self.form
 
     @property
     def description(self) -> str:
@@ -236,7 +224,6 @@ def prepare_draft(
     tokenizer=None,
     draft_tokenizer=None,
     calibration: torch.Tensor | None = None,
-    quantization: DraftForm | str | None = None,
 ) -> PreparedDraft:
     """Prepare a draft once, to pass as `target.generate(..., draft_model=prepared)` in every later call.
 
@@ -269,7 +256,6 @@ def prepare_draft(
             the target is timed too, each form's acceptance is measured on it (`draft_timing.acceptance`), and the
             form with the highest expected speedup wins, int4 weights included. `generate(draft_model=draft)` uses
             its first call's prompt. Not for a draft with another tokenizer.
-        quantization: `form`'s name before (with a warning).
 
     For a tensor-parallel target, AUTO chooses without the clock (as a seeded `generate()` call does), so that
     every rank prepares the same form.
@@ -281,21 +267,13 @@ def prepare_draft(
         ValueError / TypeError: a draft `generate(draft_model=...)` would refuse, options out of range, or a compact
             form for a draft that is not a float model on the CPU.
     """
-    if quantization is not None:
-        deprecated("prepare_draft(quantization=...) is now prepare_draft(form=...).")
-        form = quantization
     spec = resolve_draft(draft)
     if spec.kind not in (DraftKind.MODEL, DraftKind.SELF):
         raise TypeError(f"prepare_draft takes a causal LM or '{NamedDraft.AUTO}', got {draft!r}.")
     target_facts = ModelFacts.of(target)
     draft_facts = ModelFacts.of(spec.model) if spec.kind is DraftKind.MODEL and spec.model is not None else None
-    check_models(target_facts, draft_facts)
-    if (tokenizer is None) != (draft_tokenizer is None):
-        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
-    tokenizers = (tokenizer, draft_tokenizer) if tokenizer is not None else None
-    draft_width = draft_facts.logit_width if draft_facts is not None else None
-    named = NamedDraft.AUTO if draft_facts is None else None
-    other_tokenizer = check_tokenizers(target_facts.logit_width, draft_width, tokenizers, named)
+    tokenizers = check_draft(spec, target_facts, draft_facts, (tokenizer, draft_tokenizer))
+    other_tokenizer = tokenizers is not None
     if other_tokenizer and vocabulary is not None:
         raise ValueError(OTHER_TOKENIZER_VOCABULARY)
     form = parse_choice(DraftForm, form, "form")
@@ -310,6 +288,45 @@ def prepare_draft(
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, target_facts.logit_width, prepared.logit_width)
     return replace(prepared, tokenizers=tokenizers, shared_vocabulary=shared)
+
+
+_NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
+
+
+def check_draft(
+    spec: DraftSpec, target: ModelFacts, draft: ModelFacts | None, tokenizers: tuple[Any, Any] | None
+) -> tuple[Any, Any] | None:
+    """The refusals of a draft for a target that need no forward, asked by `prepare_draft` and by `plan.plan_call`
+    alike (nothing else makes them): both models (`validation.check_models`), then which token ids the draft reads
+    (`validation.check_tokenizers`; a `PreparedDraft` holding its tokenizers was compared by `prepare_draft`).
+
+    Args:
+        spec: `draft_model=` resolved; `draft`: its model's facts (None for "auto" and "prompt_lookup").
+        tokenizers: (the target's tokenizer, the draft's) as given, None or (None, None) for neither.
+
+    Returns:
+        (target tokenizer, draft tokenizer) where the draft reads another tokenizer's ids, else None.
+
+    Raises:
+        ValueError: a model that cannot be used, one tokenizer of the two, or a draft that reads other ids than the
+            target's without both tokenizers to say which.
+    """
+    check_models(target, draft)
+    if tokenizers is not None and (tokenizers[0] is None) != (tokenizers[1] is None):
+        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
+    tokenizers = tokenizers if tokenizers is not None and tokenizers[0] is not None else None
+    prepared = spec.prepared
+    held = prepared.tokenizers if prepared is not None else None
+    if held is not None and (tokenizers is None or same_tokenizers(tokenizers, held)):
+        return held
+    width = prepared.logit_width if prepared is not None else draft.logit_width if draft is not None else None
+    other_tokenizer = check_tokenizers(target.logit_width, width, tokenizers, _NAMED.get(spec.kind))
+    return tokenizers if other_tokenizer else None
+
+
+def same_tokenizers(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
+    """Whether two (target tokenizer, draft tokenizer) pairs are the very same objects."""
+    return other is not None and pair[0] is other[0] and pair[1] is other[1]
 
 
 OTHER_TOKENIZER_VOCABULARY = (

@@ -51,7 +51,7 @@ def compact_forms(model: PreTrainedModel) -> dict[DraftForm, Any]:
         return {}
     makers = {}
     if int8_engine() is not None:
-        makers[DraftForm.INT8] = int8_dynamic_copy
+        makers[DraftForm.DYNAMIC_INT8] = int8_dynamic_copy
     if small_rows.load().problem is None:
         makers[DraftForm.INT8_WEIGHTS] = int8_weights_copy
         if small_rows.best_path(torch.uint8) is not small_rows.KernelPath.SCALAR:  # a vector path reads int4

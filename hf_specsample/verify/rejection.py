@@ -30,8 +30,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..options import Verification  # noqa: F401  (re-exported: the rules it names live here)
-
 
 class Verdict(NamedTuple):
     """Outcome of one verification round for every row.
