@@ -6,7 +6,7 @@ order turns around), so the forms are timed at first use (`prepare.draft_timing`
 
 - without calibration text, the fastest single-token step wins (the forms draft alike);
 - with it (the call's prompt), the target is timed too and each form's acceptance is measured on the text, and the
-  form with the highest expected speedup (`lookahead.expected_speedup`) wins (int4 weights draft worse);
+  form with the highest expected speedup (`round_costs.expected_speedup`) wins (int4 weights draft worse);
 - clock-free (a seeded call, whose sample must repeat in another process; a tensor-parallel target, whose ranks
   must choose alike): nothing is timed; without calibration the first form made among `CLOCK_FREE_ORDER`, with it
   the expected speedup with each form's cost taken as its weight bytes per step over the target's;

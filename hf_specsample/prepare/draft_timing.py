@@ -6,7 +6,7 @@ where bf16 took 93 ms on an AVX2-only EPYC, 27 ms against 50 ms on an EPYC with 
 with AMX bf16 tiles or the small-rows kernel's int8 / int4 weights can turn the order around. So AUTO times the
 forms at first use instead of following a rule. A form that rounds the draft's weights coarsely (int4) also drafts
 worse: `acceptance` measures each form's agreement with the target on calibration text, so that the choice weighs
-tokens per round against step time (`lookahead.expected_speedup`).
+tokens per round against step time (`round_costs.expected_speedup`).
 """
 
 from __future__ import annotations
