@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="GiB read to measure the bandwidth")
     parser.add_argument("--tiny", action="store_true", help="one tiny shape instead of Qwen2.5-0.5B's")
     args = parser.parse_args(argv)
-    small_rows.load()
+    problem = small_rows.load().problem
+    if problem is not None:
+        print(f"the small-rows kernel is not available here: {problem}")
+        return
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; paths here: {[str(p) for p in small_rows.paths()]}")
     gib = args.bandwidth_gib
     print(f"memory bandwidth (reading {gib:g} GiB): {read_bandwidth(gib=gib) / 1e9:.1f} GB/s")

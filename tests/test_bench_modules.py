@@ -47,6 +47,10 @@ def test_round_profile_on_the_tiny_pair(capsys):
 
 
 def test_draft_weight_forms_on_a_tiny_shape(capsys):
+    from hf_specsample.kernels import small_rows
+
+    if small_rows.load().problem is not None:
+        pytest.skip(f"the small-rows kernel is not available here: {small_rows.load().problem}")
     draft_weight_forms.main(["--tiny", "--layers", "1", "--repeats", "1", "--bandwidth-gib", "0.01"])
     out = capsys.readouterr().out
     assert "tiny" in out.splitlines()[-1] and "M=5" in out.splitlines()[-1]
