@@ -8,6 +8,9 @@ Nothing here is imported by `hf_specsample`; install its needs with the `bench` 
 - `hf-specsample-demo` (or `python examples/quickstart.py`): the README's main job on real checkpoints.
 - `python -m hf_specsample_bench.models` (or `hf-specsample-fetch`): fetch and convert the real checkpoints ahead
   of time.
+- `hf-specsample-weightless`: the benchmark without model files, on any device.
+- `python -m hf_specsample_bench.<module>` for `compiled_verification`, `code_editing`, `round_profile`,
+  `draft_weight_forms`, `hybrid_rollback`, `versions`: one measurement each (docs/benchmarks.md).
 """
 
 from .methods import Method, MethodSpec, Mode

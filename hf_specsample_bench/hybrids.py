@@ -4,7 +4,7 @@ Every family whose modeling code keeps convolution or recurrent states in transf
 (`update_conv_state` / `update_recurrent_state`) has an entry in `HYBRID_FAMILIES`: a tiny config (2 or 3 layers,
 hidden size 32, a test-sized vocabulary), the kind of state it keeps, and, where `generate(draft_model=)` refuses it
 as a target, the reason. `tiny_hybrid(name, ...)` builds one; families the installed transformers lacks are reported
-by `available()`. The tests (`tests/test_hybrid.py`) and `benchmarks/hybrid_rollback.py` use them.
+by `available()`. The tests (`tests/test_hybrid.py`) and `python -m hf_specsample_bench.hybrid_rollback` use them.
 """
 
 from __future__ import annotations

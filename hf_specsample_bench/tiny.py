@@ -9,6 +9,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the special ids of `char_tokenizer`, also set in every `tiny_llama` config
+# One line per message, then the assistant's prefix.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=()[]{}<>.,;:!?@#$%^&_ \n'\"|~`\\"
 
 
@@ -60,4 +65,6 @@ def tiny_pair(vocab_size: int = 96):
     draft = copy.deepcopy(target)
     draft.model.layers = draft.model.layers[:1]
     draft.config.num_hidden_layers = 1
-    return target, draft, char_tokenizer(vocab_size)
+    tokenizer = char_tokenizer(vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE  # chat-style prompt sets (code editing, pydoc) run on the tiny pair too
+    return target, draft, tokenizer

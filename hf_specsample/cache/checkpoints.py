@@ -20,7 +20,7 @@ copied from it. So the real cache's attention keys and values, which hold every 
 by `cache.row_ops` as for any model; only recurrent states are taken from the shadow. The cost of a rollback is
 therefore, in rounds where a row rejected a draft, up to K more positions in the next verification (one row, or
 rows that committed alike) or one forward over at most K positions per distinct accepted count (measured in
-`benchmarks/hybrid_rollback.py`), and the copies (one per forward; a few MB for a 1B hybrid).
+`python -m hf_specsample_bench.hybrid_rollback`), and the copies (one per forward; a few MB for a 1B hybrid).
 """
 
 from __future__ import annotations

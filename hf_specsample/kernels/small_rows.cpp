@@ -54,7 +54,7 @@ const char* const kPathNames[] = {"scalar", "avx2_fma", "avx512f", "avx512_bf16"
 constexpr Path kFastestFirst[] = {kAmx, kAvx512Bf16, kAvx512Vnni, kAvx512, kAvx2, kScalar};
 // int4 weights: avx512_vnni first (two vpdpbusd per 128 products of a group, against four table lookups and four
 // vdpbf16ps on avx512_bf16): on a Sapphire Rapids Xeon a (9728, 896) int4 weight at one row took 224 us there against
-// 457 us (`benchmarks/draft_weight_forms.py`). Python's `READS` lists each form's order.
+// 457 us (`python -m hf_specsample_bench.draft_weight_forms`). Python's `READS` lists each form's order.
 constexpr Path kInt4FastestFirst[] = {kAvx512Vnni, kAvx512Bf16, kScalar};
 
 // The weight forms, and which paths read each.

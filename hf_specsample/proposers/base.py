@@ -1,7 +1,8 @@
 """The contract every drafter implements (`Proposer`) and what it hands the verifier each round (`Proposal`).
 
-Mirrors transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`), batched over rows of
-different lengths, and returning what exactness needs: the distributions the draft tokens were drawn from. A token
+Three members: `get_candidates` as in transformers' `CandidateGenerator`, batched over rows of different lengths
+and returning what exactness needs (the distributions the draft tokens were drawn from); `keep_confirmed` where
+transformers has `update_candidate_strategy` (roll back to the committed lengths); `forward_passes`. A token
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
 is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rejection.py`
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter

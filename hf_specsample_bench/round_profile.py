@@ -1,11 +1,12 @@
 """One speculative round on the real pair, phase by phase, against the memory-bandwidth floor of each phase.
 
-    python benchmarks/round_profile.py                        # Qwen2.5-Coder 1.5B target, 0.5B draft, K=4
-    python benchmarks/round_profile.py --load-from gguf --lookahead 8 --context 256
+    python -m hf_specsample_bench.round_profile                  # Qwen2.5-Coder 1.5B target, 0.5B draft, K=4
+    python -m hf_specsample_bench.round_profile --load-from gguf --lookahead 8 --context 256
 
 Prints, on the machine it runs on (`lscpu`'s model name and flags first):
-1. the machine's memory bandwidth: the median time to read a 1 GiB tensor (`sum`, the threads torch uses), and the
-   rate the small-rows kernel reads a large bf16 weight at one row (its path named);
+1. the machine's memory bandwidth: the median time to read a 1 GiB tensor (`sum`, the threads torch uses;
+   `--bandwidth-gib`), and the rate the small-rows kernel reads a bf16 weight of half that size at one row (its path
+   named);
 2. per phase of one round, in ms (median of `--repeats`), the bytes it must read, the floor (bytes / bandwidth) and
    its multiple of the floor:
    - a draft step (one token) in each form the draft can take here (as given on the kernel where its plan puts
@@ -40,33 +41,21 @@ from hf_specsample.round_costs import weight_bytes
 from hf_specsample.transformers_api import cache_kwargs, output_cache
 from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import speculative_accept
-from hf_specsample_bench.measure import cpu_name
-from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
-from hf_specsample_bench.prompts import PromptSet, load_prompts
 
-GIB = 2**30
-
-
-def median_seconds(function, repeats: int, warm_up: int = 1) -> float:
-    for _ in range(warm_up):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from .measure import cpu_name, median_ms, read_bandwidth
+from .models import LoadPath
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
 
 
-def read_bandwidth(repeats: int) -> float:
-    """Bytes per second of reading a 1 GiB fp32 tensor (`sum`) with torch's threads."""
-    data = torch.ones(GIB // 4, dtype=torch.float32)
-    return GIB / median_seconds(lambda: data.sum(), repeats)
+def median_seconds(function, repeats: int) -> float:
+    """Median seconds of `repeats` calls of `function` after one untimed call."""
+    return median_ms(function, repeats, warm_up=1) / 1e3
 
 
-def kernel_read_rate(repeats: int) -> tuple[float, str]:
-    """Bytes per second the small-rows kernel reads a 512 MiB bf16 weight at one row; its path."""
-    weight = torch.randn(2**18, 1024).to(torch.bfloat16)  # 512 MiB
+def kernel_read_rate(repeats: int, gib: float) -> tuple[float, str]:
+    """Bytes per second the small-rows kernel reads a bf16 weight of `gib` GiB at one row; its path."""
+    weight = torch.randn(max(int(gib * 2**30) // 2048, 1), 1024).to(torch.bfloat16)
     x = torch.randn(1, 1024).to(torch.bfloat16)
     seconds = median_seconds(lambda: small_rows.small_rows_linear(x, weight), repeats)
     return weight.numel() * 2 / seconds, str(small_rows.best_path())
@@ -162,11 +151,17 @@ def compiled_step_seconds(model, ids, context_ids, repeats: int) -> tuple[float,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_specsample_bench.round_profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
     parser.add_argument("--load-from", type=LoadPath, choices=list(LoadPath), default=LoadPath.CHECKPOINT)
     parser.add_argument("--lookahead", type=int, default=4, help="K: the round verifies K+1 positions")
     parser.add_argument("--context", type=int, default=128, help="tokens in the caches before the round")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="GiB read to measure the bandwidth")
     parser.add_argument(
         "--compiled-draft", action="store_true",
         help="also time the kernel forms' steps compiled (compile_draft=True; about 40 s of compiling per form)",
@@ -174,13 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
-    bandwidth = read_bandwidth(args.repeats)
+    gib = args.bandwidth_gib
+    bandwidth = read_bandwidth(args.repeats, gib)
     problem = small_rows.load().problem
-    kernel_rate, path = kernel_read_rate(args.repeats) if problem is None else (float("nan"), problem)
-    print(f"memory bandwidth (reading 1 GiB, sum): {bandwidth / 1e9:.1f} GB/s; the small-rows kernel ({path}) reads a "
-          f"512 MiB bf16 weight at one row at {kernel_rate / 1e9:.1f} GB/s")  # fmt: skip
-    target, draft, tokenizer = load_pair(KnownPair.QWEN_CODER, torch.bfloat16, path=args.load_from)
-    print(f"Qwen2.5-Coder 1.5B target, 0.5B draft, bf16, loaded from {args.load_from}; K={args.lookahead}, "
+    kernel_rate, path = kernel_read_rate(args.repeats, gib / 2) if problem is None else (float("nan"), problem)
+    print(f"memory bandwidth (reading {gib:g} GiB, sum): {bandwidth / 1e9:.1f} GB/s; the small-rows kernel ({path}) "
+          f"reads a {gib / 2:g} GiB bf16 weight at one row at {kernel_rate / 1e9:.1f} GB/s")  # fmt: skip
+    target, draft, tokenizer = load_bench_pair(args.pair, torch.bfloat16, path=args.load_from)
+    print(f"{args.pair} pair, bf16, loaded from {args.load_from}; K={args.lookahead}, "
           f"{args.context} cached tokens")  # fmt: skip
     text = load_prompts(PromptSet.HUMANEVAL, 1, offset=100)[0].text
     ids = tokenizer(text * 8, return_tensors="pt")["input_ids"][:, : args.context + args.lookahead + 1]
@@ -210,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
     print(f"target kernel plan: {plan.reason}")
     target_bytes = weight_bytes(target)
-    head_bytes = target.get_output_embeddings().weight.numel() * 2
+    head = target.get_output_embeddings().weight
+    head_bytes = head.numel() * head.element_size()
     for positions in (1, width):
         profile = forward_profile(target, ids, context_ids, positions, plan, args.repeats)
         row(f"target forward, {positions} position(s)", profile["total"], target_bytes)

@@ -1,6 +1,6 @@
 """This checkout against an earlier commit of the library, in one process, interleaved: did a change cost speed?
 
-    python benchmarks/versions.py --base 7c2921d --pair qwen-coder --num-prompts 4 --max-new-tokens 96
+    python -m hf_specsample_bench.versions --base 7c2921d --pair qwen-coder --num-prompts 4 --max-new-tokens 96
 
 The earlier commit's `hf_specsample/` is extracted with `git archive` into a temporary folder under another package
 name (the library imports itself only relatively), so both versions run on the same loaded models. For every
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,8 +28,13 @@ from pathlib import Path
 
 from transformers.generation.utils import GenerationMixin
 
-PLAIN_GENERATE = GenerationMixin.generate  # before either version registers its wrapper
-REPO = Path(__file__).resolve().parents[1]
+import hf_specsample
+
+from .measure import cpu_name
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout holding this package
 
 
 def import_base(revision: str, folder: Path):
@@ -47,14 +51,16 @@ def import_base(revision: str, folder: Path):
 
 def timed(model, inputs, **kwargs) -> float:
     start = time.perf_counter()
-    PLAIN_GENERATE(model, **inputs, **kwargs)
+    GenerationMixin.generate(model, **inputs, **kwargs)
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_specsample_bench.versions", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--base", required=True, help="git revision to compare with (e.g. a commit before a change)")
-    parser.add_argument("--pair", default="qwen-coder", help="a benchmark pair (qwen-coder, smollm2, tiny)")
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many HumanEval prompts first")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -65,20 +71,15 @@ def main() -> None:
         help="also run this checkout without sort-free top-p "
         "and with token verification (the levers added after the base)",
     )
-    args = parser.parse_args()
-
-    import hf_specsample
-    from hf_specsample_bench.pairs import load_bench_pair
-    from hf_specsample_bench.prompts import PromptSet, load_prompts
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as folder:
         base = import_base(args.base, Path(folder))
-        hf_specsample.unregister()
+        hf_specsample.unregister()  # transformers' own generate() again (the base's import wrapped it too)
         target, draft, tokenizer = load_bench_pair(args.pair)
         prompts = load_prompts(PromptSet.HUMANEVAL, args.num_prompts, offset=args.prompt_offset)
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line), "")
-        print(f"this checkout {head.stdout.strip()} vs base {args.base}; {platform.machine()} {cpu.split(':')[-1]}")
+        print(f"this checkout {head.stdout.strip()} vs base {args.base}; CPU: {cpu_name()}")
         print(
             f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, "
             f"{args.max_new_tokens} tokens"
@@ -99,8 +100,9 @@ def main() -> None:
             )
             common = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **sampling)
             warm = tokenizer(prompts[0].text, return_tensors="pt")
+            short = {**common, "max_new_tokens": 8, "min_new_tokens": 8}
             for extra in methods.values():
-                PLAIN_GENERATE(target, **warm, **{**common, "max_new_tokens": 8, "min_new_tokens": 8}, **extra)
+                GenerationMixin.generate(target, **warm, **short, **extra)
             seconds = {name: [] for name in methods}
             for prompt in prompts:
                 inputs = tokenizer(prompt.text, return_tensors="pt")

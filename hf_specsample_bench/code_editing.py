@@ -1,6 +1,6 @@
 """Code editing, where outputs copy their inputs: prompt lookup against transformers' own, same run, interleaved.
 
-    python benchmarks/code_editing.py --pair qwen-coder --num-prompts 3 --prompt-offset 20 --max-new-tokens 256
+    python -m hf_specsample_bench.code_editing --pair qwen-coder --num-prompts 3 --prompt-offset 20 --max-new-tokens 256
 
 Prompts: stdlib functions to be rewritten with type hints (`PromptSet.CODE_EDIT`, through the chat template).
 Greedy decoding, so every method produces the same text (the target's), stopping at EOS or --max-new-tokens; the
@@ -26,22 +26,25 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import hf_specsample
-from hf_specsample_bench.pairs import load_bench_pair
-from hf_specsample_bench.prompts import PromptSet, load_prompts
+
+from .measure import cpu_name
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pair", default="qwen-coder")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_specsample_bench.code_editing", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--prompt-offset", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--lookup-tokens", type=int, default=10, help="N of prompt_lookup_num_tokens")
     parser.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     target, draft, tokenizer = load_bench_pair(args.pair)
     prepared = hf_specsample.prepare_draft(draft, target)  # what draft_model=draft runs, made outside the timing
@@ -74,8 +77,7 @@ def main() -> None:
     prompts = load_prompts(PromptSet.CODE_EDIT, args.num_prompts, offset=args.prompt_offset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line), "")
-    print(f"{args.pair}, {len(prompts)} code-editing prompts from #{args.prompt_offset}, greedy,{cpu.split(':')[-1]}")
+    print(f"{args.pair}, {len(prompts)} code-editing prompts from #{args.prompt_offset}, greedy; CPU: {cpu_name()}")
 
     warm = prompts[0].encode(tokenizer)
     for name, extra in methods.items():  # the compiled methods compile here

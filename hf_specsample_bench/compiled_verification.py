@@ -1,7 +1,7 @@
 """Compiled verification on the real pair: the target's cost curve over M positions, and the methods side by side.
 
-    python benchmarks/compiled_verification.py                      # Qwen2.5-Coder 1.5B target, 0.5B draft
-    python benchmarks/compiled_verification.py --prompts 3 --new-tokens 96 --load-from gguf
+    python -m hf_specsample_bench.compiled_verification            # Qwen2.5-Coder 1.5B target, 0.5B draft
+    python -m hf_specsample_bench.compiled_verification --prompts 3 --new-tokens 96 --load-from gguf
 
 Prints, on the machine it runs on (`lscpu`'s model name and flags first):
 1. the target's forward over M = 1..9 positions on a static cache, eager, compiled
@@ -33,12 +33,15 @@ from transformers import CompileConfig, StaticCache
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward, positions_to_keep
+from hf_specsample.cache.row_ops import full_static_cache
 from hf_specsample.kernels import small_rows
 from hf_specsample.transformers_api import cache_kwargs
-from hf_specsample_bench.measure import cpu_name, median_ms
-from hf_specsample_bench.methods import Mode, sampling_kwargs
-from hf_specsample_bench.models import KnownPair, LoadPath, load_pair
-from hf_specsample_bench.prompts import PromptSet, load_prompts
+
+from .measure import cpu_name, median_ms
+from .methods import Mode, sampling_kwargs
+from .models import LoadPath
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
 
 HELD_OUT = 100  # HumanEval problems from here on were never looked at while tuning
 
@@ -49,8 +52,6 @@ def cost_curve(target, prompt_ids: torch.Tensor, repeats: int, widths=range(1, 1
     small-rows linear kernel (hf_specsample's default on CPU where it pays)."""
     capacity = 2 * prompt_ids.shape[1] + 64
     cache = StaticCache(config=target.config, max_cache_len=capacity)
-    from hf_specsample.cache.row_ops import full_static_cache
-
     full_static_cache(cache, target.config, capacity)
     prompt_length = prompt_ids.shape[1]
     mask = torch.zeros((1, capacity), dtype=torch.long)
@@ -204,7 +205,12 @@ def run_method(target, inputs, kwargs: dict, settings: dict, new_tokens: int, pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_specsample_bench.compiled_verification",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=5, help="cost-curve repeats per M")
@@ -216,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
-    target, draft, tokenizer = load_pair(KnownPair.QWEN_CODER, torch.bfloat16, path=args.load_from)
-    print(f"Qwen2.5-Coder 1.5B target, 0.5B draft, bf16, loaded from {args.load_from}")
+    target, draft, tokenizer = load_bench_pair(args.pair, torch.bfloat16, path=args.load_from)
+    print(f"{args.pair} pair, bf16, loaded from {args.load_from}")
     prompts = load_prompts(PromptSet.HUMANEVAL, args.prompts, offset=HELD_OUT)
     encoded = [prompt.encode(tokenizer) for prompt in prompts]
     if not args.skip_curve:

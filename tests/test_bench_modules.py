@@ -1,0 +1,94 @@
+"""Every measuring module of `hf_specsample_bench` runs on tiny models, so none of them breaks unnoticed.
+
+Their figures are printed, never asserted: these tests only check that each entry point runs to its table with the
+smallest settings it takes (tiny pair or tiny shapes, one prompt, a few tokens). The modules that time private
+library methods (`hybrid_rollback`) fail loudly when those methods are renamed or no longer called; running them here
+is what catches it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from markdown_blocks import REPO
+
+from hf_specsample_bench import code_editing, compiled_verification, draft_weight_forms, hybrid_rollback, round_profile
+from hf_specsample_bench.hybrids import tiny_hybrid
+
+
+def test_code_editing_on_the_tiny_pair(capsys):
+    code_editing.main(
+        ["--pair", "tiny", "--num-prompts", "1", "--prompt-offset", "0", "--max-new-tokens", "4",
+         "--methods", "lookup,draft,draft + lookup"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "same text from every method: True" in out
+    assert "draft + lookup" in out.splitlines()[-1]
+
+
+def test_compiled_verification_eager_methods_on_the_tiny_pair(capsys):
+    compiled_verification.main(
+        ["--pair", "tiny", "--prompts", "1", "--new-tokens", "4", "--skip-curve", "--modes", "greedy",
+         "--methods", "target eager,target + kernel,assistant_model=,hf_specsample eager"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "hf_specsample eager" in out.splitlines()[-1]
+
+
+def test_round_profile_on_the_tiny_pair(capsys):
+    round_profile.main(
+        ["--pair", "tiny", "--lookahead", "2", "--context", "16", "--repeats", "1", "--bandwidth-gib", "0.01"]
+    )
+    out = capsys.readouterr().out
+    assert "rollback (crop both caches)" in out.splitlines()[-1]
+    assert "target forward, 3 position(s)" in out
+
+
+def test_draft_weight_forms_on_a_tiny_shape(capsys):
+    from hf_specsample.kernels import small_rows
+
+    if small_rows.load().problem is not None:
+        pytest.skip(f"the small-rows kernel is not available here: {small_rows.load().problem}")
+    draft_weight_forms.main(["--tiny", "--layers", "1", "--repeats", "1", "--bandwidth-gib", "0.01"])
+    out = capsys.readouterr().out
+    assert "tiny" in out.splitlines()[-1] and "M=5" in out.splitlines()[-1]
+
+
+def test_hybrid_rollback_on_one_tiny_family(capsys):
+    pytest.importorskip("transformers.models.lfm2")
+    hybrid_rollback.main(
+        ["--families", "lfm2", "--size", "tiny", "--batch", "2", "--new-tokens", "6", "--repeats", "1", "--no-defer"]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("lfm2") and "hybrid" in out[-1]
+
+
+def test_hybrid_rollback_refuses_when_rollbacks_go_untimed(monkeypatch):
+    """A rollback that no longer goes through `CachedModel.rollback` is an error, not a table of zeros."""
+    pytest.importorskip("transformers.models.lfm2")
+    monkeypatch.setattr(hybrid_rollback, "timed_rollbacks", lambda target: _nothing_timed())
+    target = tiny_hybrid("lfm2", seed=0, vocab_size=hybrid_rollback.VOCAB)
+    draft = hybrid_rollback._noisy_copy(target, 0.5)
+    with pytest.raises(RuntimeError, match="no rollback was timed"):
+        hybrid_rollback.measure(target, draft, batch=2, new_tokens=8, repeats=1)
+
+
+class _nothing_timed:
+    def __enter__(self):
+        return []
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_versions_against_this_checkout_on_the_tiny_pair():
+    """Its own process: importing the base copy of the library wraps `generate()` once more."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_specsample_bench.versions", "--base", "HEAD", "--pair", "tiny",
+         "--num-prompts", "1", "--max-new-tokens", "2", "--modes", "greedy"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "this/base" in result.stdout

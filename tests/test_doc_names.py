@@ -1,0 +1,61 @@
+"""Every code name README.md and docs/*.md cite in backticks exists in the code (the rule: `doc_names.py`)."""
+
+from __future__ import annotations
+
+import pytest
+from doc_names import code_spans, stale_names
+from markdown_blocks import DOCUMENTS, REPO
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.relative_to(REPO).as_posix())
+def test_every_code_name_in_the_document_exists(document):
+    stale = [f"{document.name}:{line}: `{name}`" for line, name in stale_names(document.read_text())]
+    assert stale == [], "names the code no longer has (rename them in the document):\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "RoundLookahead.budget",  # a method
+        "lookahead.RoundLookahead.for_call",  # a module's class's classmethod
+        "hf_specsample.prepare_draft",  # the public API
+        "round_costs.expected_speedup",  # a module by its last name
+        "prepare.prepared_draft.resolve_draft",  # a sub-package's module
+        "DraftForm.INT8_WEIGHTS",  # an enum member
+        "Proposal.point_mass",  # a NamedTuple field
+        "SpeculativeStats.alpha",  # a dataclass member
+        "RowBook.active",  # an attribute assigned in __init__
+        "CachedModel.step",  # one of a tuple assignment's targets
+        "KernelPlan.for_model(ModelFacts.of(model), ...)",  # a call: its arguments are not checked
+        "hf_specsample_bench.measure.cpu_name",
+        "prepare/auto.py",
+        "small_rows.cpp",
+        "examples/chat.py",
+    ],
+)
+def test_names_that_exist_pass(name):
+    assert stale_names(f"see `{name}` here") == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "RoundLookahead.widths",  # a member that went
+        "lookahead.expected_speedup",  # a function that moved to another module
+        "hf_specsample.prepare.nowhere",
+        "DraftForm.INT2_WEIGHTS",
+        "Proposal.probabilities",
+        "round_costs.RoundRecord.no_such_field",
+        "prepare/nowhere.py",
+    ],
+)
+def test_a_name_that_does_not_exist_fails(name):
+    """The power check: the test above fails on a document naming any of these."""
+    assert stale_names(f"a line\nsee `{name}` here") == [(2, name)]
+
+
+def test_other_projects_names_and_fenced_code_are_not_checked():
+    text = "`torch.argmax`, `out.cache`, `Cache.crop`, `F.linear`, `transformers/generation/utils.py`\n"
+    text += "```python\n`lookahead.nowhere`\n```"
+    assert stale_names(text) == []
+    assert [span for _, span in code_spans(text)][-1] == "transformers/generation/utils.py"
