@@ -23,7 +23,14 @@ from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
 from ..kernels import small_rows
-from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, SiblingProjection, fuse_siblings, linear_holding
+from ..kernels.quantized_linear import (
+    SIBLING_GROUPS,
+    Int4Linear,
+    Int8Linear,
+    SiblingProjection,
+    fuse_siblings,
+    linear_holding,
+)
 from ..options import DraftForm
 from .self_draft import shallow_clone
 
