@@ -1,5 +1,7 @@
 """Prompt-lookup drafting: the n-gram search, and exactness through generate() (a point-mass draft)."""
 
+import time
+
 import torch
 
 from hf_specsample.proposers.prompt_lookup import ngram_continuation
@@ -37,7 +39,7 @@ def test_no_occurrence_and_padding():
 
 import pytest  # noqa: E402
 from exact import sampled_pvalue  # noqa: E402
-from tiny import PAD, perturbed_copy, tiny_lm  # noqa: E402
+from tiny import PAD, FakeClock, perturbed_copy, tiny_lm  # noqa: E402
 
 from hf_specsample import SpeculativeConfig  # noqa: E402
 
@@ -89,7 +91,9 @@ def test_sampling_is_exact(pair, mode, verification):
     assert p > 1e-3
 
 
-def test_lookup_only_runs_no_model_and_lookup_rounds_skip_the_draft(pair):
+def test_lookup_only_runs_no_model_and_lookup_rounds_skip_the_draft(pair, monkeypatch):
+    """(K adapts to the rounds' measured costs: timed on a steady fake clock, not the machine's load.)"""
+    monkeypatch.setattr(time, "perf_counter", FakeClock(1e-3))
     target, draft = pair
     out = target.generate(
         PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model="prompt_lookup",

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from test_cross_tokenizer import DRAFT_TOKENS, TARGET_TOKENS, bpe_tokenizer
-from tiny import PAD, perturbed_copy, tiny_lm
+from tiny import PAD, FakeClock, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig, prepare_draft
 
@@ -101,23 +101,8 @@ def test_greedy_calls_leave_the_global_state_alone(way, request, target, tokeniz
     assert torch.equal(torch.get_rng_state(), state)
 
 
-class FakeClock:
-    """`time.perf_counter` reading `steps` seconds apart, one per read: a machine whose speed is what a test says."""
-
-    def __init__(self, steps):
-        self.now, self.steps = 0.0, steps
-
-    def __call__(self) -> float:
-        self.now += next(self.steps)
-        return self.now
-
-
-def even(seconds: float):
-    while True:
-        yield seconds
-
-
 def erratic(seed: int):
+    """Readings 1 us to 100 ms apart, at random."""
     pick = random.Random(seed)
     while True:
         yield 10 ** pick.uniform(-6, -1)
@@ -128,7 +113,7 @@ def test_seeded_calls_sample_alike_whatever_the_clock_reads(target, monkeypatch)
     nothing alike: the draft's first call on an even clock, the second on an erratic one."""
     draft = perturbed_copy(target, seed=1, scale=0.3)
     runs = []
-    for clock in (FakeClock(even(1e-3)), FakeClock(erratic(1))):
+    for clock in (FakeClock(1e-3), FakeClock(erratic(1))):
         with monkeypatch.context() as patch:
             patch.setattr(time, "perf_counter", clock)
             torch.manual_seed(0)
