@@ -184,7 +184,8 @@ def plain_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())  # plain generate() hands the streamer the prompt before decoding
     model_kwargs = {**model_kwargs, "streamer": streamer}
-    return model._sample(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    decode: Any = model._sample  # `Any`: a module's attributes read as tensors or modules to type checkers
+    return decode(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 
 
 # Private hooks the library calls (above), by the class that holds them.
