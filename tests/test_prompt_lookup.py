@@ -53,6 +53,14 @@ DRAFTS = {  # generate() arguments of the two prompt-lookup modes
 }
 
 
+@pytest.fixture(autouse=True)
+def steady_clock(monkeypatch):
+    """Greedy lookup rounds adapt K to their measured costs: here on a fake clock (every reading 1 ms after the
+    last), so what a test asserts of the rounds (lookups accepted, fewer rounds than tokens) never rests on the
+    machine's load."""
+    monkeypatch.setattr(time, "perf_counter", FakeClock(1e-3))
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_lm(seed=0, vocab_size=8)
@@ -91,9 +99,7 @@ def test_sampling_is_exact(pair, mode, verification):
     assert p > 1e-3
 
 
-def test_lookup_only_runs_no_model_and_lookup_rounds_skip_the_draft(pair, monkeypatch):
-    """(K adapts to the rounds' measured costs: timed on a steady fake clock, not the machine's load.)"""
-    monkeypatch.setattr(time, "perf_counter", FakeClock(1e-3))
+def test_lookup_only_runs_no_model_and_lookup_rounds_skip_the_draft(pair):
     target, draft = pair
     out = target.generate(
         PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model="prompt_lookup",
