@@ -73,6 +73,11 @@ def speculative_generate(
         when `return_dict_in_generate=True`; its cache (`out.cache`, or `out.past_key_values` before transformers
         5.24) holds what plain `generate()`'s would hold.
     """
+    if input_ids.shape[-1] == 0:  # nothing to draft from or verify against: plain's own loop, its tokens or error
+        return transformers_api.plain_decoding(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, speculative_streamer,
+            model_kwargs,
+        )  # fmt: skip
     inputs = resolve_inputs(
         model, input_ids, generation_config, speculative_config, num_lookahead, speculative_prompt_lookup_num_tokens,
         speculative_max_matching_ngram_size, draft_model=draft_model, model_kwargs=model_kwargs,

@@ -15,10 +15,10 @@ keeps up to date while generating:
   beyond the largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it).
 
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
-policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used when a
-`generator=` is given, and always under tensor parallelism) d and v come from the models' weight sizes instead of
-the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's, and with it
-every sample, repeats. K = 0 is plain decoding: when
+policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used by every
+sampling call, whose text depends on K, and always under tensor parallelism) d and v come from the models' weight
+sizes instead of the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's,
+and with it every sample, repeats. K = 0 is plain decoding: when
 drafting does not pay (a useless draft), the policy stops drafting and probes with K = 1 now and then to notice if
 it starts paying, unless not even a draft accepted every time could pay at the measured costs (a draft step costing
 about a plain round or more: a draft as large as the target, or a small one on a launch-bound GPU), where it stops
@@ -179,7 +179,7 @@ def make_policy(
 
     Args:
         config: the call's options (`num_lookahead`, `max_lookahead`, `lookahead_policy`).
-        clock_free: K must not depend on the clock (a generator was given, or tensor-parallel ranks must agree): the
+        clock_free: K must not depend on the clock (a sampling call, or tensor-parallel ranks must agree): the
             adaptive policy then uses `StaticCosts`, with verification rising with the batch.
         cost_ratio: draft/target cost of a step, estimated from weight sizes (`weight_bytes_ratio`).
         batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
@@ -277,7 +277,7 @@ class RoundLookahead:
 
         Args:
             config: the call's options (`num_lookahead`, `max_lookahead`, `lookahead_policy`).
-            clock_free: K must not depend on the clock (a generator was given, or tensor-parallel ranks must
+            clock_free: K must not depend on the clock (a sampling call, or tensor-parallel ranks must
                 agree).
             batch_size: rows verified together.
             max_length: `generate()`'s max_length.

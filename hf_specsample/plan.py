@@ -117,7 +117,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     draft = ModelFacts.of(spec.model) if spec.model is not None else None
     tokenizers = _refuse(inputs, spec, target, draft)
     generator = inputs.generator
-    if target.tensor_parallel:  # every rank must draw the same randomness (`distributed`)
+    if target.tensor_parallel and inputs.generation_config.do_sample:  # every rank draws alike (`distributed`);
+        # a greedy call draws nothing, not even the shared generator's seed
         generator = distributed.shared_generator(generator, inputs.input_ids.device)
     # No choice below may depend on the clock where a seeded call must repeat in any process, or ranks agree.
     clock_free = inputs.generator is not None or target.tensor_parallel
@@ -131,8 +132,12 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     cache, forwards, kernel_description = _target_forwards(inputs, target, kernel, largest)
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
+    # A sampled text depends on K (a drafted and a bonus position use the randomness differently), so a sampling
+    # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel plans and AUTO's
+    # draft form being timed once per model and kept (the first call decides as every later one).
+    sampling = bool(inputs.generation_config.do_sample)
     lookahead = RoundLookahead.for_call(
-        config, clock_free=clock_free, batch_size=inputs.batch_size, max_length=int(max_length),
+        config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
         prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
         cost_ratio=weight_bytes_ratio(prepared.model, target.model) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,

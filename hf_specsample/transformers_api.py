@@ -187,8 +187,27 @@ def pad_token_id(generation_config: GenerationConfig) -> Any:
     return generation_config._pad_token_tensor
 
 
+def plain_decoding(
+    model: PreTrainedModel,
+    input_ids: Any,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    generation_config: GenerationConfig,
+    streamer: Any,
+    model_kwargs: dict[str, Any],
+) -> Any:
+    """Plain `generate()`'s own decoding loop for a call `generate()` prepared (`input_ids` `(batch, length)`, and
+    what else a `custom_generate` callable receives): its tokens, or the error it raises."""
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # plain generate() hands the streamer the prompt before decoding
+    model_kwargs = {**model_kwargs, "streamer": streamer}
+    decode: Any = model._sample  # `Any`: a module's attributes read as tensors or modules to type checkers
+    return decode(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+
+
 # Private hooks the library calls (above), by the class that holds them.
 _REQUIRED_HOOKS = (
+    (generation_utils.GenerationMixin, "_sample"),
     (generation_utils.GenerationMixin, "_valid_auto_compile_criteria"),
     (PreTrainedModel, "_default_compile_config"),
     (cache_utils, "get_layer_types_and_kwargs"),

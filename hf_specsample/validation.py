@@ -205,8 +205,6 @@ def check_inputs(
                 f"{input_ids.shape[1]}: pass the whole conversation as input_ids (the cached turns plus the new one), "
                 "as for plain generate()."
             )
-    if input_ids.shape[1] == 0:
-        raise ValueError("`draft_model=` needs a non-empty prompt (at least a BOS token).")
 
 
 def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> None:

@@ -206,3 +206,34 @@ def test_draft_on_another_device(target, draft):
     expected = greedy(target, max_new_tokens=20)
     gpu_draft = perturbed_copy(target, seed=1, scale=0.1).to("cuda")
     assert torch.equal(greedy(target, max_new_tokens=20, draft_model=gpu_draft), expected)
+
+
+def outcome(call):
+    """What a call gives: ("tokens", its sequences as lists) or ("error", its type and message)."""
+    try:
+        return "tokens", call().tolist()
+    except Exception as error:  # noqa: BLE001  (the very error plain raises is what is compared)
+        return "error", (type(error), str(error))
+
+
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("bos", [None, 1])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_empty_prompt_behaves_as_plain_generate(target, draft, mask, bos, do_sample):
+    """`input_ids` of shape (1, 0), with or without an attention mask and a BOS id: plain generate()'s tokens or its
+    error (a forward over no positions fails in the model), never a message about a cache nobody passed."""
+    empty = torch.zeros((1, 0), dtype=torch.long)
+    kwargs = dict(max_new_tokens=5, pad_token_id=PAD, bos_token_id=bos, do_sample=do_sample)
+    if mask:
+        kwargs["attention_mask"] = torch.zeros((1, 0), dtype=torch.long)
+    torch.manual_seed(0)
+    plain = outcome(lambda: target.generate(empty, **kwargs))
+    torch.manual_seed(0)
+    speculative = outcome(lambda: target.generate(empty, draft_model=draft, num_lookahead=2, **kwargs))
+    assert speculative == plain
+
+
+def test_no_prompt_starts_from_bos_as_plain_generate(target, draft):
+    """No input at all: generate() makes the prompt from the BOS id; the speculative call's tokens are plain's."""
+    kwargs = dict(max_new_tokens=6, pad_token_id=PAD, bos_token_id=1, do_sample=False)
+    assert torch.equal(target.generate(draft_model=draft, num_lookahead=2, **kwargs), target.generate(**kwargs))

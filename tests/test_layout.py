@@ -209,3 +209,29 @@ def test_sub_packages_never_import_the_loop():
             if parts and parts[0] in top:
                 offenders.append(f"{path.relative_to(LIBRARY)}:{line} {module}")
     assert offenders == []
+
+
+# A test that sleeps or reads the wall clock decides by the machine's load (two workers on two cores made the kernel
+# plan's 2-row width go eager): timed decisions are tested on `tiny.FakeClock`, patched in for `time.perf_counter`.
+CLOCK_READS = tuple(
+    f"{module}.{name}"
+    for module, name in (
+        ("time", "sleep("),
+        ("time", "perf_counter("),
+        ("time", "time("),
+        ("time", "monotonic("),
+        ("timeit", ""),
+    )
+)
+CLOCK_ALLOWED: dict[str, str] = {}  # file name -> why it may (none today)
+
+
+def test_no_test_reads_the_wall_clock():
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted((REPO / "tests").glob("*.py"))
+        if path.name not in CLOCK_ALLOWED
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if any(read in line for read in CLOCK_READS) or line.lstrip().startswith("from time import")
+    ]
+    assert not found, "tests read the wall clock (use tiny.FakeClock):\n" + "\n".join(found)

@@ -1,5 +1,7 @@
 """Prompt-lookup drafting: the n-gram search, and exactness through generate() (a point-mass draft)."""
 
+import time
+
 import torch
 
 from hf_specsample.proposers.prompt_lookup import ngram_continuation
@@ -37,7 +39,7 @@ def test_no_occurrence_and_padding():
 
 import pytest  # noqa: E402
 from exact import sampled_pvalue  # noqa: E402
-from tiny import PAD, perturbed_copy, tiny_lm  # noqa: E402
+from tiny import PAD, FakeClock, perturbed_copy, tiny_lm  # noqa: E402
 
 from hf_specsample import SpeculativeConfig  # noqa: E402
 
@@ -49,6 +51,14 @@ DRAFTS = {  # generate() arguments of the two prompt-lookup modes
     # policy would not draft by model in a batch (and lookups only come with the model's rounds there)
     "lookup-then-model": dict(prompt_lookup_num_tokens=3, num_lookahead=2),
 }
+
+
+@pytest.fixture(autouse=True)
+def steady_clock(monkeypatch):
+    """Greedy lookup rounds adapt K to their measured costs: here on a fake clock (every reading 1 ms after the
+    last), so what a test asserts of the rounds (lookups accepted, fewer rounds than tokens) never rests on the
+    machine's load."""
+    monkeypatch.setattr(time, "perf_counter", FakeClock(1e-3))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from tiny import PAD, FakeClock, perturbed_copy, prepared_processors, tiny_lm
 
 from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import plan as kernel_plan
@@ -435,22 +435,24 @@ def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
 
 def test_auto_decides_each_width_on_its_own(built, monkeypatch):
     """A kernel slower than eager from 7 rows on serves 1-6 rows only: a wide round (or a lookup round of 11
-    positions) runs eagerly, a narrow one on the kernel."""
+    positions) runs eagerly, a narrow one on the kernel. The timing reads a fake clock that only the calls advance
+    (eager 1 ms at every width, the kernel 3 ms from 7 rows on, nothing below), never the wall clock."""
     real = small_rows.small_rows_linear
+    clock = FakeClock()
 
     def slow_from_seven(x, weight, bias=None, path=None):
-        if x.shape[0] >= 7:
-            time.sleep(0.003)
+        clock.advance(0.003 if x.shape[0] >= 7 else 0.0)
         return real(x, weight, bias, path)
 
-    class SlowEager:  # eager 1 ms slower at every width: on a tiny weight both take microseconds, decided by noise
+    class SlowEager:
         @staticmethod
         def linear(*args, **kwargs):
-            time.sleep(0.001)
+            clock.advance(0.001)
             return F.linear(*args, **kwargs)
 
+    monkeypatch.setattr(time, "perf_counter", clock)
     monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
-    monkeypatch.setattr(small_rows, "F", SlowEager)
+    monkeypatch.setattr(kernel_plan, "F", SlowEager)
     target, _ = bf16_pair(hidden=64)
     plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert plan.rows == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason

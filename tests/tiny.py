@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Iterator
 
 import torch
 from transformers import LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
@@ -40,6 +42,22 @@ def second_turns(target, draft, plain, speculative, mask: torch.Tensor, prompt_l
         **kwargs,
     )  # fmt: skip
     return plain_2, speculative_2
+
+
+class FakeClock:
+    """A stand-in for `time.perf_counter` (a test patches it in): the time only moves when the test says, by
+    `advance`, and by `step` seconds per reading (a float, or an iterator of them: a machine whose speed varies).
+    Timed decisions are tested on it, never on the wall clock."""
+
+    def __init__(self, step: float | Iterator[float] = 0.0):
+        self.now, self.steps = 0.0, step if isinstance(step, Iterator) else itertools.repeat(step)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __call__(self) -> float:
+        self.now += next(self.steps)
+        return self.now
 
 
 def tiny_lm(

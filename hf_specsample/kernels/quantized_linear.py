@@ -203,22 +203,29 @@ def _version(x: torch.Tensor) -> int:
     return -1 if x.is_inference() else x._version
 
 
+def linear_holding(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    """An `nn.Linear` holding `weight` `(out, in)` and `bias` `(out,)` (not copied, no gradient).
+
+    Built on the meta device first: `nn.Linear`'s constructor initialises its weights with random draws, which on a
+    real device would draw from the global generator and change what a caller's seeded program samples next."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
 def fuse_siblings(linears: list[torch.nn.Linear], make) -> list[SiblingProjection]:
     """`SiblingProjection`s standing for `linears` (same input width, device and dtype), their weights concatenated
     into one `make(linear)` (e.g. `Int8Linear.from_linear`: per-row scales quantize each row as alone)."""
-    first = linears[0]
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    has_bias = any(linear.bias is not None for linear in linears)
-    joined = torch.nn.Linear(
-        first.in_features, weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype
-    )
-    with torch.no_grad():
-        joined.weight.copy_(weight)
-        if has_bias:
-            joined.bias.copy_(torch.cat([
-                linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
-                for linear in linears
-            ]))  # fmt: skip
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([
+            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+            for linear in linears
+        ])  # fmt: skip
+    joined = linear_holding(weight, bias)
     fused = make(joined)
     starts = [sum(linear.out_features for linear in linears[:index]) for index in range(len(linears))]
     shared = _Stash([(start, linear.out_features) for start, linear in zip(starts, linears)])

@@ -23,7 +23,14 @@ from transformers import PreTrainedModel
 from transformers.utils.quantization_config import QuantizationMethod
 
 from ..kernels import small_rows
-from ..kernels.quantized_linear import SIBLING_GROUPS, Int4Linear, Int8Linear, SiblingProjection, fuse_siblings
+from ..kernels.quantized_linear import (
+    SIBLING_GROUPS,
+    Int4Linear,
+    Int8Linear,
+    SiblingProjection,
+    fuse_siblings,
+    linear_holding,
+)
 from ..options import DraftForm
 from .self_draft import ModuleT, shallow_clone
 
@@ -246,8 +253,7 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
     """
     head = model.get_output_embeddings()
     weight = head.weight.detach()[token_ids.to(head.weight.device)]
-    compact = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    compact.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    compact = linear_holding(weight.clone())
     view = shallow_clone(model)
     name = next(name for name, module in model.named_children() if module is head)
     view._modules[name] = compact
