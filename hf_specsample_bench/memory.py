@@ -1,6 +1,6 @@
 """A call's working memory: peak resident memory beyond the models, plain `generate()` against `draft_model=`.
 
-    hf-specsample-memory --rows 256 --shape narrow --lookahead 4 --new-tokens 8      # the issue's figure (CPU)
+    python -m hf_specsample_bench.memory --rows 256 --shape narrow --lookahead 4 --new-tokens 8    # on the CPU
 
 Each measurement runs in a fresh Python process (`--one`), so that no allocation of another measurement is counted:
 it builds the random-weight models (`weightless.build`, the real vocabulary), makes one small warm-up call of the
