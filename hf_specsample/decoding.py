@@ -27,16 +27,9 @@ from .round_costs import RoundRecord
 from .round_timer import PhaseTimer
 from .sequences import Sequences
 from .stats import SpeculativeStats
-from .verify.processing import PositionwiseProcessor, probabilities
-from .verify.rejection import (
-    NonFinite,
-    Verdict,
-    block_accept,
-    first_argmax,
-    flag_nonfinite,
-    greedy_accept,
-    speculative_accept,
-)
+from .verify.processing import PositionwiseProcessor
+from .verify.rejection import NonFinite, Verdict, block_accept, speculative_accept
+from .verify.round_verifier import RoundVerifier
 from .verify.stopping import StopCheck
 
 
@@ -124,6 +117,8 @@ class SpeculativeDecoder:
             self.drafter = LookupThenModelProposer(self.model_drafter, PromptLookupProposer(plan.lookup))
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, inputs.batch_size)
+        rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
+        self.verifier = RoundVerifier(self.processor, self.do_sample, rule, self.generator, self.recorder.keep_scores)
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
 
     def draft_proposer(self) -> DraftModelProposer:
@@ -172,8 +167,7 @@ class SpeculativeDecoder:
         self.timer.start()
         proposal = self.drafter.get_candidates(self.sequences, budget)
         self.timer.mark()
-        scores, raw_logits = self.verify(proposal)
-        verdict = self.accept(proposal, scores)
+        verdict, scores, raw_logits = self.verify(proposal)
         num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
         if self.stats.rounds == 1 and self.sequences.num_active:
@@ -194,40 +188,30 @@ class SpeculativeDecoder:
         step = self.plan.draft.forwards.step if self.plan.draft is not None else None
         return sum(compiled.compilations for compiled in (self.target.compiled, step) if compiled)
 
-    def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target scores at the K+1 positions after each row's committed tokens, in one forward pass.
+    def verify(self, proposal: Proposal) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None]:
+        """The target scores the K+1 positions after each row's committed tokens in one forward pass; the round's
+        verdict follows (`verify.round_verifier.RoundVerifier`: greedy by argmax, else the configured rule on the
+        proposal's distributions, its point masses as token ids, NaN/inf rows flagged; row chunk by row chunk).
 
         Returns:
-            `(batch, K + 1, vocab)` processed scores and the raw logits they came from.
+            The verdict, and the `(batch, K + 1, vocab)` processed scores and raw logits where the recorder keeps
+            them (else None: the logits are freed once verified).
         """
         lookahead = proposal.tokens.shape[1]
         lengths = self.sequences.lengths
         upto = [length + lookahead for length in lengths]
         raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
-        scores = self.processor(self.sequences.tokens, lengths, raw_logits, self.sequences.rows.active)
-        return scores, raw_logits
+        verdict, scores = self.verifier(
+            self.sequences.tokens, lengths, raw_logits, self.sequences.rows.active, proposal.tokens, proposal.probs,
+            proposal.point_mass,
+        )  # fmt: skip
+        if self.tensor_parallel:
+            verdict = distributed.broadcast_verdict(verdict)
+        return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 
-    def accept(self, proposal: Proposal, scores: torch.Tensor) -> Verdict:
-        """The round's verdict: greedy by argmax, else the configured rule on the proposal's distributions (its
-        point masses as token ids, `verify/rejection.py`), with NaN/inf rows flagged.
-
-        Args:
-            scores: `(batch, K + 1, vocab)` the target's processed scores.
-        """
-        if not self.do_sample:
-            verdict = greedy_accept(proposal.tokens, first_argmax(scores))
-        else:
-            target_probs = probabilities(scores)  # (batch, K + 1, vocab)
-            rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
-            draft_probs, point_mass = proposal.probs, proposal.point_mass  # None / None: all point masses
-            # A mask only where a proposal mixes point masses with distributions: a rule's four-argument call stays
-            # the contract (`Verification`), and `point_mass` an optional keyword.
-            mixed = {} if point_mass is None else {"point_mass": point_mass}
-            verdict = rule(proposal.tokens, draft_probs, target_probs, self.generator, **mixed)
-            verdict = flag_nonfinite(verdict, draft_probs, target_probs, point_mass)
-        return distributed.broadcast_verdict(verdict) if self.tensor_parallel else verdict
-
-    def commit(self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor, raw_logits: torch.Tensor) -> list[int]:
+    def commit(
+        self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None, raw_logits: torch.Tensor | None
+    ) -> list[int]:
         """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows.
 
         Returns:
@@ -248,7 +232,7 @@ class SpeculativeDecoder:
         flags = None if eos_flags is None else [row[1 : width + 2] for row in values]
         callers, candidates = seqs.rows.callers(), self.stops.candidates(num_accepted)
         # recorded before the criteria run, which read the scores so far as plain's do; `keep` drops those past a stop
-        self.recorder.record(callers, candidates, scores, raw_logits if self.recorder.wants_raw_logits else None)
+        self.recorder.record(callers, candidates, scores, raw_logits)
         stops = self.stops.first_stops(
             seqs.tokens, seqs.lengths, num_accepted, candidates, flags, callers, self.caller_view
         )

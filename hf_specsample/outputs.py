@@ -55,12 +55,12 @@ class OutputRecorder:
         self,
         callers: Sequence[int],
         counts: Sequence[int],
-        scores: torch.Tensor,
+        scores: torch.Tensor | None,
         raw_logits: torch.Tensor | None,
     ) -> None:
         """Keep positions ``0 .. counts[b] - 1`` of `scores` / `raw_logits` (`(active rows, positions, vocab)`) as the
         next steps of each active row's caller row (`callers`, from the row book)."""
-        pairs = [(self.scores, scores)] if self.keep_scores else []
+        pairs = [(self.scores, scores)] if self.keep_scores and scores is not None else []
         pairs += [(self.logits, raw_logits)] if self.keep_logits and raw_logits is not None else []
         for kept, source in pairs:
             # one copy per (step, position) shared by rows: one per position when the rows are aligned

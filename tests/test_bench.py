@@ -271,6 +271,23 @@ def test_weightless_benchmark_runs_on_tiny_shapes(capsys):
     assert out.count("operators per forward") == 2 * len(weightless.Setting)
 
 
+def test_memory_benchmark_runs_on_tiny_shapes(capsys):
+    """`python -m hf_specsample_bench.memory` with tiny shapes: one fresh process per measurement, a table of plain's
+    and ours peaks per mode; and the peak it reads holds an allocation made inside the measured call."""
+    from hf_specsample_bench import memory
+
+    held = []
+    peak, how = memory.peak_beyond(lambda: held.append(torch.ones(16 * 2**20)))  # 64 MiB, touched
+    assert peak >= 60 * 2**20 and how in ("VmHWM", "sampled")
+    memory.main(["--rows", "2", "--shape", "tiny", "--new-tokens", "3", "--lookahead", "2", "--prompt-tokens", "4",
+                 "--modes", "greedy,sampling"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rows x vocabulary x K = 2 x 512 x 2" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split("|")[1].strip() for row in rows] == ["greedy", "sampling"]
+    assert all(row.count("GiB") == 2 and row.rstrip(" |").endswith("x") for row in rows)
+
+
 def test_weightless_acceptance_settings():
     """The final norms set acceptance: zeroed ones agree everywhere; a useless pair barely overlaps."""
     from hf_specsample_bench import weightless

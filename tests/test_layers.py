@@ -35,6 +35,7 @@ LAYERS = [
             "verify.fast_processors",
             "verify.processing",
             "verify.rejection",
+            "verify.round_verifier",
             "verify.stopping",
             "proposers.base",
             "proposers.cross_vocab",

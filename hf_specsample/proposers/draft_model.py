@@ -126,16 +126,23 @@ class DraftModelProposer(Proposer):
         tokens, lengths = sequences.tokens, sequences.lengths
         reads = sequences if self.inputs is None else self.inputs.sequences
         read_lengths = reads.lengths
-        drafted, drafted_probs, pinned = [], [], []
+        drafted, pinned = [], []
+        drafted_probs: torch.Tensor | None = None  # (batch, k, vocab or subset), filled step by step
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
             logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.rows.active)[:, 0]
             if self.do_sample:
-                probs = probabilities(scores)  # (batch, vocab or subset)
+                # one (batch, k, vocab) tensor per round, written in place: no list of steps stacked at the end
+                if drafted_probs is None:
+                    shape = (scores.shape[0], num_tokens, scores.shape[-1])
+                    drafted_probs = scores.new_empty(shape, dtype=torch.float32)
+                probs = drafted_probs[:, step]  # (batch, vocab or subset)
+                probs.copy_(probabilities(scores))
+                del scores
                 index = sample_from_weights(probs, self.generator)  # (batch,)
             else:
-                probs, index = None, first_argmax(scores)
+                index = first_argmax(scores)
             token = self.vocabulary[index] if self.compact and self.vocabulary is not None else index  # compact: set
             if forced is not None:
                 token, forced_here = self._force(forced, step, token)
@@ -144,14 +151,11 @@ class DraftModelProposer(Proposer):
             if self.inputs is not None:
                 self.inputs.write(step, token)  # the draft's next input: the token's draft id
             drafted.append(token)
-            if probs is not None:
-                drafted_probs.append(probs)
-        probs = self._full(torch.stack(drafted_probs, dim=1)) if drafted_probs else None  # (batch, k, vocab)
         any_forced = forced is not None and any(row.numel() for row in forced)
         return Proposal(
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=probs,
-            point_mass=torch.stack(pinned, dim=1) if probs is not None and any_forced else None,  # (batch, k)
+            probs=self._full(drafted_probs) if drafted_probs is not None else None,  # (batch, k, vocab)
+            point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, k)
             model_steps=num_tokens,
         )
 

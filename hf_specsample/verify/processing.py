@@ -19,7 +19,9 @@ receives a `batch_id`, the encoder repetition penalty and n-gram ban, which look
 repetition penalty of a padded batch, which holds one padding length per row) is called with the caller's whole
 batch, each row at its own index, as plain `generate()` calls it; the rows not at that prefix length are filled
 with zeros and their output is discarded. A processor whose row depends on *other* rows' contents cannot be
-applied exactly to draft positions; none of transformers' processors does this outside beam search.
+applied exactly to draft positions; none of transformers' processors does this outside beam search. A round of
+many rows is processed in row chunks (`verify.round_verifier`): each chunk's rows are called as above, so a processor
+may be called once per chunk and prefix length.
 """
 
 from __future__ import annotations

@@ -43,7 +43,41 @@ class Verdict(NamedTuple):
     next_tokens: torch.Tensor
 
 
-def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+# Row chunks of a round's wide tensors: at most this many elements of `(rows, [positions,] vocab)` at a time.
+# Every tensor verification and sampling make from a distribution (processed scores, a warper's temporaries,
+# probabilities, residuals, float64 running sums) is as large as what it came from; made for all rows at once they
+# multiply a round's peak memory (4.5 GiB at 256 rows x 151,936 ids x K=4, against plain generate()'s 1.55).
+# 2^24 elements (64 MiB of float32) keeps each such temporary below one row-step of plain's logits at a few hundred
+# rows, while a chunk still holds tens of rows x positions (kernels stay wide, a few chunks per round).
+ROW_CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(rows: int, row_elements: int, limit: int) -> list[slice]:
+    """Consecutive row slices covering ``0 .. rows - 1``, each of at most `limit` elements (at least one row).
+
+    Args:
+        rows: the rows to cover.
+        row_elements: elements per row (positions x vocabulary).
+        limit: the most elements of a chunk.
+    """
+    per_chunk = max(1, limit // max(1, row_elements))
+    return [slice(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
+
+
+def sample_uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """`(*shape, 1)` float64 uniforms in [0, 1), what `sample_from_weights` draws for `(*shape, vocab)` weights:
+    drawn with `generator` (on its device), moved to `device`."""
+    noise_device = generator.device if generator is not None else device
+    # 53 random bits (a float32 uniform has 24: tokens below 2^-24 would be drawn off their probability)
+    return torch.rand(shape + (1,), dtype=torch.float64, generator=generator, device=noise_device).to(device)
+
+
+def sample_from_weights(
+    weights: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+    chunk_elements: int | None = None,
+) -> torch.Tensor:
     """Draw one index per row with probability proportional to `weights`, without a host sync.
 
     By the inverse CDF: one uniform ``u`` per row, and the first index whose float64 running sum of the weights
@@ -55,19 +89,37 @@ def sample_from_weights(weights: torch.Tensor, generator: torch.Generator | None
     for the exponential race (``argmax(w_i / E_i)``) over Qwen2.5's 151,936 entries on a 2-core Xeon, and six
     operators.
 
+    The uniforms are drawn for all rows first, then the float64 running sums are made `chunk_elements` at a time
+    (`row_chunks`): each row's draw depends on its own weights and uniform alone, so the indices are the ones an
+    unchunked call gives, and the generator advances as it would.
+
     Args:
         weights: `(..., vocab)` non-negative float.
         generator: optional generator; its device may differ from `weights`' device (the uniforms are moved).
+        uniform: optional `(..., 1)` float64 uniforms in [0, 1) (`sample_uniform`), drawn with `generator` if None.
+        chunk_elements: the most weights turned into running sums at a time (None: `ROW_CHUNK_ELEMENTS`).
 
     Returns:
         `(...)` long, the sampled indices.
     """
-    running = torch.cumsum(weights.double(), dim=-1)  # (..., vocab), non-decreasing
-    noise_device = generator.device if generator is not None else weights.device
-    # 53 random bits (a float32 uniform has 24: tokens below 2^-24 would be drawn off their probability)
-    uniform = torch.rand(running.shape[:-1] + (1,), dtype=torch.float64, generator=generator, device=noise_device)
-    threshold = (1.0 - uniform.to(weights.device)) * running[..., -1:]  # (..., 1) in (0, total]
-    index = torch.searchsorted(running, threshold, right=False)  # (..., 1): first running sum >= threshold
+    if uniform is None:
+        uniform = sample_uniform(tuple(weights.shape[:-1]), weights.device, generator)
+    vocab = weights.shape[-1]
+    flat, flat_uniform = weights.reshape(-1, vocab), uniform.reshape(-1, 1)  # (rows, vocab), (rows, 1)
+    chunks = row_chunks(flat.shape[0], vocab, ROW_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements)
+    index = torch.cat([_inverse_cdf(flat[rows], flat_uniform[rows]) for rows in chunks]) if chunks else None
+    return (index if index is not None else flat.new_zeros((0,), dtype=torch.long)).reshape(weights.shape[:-1])
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`(rows,)` the first index whose running sum reaches ``(1 - uniform)`` times the total (`sample_from_weights`).
+
+    Args:
+        weights: `(rows, vocab)`; uniform: `(rows, 1)` float64.
+    """
+    running = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # (rows, vocab), non-decreasing
+    threshold = (1.0 - uniform) * running[:, -1:]  # (rows, 1) in (0, total]
+    index = torch.searchsorted(running, threshold, right=False)  # (rows, 1): first running sum >= threshold
     # A row with NaN or inf weights draws some index in range (the caller flags such rows: `flag_nonfinite`).
     return index.clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
@@ -85,6 +137,7 @@ def speculative_accept(
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
     point_mass: torch.Tensor | None = None,
+    sample_draws: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept or reject each row's draft tokens so that the committed tokens follow `target_probs` exactly.
 
@@ -100,6 +153,9 @@ def speculative_accept(
         uniform: optional `(batch, num_draft)` acceptance draws in [0, 1) (tests); drawn with `generator` if None.
         point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (its row of
             `draft_probs` is then ignored); None: none is, unless `draft_probs` is None.
+        sample_draws: optional `(batch, 1)` float64 uniforms of the recovered/bonus sample (`sample_uniform`); drawn
+            with `generator` after `uniform` if None. (`verify.verification` draws both for all rows at once, then
+            applies the rule row chunk by row chunk.)
 
     Returns:
         A :class:`Verdict`. A zero draft probability rejects (never divides); an all-zero residual falls back to the
@@ -121,7 +177,7 @@ def speculative_accept(
     rows = torch.arange(batch, device=target_probs.device)
     target_next = target_probs[rows, num_accepted]  # (batch, vocab)
     if num_draft == 0:
-        return Verdict(num_accepted, sample_from_weights(target_next, generator))
+        return Verdict(num_accepted, sample_from_weights(target_next, generator, sample_draws))
     # The draft distribution at the first rejected position is subtracted; nothing for rows that accepted everything
     # (bonus token).
     rejected_somewhere = num_accepted < num_draft  # (batch,)
@@ -134,7 +190,7 @@ def speculative_accept(
         rejected_somewhere,
     )  # (batch, vocab)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_next)
-    return Verdict(num_accepted, sample_from_weights(residual, generator))
+    return Verdict(num_accepted, sample_from_weights(residual, generator, sample_draws))
 
 
 def block_accept(
@@ -144,6 +200,7 @@ def block_accept(
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
     point_mass: torch.Tensor | None = None,
+    sample_draws: torch.Tensor | None = None,
 ) -> Verdict:
     """Block verification (Sun et al. 2024, arXiv 2403.10444): the draft block is verified jointly.
 
@@ -169,6 +226,7 @@ def block_accept(
         uniform: optional `(batch, num_draft)` draws in [0, 1) (tests); drawn with `generator` if None.
         point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (see
             `speculative_accept`).
+        sample_draws: optional `(batch, 1)` float64 uniforms of the next token's sample (see `speculative_accept`).
 
     Returns:
         A :class:`Verdict`. A zero draft probability gives weight 0 (never divides); an all-zero residual falls back
@@ -179,7 +237,7 @@ def block_accept(
     assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
     rows = torch.arange(batch, device=target_probs.device)
     if num_draft == 0:
-        return Verdict(rows * 0, sample_from_weights(target_probs[:, 0], generator))
+        return Verdict(rows * 0, sample_from_weights(target_probs[:, 0], generator, sample_draws))
     if uniform is None:
         uniform = uniform_like((batch, num_draft), target_probs.device, generator)
 
@@ -208,7 +266,7 @@ def block_accept(
     chosen = residual[rows, last]  # (batch, vocab)
     bonus = (num_accepted == num_draft).unsqueeze(-1)
     weights_next = torch.where(bonus | (chosen.sum(-1, keepdim=True) <= 0), target_next, chosen)
-    return Verdict(num_accepted, sample_from_weights(weights_next, generator))
+    return Verdict(num_accepted, sample_from_weights(weights_next, generator, sample_draws))
 
 
 ARGMAX_BLOCK = 128  # `first_argmax`'s block: Qwen2.5's logit widths (151,936 and 152,064) are multiples of it

@@ -1,0 +1,120 @@
+"""A round's verification, from the target's logits to the verdict, row chunk by row chunk.
+
+The target's logits of a round are `(batch, K + 1, vocab)`; the processors, the probabilities and the acceptance
+rule each make tensors of that size (a warper's temporaries, processed scores, probabilities, residuals and float64
+running sums). Made for all rows at once they multiply a round's peak memory. Here the rows are verified in chunks
+of at most `rejection.ROW_CHUNK_ELEMENTS` logits, and each chunk's wide tensors are gone before the next:
+
+- greedy: processors, then `first_argmax`, per chunk;
+- sampling: where the rows come in several chunks, the round's random draws are made first, for all rows, in the
+  order the rule makes them unchunked (the acceptance uniforms, then the next token's), then each chunk's rows are
+  processed, turned into probabilities and judged by the rule with their own draws. Every step is row-local (a
+  processor is called with each row's own prefix and caller index, `PositionwiseProcessor`; the rules and
+  `sample_from_weights` compute each row from its own distributions and draws), so the verdict is the one an
+  unchunked call gives, draw for draw, and the generator ends where it would.
+
+Processed scores are kept only where the caller records them (`output_scores=True`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import rejection
+from .processing import PositionwiseProcessor, probabilities
+from .rejection import (
+    Verdict,
+    first_argmax,
+    flag_nonfinite,
+    greedy_accept,
+    row_chunks,
+    sample_uniform,
+    uniform_like,
+)
+
+Rule = Callable[..., Verdict]  # `speculative_accept` or `block_accept`
+
+
+class RoundVerifier:
+    """Turns a round's target logits and proposal into its verdict (module docstring)."""
+
+    def __init__(
+        self,
+        processor: PositionwiseProcessor,
+        do_sample: bool,
+        rule: Rule,
+        generator: torch.Generator | None,
+        keep_scores: bool,
+        chunk_elements: int | None = None,
+    ):
+        """
+        Args:
+            processor: the call's processors, per position.
+            do_sample: judge by the rule (else greedy: by argmax).
+            rule: the acceptance rule (`verify.rejection`), called as ``rule(tokens, draft_probs, target_probs,
+                generator)``, with ``point_mass=`` where the proposal has a mask, and the round's draws
+                (``uniform=``, ``sample_draws=``) where its rows come in several chunks.
+            generator: the call's generator for the round's draws.
+            keep_scores: return the processed scores (the caller records them).
+            chunk_elements: the most logits verified at a time (None: `rejection.ROW_CHUNK_ELEMENTS`, read at each
+                round, so that a test can force chunks).
+        """
+        self.processor, self.do_sample, self.rule, self.generator = processor, do_sample, rule, generator
+        self.keep_scores, self.chunk_elements = keep_scores, chunk_elements
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        lengths: Sequence[int],
+        logits: torch.Tensor,
+        callers: Sequence[int],
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        point_mass: torch.Tensor | None,
+    ) -> tuple[Verdict, torch.Tensor | None]:
+        """The round's verdict.
+
+        Args:
+            tokens: `(batch, capacity)` the buffer (prefixes, drafts written after them).
+            lengths: per row, the prefix length of position 0.
+            logits: `(batch, K + 1, vocab)` the target's raw logits (not modified).
+            callers: per row, its caller row (`RowBook.active`).
+            draft_tokens: `(batch, K)` long; draft_probs: `(batch, K, vocab)` or None (every token a point mass);
+                point_mass: `(batch, K)` bool or None (see `verify.rejection.speculative_accept`).
+
+        Returns:
+            The verdict (`num_accepted` carrying `NonFinite` codes where sampling met NaN/inf), and the
+            `(batch, K + 1, vocab)` processed scores where kept, else None.
+        """
+        batch, positions, vocab = logits.shape
+        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
+        chunks = row_chunks(batch, positions * vocab, limit)
+        draws: dict[str, torch.Tensor] = {}
+        if self.do_sample and len(chunks) > 1:
+            # the draws of the whole round first, in the unchunked rule's order (acceptance, then the next token)
+            draws["uniform"] = uniform_like(tuple(draft_tokens.shape), logits.device, self.generator)  # (batch, K)
+            draws["sample_draws"] = sample_uniform((batch,), logits.device, self.generator)  # (batch, 1)
+        parts: list[Verdict] = []
+        kept: list[torch.Tensor] = []
+        for rows in chunks:
+            scores = self.processor(tokens[rows], lengths[rows], logits[rows], callers[rows])
+            if self.keep_scores:
+                kept.append(scores)
+            if not self.do_sample:
+                parts.append(greedy_accept(draft_tokens[rows], first_argmax(scores)))
+                continue
+            target_probs = probabilities(scores)  # (rows, K + 1, vocab)
+            del scores  # the chunk's processed scores: kept above where recorded
+            chunk_probs = None if draft_probs is None else draft_probs[rows]
+            chunk_mass = None if point_mass is None else point_mass[rows]
+            # A rule's four-argument call stays the contract (`Verification`): a mask only where a proposal mixes
+            # point masses with distributions, the round's draws only where its rows come in several chunks.
+            keywords = {name: drawn[rows] for name, drawn in draws.items()}
+            if chunk_mass is not None:
+                keywords["point_mass"] = chunk_mass
+            verdict = self.rule(draft_tokens[rows], chunk_probs, target_probs, self.generator, **keywords)
+            parts.append(flag_nonfinite(verdict, chunk_probs, target_probs, chunk_mass))
+        verdict = parts[0] if len(parts) == 1 else Verdict(*(torch.cat(field) for field in zip(*parts)))
+        return verdict, (None if not kept else kept[0] if len(kept) == 1 else torch.cat(kept))
