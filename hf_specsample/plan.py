@@ -29,7 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from . import distributed, transformers_api, validation
-from .cache import row_ops
+from .cache import row_ops, static_addresses
 from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
 from .call_inputs import CallInputs
@@ -64,6 +64,8 @@ class DraftPlan:
         shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_vocab`); else None.
         tokenizers: with another tokenizer, (the target's, the draft's); else None.
         description: what drafts, for `SpeculativeStats.draft_form`.
+        cache: the draft's static cache (`compile=True`: allocated once at the call's final size, see
+            `static_cache_size`), or None: a new `DynamicCache`.
     """
 
     prepared: PreparedDraft
@@ -73,6 +75,7 @@ class DraftPlan:
     shared: SharedVocabulary | None
     tokenizers: tuple[Any, Any] | None
     description: str
+    cache: Any = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class CallPlan:
         lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
         keep_cache: the call returns the target's cache (or leaves the caller's as plain `generate()` does).
         kernel_description: what ran the eager forwards' linears, for `SpeculativeStats.linear_kernel`.
+        pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
+            not handed go back to `cache.static_addresses.POOL` for the next call.
     """
 
     inputs: CallInputs
@@ -105,6 +110,7 @@ class CallPlan:
     lookahead: RoundLookahead
     keep_cache: bool
     kernel_description: str
+    pooled: bool = False
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -127,9 +133,11 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft's form timings and calibration forwards.
     kernel = KernelPlan.for_model(target, config.linear_kernel, clock_free, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
-    draft_plan = None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers)
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
-    cache, forwards, kernel_description = _target_forwards(inputs, target, kernel, largest)
+    draft_plan = (
+        None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers, largest)
+    )
+    cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest)
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
     lookahead = RoundLookahead.for_call(
@@ -148,7 +156,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
         inputs, target, cache, forwards, draft_plan, lookup, generator, clock_free, lookahead, keep_cache,
-        kernel_description,
+        kernel_description, pooled,
     )  # fmt: skip
 
 
@@ -193,6 +201,7 @@ def _draft_plan(
     target_kernel: KernelPlan,
     clock_free: bool,
     tokenizers: tuple[Any, Any] | None,
+    largest: int,
 ) -> DraftPlan:
     """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
     config = inputs.config
@@ -230,7 +239,29 @@ def _draft_plan(
         vocabulary = DraftVocabulary(shared.target_ids, shared.draft_columns, target.logit_width)
     embeddable = facts.embeddable if tokenizers is None and facts.embeddable < target.logit_width else None
     forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable)
-    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description)
+    # Under compile=True the draft's cache keeps its address too (what a captured step needs); not where its steps
+    # are compiled for a dynamic cache (`compile_draft`), it reads another tokenizer's ids (rows even up by
+    # dropping slots), or it keeps recurrent states (rolled back by re-feeding).
+    static = config.compile and step is None and tokenizers is None and not facts.keeps_state
+    static = static and row_ops.static_cache_problem(None, facts.model.config) is None
+    cache = _static_cache(inputs, facts.model, largest) if static else None
+    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, cache)
+
+
+def static_cache_size(inputs: CallInputs, largest: int) -> int:
+    """Slots of a call's static caches under `compile=True`: the prompt, the new tokens, and one verification of
+    `largest` positions (K + 1) past them (a round padded to its full size writes past the committed length;
+    `RoundLookahead` keeps the committed tokens within `max_length`)."""
+    generation_config = inputs.generation_config
+    return max(int(generation_config.max_length) + largest, generation_config.max_cache_len or 0)
+
+
+def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> Any:
+    """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
+    (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
+    slots = static_cache_size(inputs, largest)
+    kept = static_addresses.POOL.take(model, inputs.batch_size, slots)
+    return kept if kept is not None else row_ops.full_static_cache(None, model.config, slots)
 
 
 def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
@@ -250,8 +281,9 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
 
 def _target_forwards(
     inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int
-) -> tuple[Any, Forwards, str]:
-    """The target's cache, how its forwards run, and what ran its linears (for the statistics).
+) -> tuple[Any, Forwards, str, bool]:
+    """The target's cache, how its forwards run, what ran its linears (for the statistics), and whether its cache
+    was made for this call under `compile=True` (`CallPlan.pooled`).
 
     Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (`kernel`). Compiled ones
     (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and under
@@ -260,7 +292,7 @@ def _target_forwards(
     """
     config = inputs.config
     kernel_in_graph = config.compile and _kernel_in_graph(kernel, config.linear_kernel, inputs.batch_size, largest)
-    cache, compiled = _target_cache(inputs, target, kernel_in_graph)
+    cache, compiled, pooled = _target_cache(inputs, target, kernel_in_graph, largest)
     in_graph = compiled is not None and compiled.settings.kernel_rows > 0
     eager_kernel = kernel if compiled is None or in_graph else None
     if eager_kernel is None:
@@ -270,11 +302,14 @@ def _target_forwards(
         description = f"target compiled, its linears of 1-{rows} rows on the kernel: {kernel.reason}"
     else:
         description = f"target {kernel.reason}"
-    return cache, Forwards(kernel=eager_kernel, compiled=compiled, largest_round=largest), description
+    return cache, Forwards(kernel=eager_kernel, compiled=compiled, largest_round=largest), description, pooled
 
 
-def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool) -> tuple[Any, CompiledForward | None]:
-    """The target's cache, and its compiled forward if this call compiles (else None).
+def _target_cache(
+    inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool, largest: int
+) -> tuple[Any, CompiledForward | None, bool]:
+    """The target's cache, its compiled forward if this call compiles (else None), and whether the cache was made
+    for this call under `compile=True` (then at its final size, `static_cache_size`, possibly a kept one).
 
     A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
     or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full `StaticLayer`s of at least
@@ -287,7 +322,7 @@ def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool)
     cache = transformers_api.generate_cache(inputs.model_kwargs)
     implementation = generation_config.cache_implementation
     if not (config.compile or implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS or row_ops.is_static(cache)):
-        return cache, None
+        return cache, None, False
     # `validation.check_cache_plan` refused offloaded caches and compile=True for a target that cannot compile.
     given = not inputs.caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache)
     fresh = cache is None or given
@@ -295,15 +330,19 @@ def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool)
     # code is not recompiled for a new size) or `max_cache_len` asks for.
     sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
-    cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
+    pooled = fresh and config.compile
+    if pooled:
+        cache = _static_cache(inputs, target.model, largest)
+    else:
+        cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
     if config.compile:
         settings = CompileSettings.for_device(target.input_device, kernel=kernel_in_graph)
     elif target.compile_problem is None and transformers_api.valid_auto_compile(target.model, cache, generation_config):
         compile_config = generation_config.compile_config or transformers_api.default_compile_config(target.model)
         settings = CompileSettings.from_compile_config(compile_config)
     else:
-        return cache, None
-    return cache, compiled_forward(target.model, settings)
+        return cache, None, pooled
+    return cache, compiled_forward(target.model, settings), pooled
 
 
 def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, largest: int) -> bool:

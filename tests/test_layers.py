@@ -24,6 +24,7 @@ LAYERS = [
             "cache.linear_states",
             "cache.row_ops",
             "cache.checkpoints",
+            "cache.static_addresses",
             "cache.compiled",
             "cache.forwards",
             "cache.cached_model",
