@@ -32,6 +32,7 @@ from . import distributed, transformers_api, validation
 from .cache import row_ops, static_addresses
 from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
+from .cache.runner import RunnerBackend, RunnerPlan
 from .call_inputs import CallInputs
 from .kernels.plan import KernelPlan
 from .kernels.small_rows import MAX_ROWS, best_path
@@ -50,6 +51,7 @@ from .verify.processing import check_supported
 _NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+DRAFT_STEP_SIZES = (1, 2)  # a draft's step, and a round's first step catching up on the last committed tokens
 
 
 @dataclass(frozen=True)
@@ -238,13 +240,15 @@ def _draft_plan(
         shared = _shared(prepared, tokenizers, target)
         vocabulary = DraftVocabulary(shared.target_ids, shared.draft_columns, target.logit_width)
     embeddable = facts.embeddable if tokenizers is None and facts.embeddable < target.logit_width else None
-    forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable)
-    # Under compile=True the draft's cache keeps its address too (what a captured step needs); not where its steps
-    # are compiled for a dynamic cache (`compile_draft`), it reads another tokenizer's ids (rows even up by
+    # Under compile=True the draft's cache keeps its address too, and its steps (one position; two where a round
+    # catches up on the last committed tokens) run through runners (what a captured step needs); not where its
+    # steps are compiled for a dynamic cache (`compile_draft`), it reads another tokenizer's ids (rows even up by
     # dropping slots), or it keeps recurrent states (rolled back by re-feeding).
     static = config.compile and step is None and tokenizers is None and not facts.keeps_state
     static = static and row_ops.static_cache_problem(None, facts.model.config) is None
     cache = _static_cache(inputs, facts.model, largest) if static else None
+    runner = RunnerPlan(RunnerBackend.EAGER, DRAFT_STEP_SIZES) if static else None
+    forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable, runner=runner)
     return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, cache)
 
 

@@ -26,6 +26,7 @@ LAYERS = [
             "cache.checkpoints",
             "cache.static_addresses",
             "cache.compiled",
+            "cache.runner",
             "cache.forwards",
             "cache.cached_model",
         ],

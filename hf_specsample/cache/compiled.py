@@ -133,6 +133,11 @@ def _fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     )
 
 
+def fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """What frozen compiled code must check before running: see `_fingerprint`."""
+    return _fingerprint(model)
+
+
 def _trampoline(model, kwargs):
     return model(**kwargs)
 
