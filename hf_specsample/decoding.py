@@ -111,6 +111,7 @@ class SpeculativeDecoder:
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = SpeculativeStats.for_batch(inputs.batch_size)
         self.stats.linear_kernel = plan.kernel_description
+        self.stats.graphs = plan.graphs
         self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         self.model_drafter = self.draft_proposer() if draft is not None else None
         self.drafter: Proposer = self.model_drafter or PromptLookupProposer(plan.lookup)

@@ -34,6 +34,7 @@ from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
 from .cache.runner import RunnerBackend, RunnerPlan
 from .call_inputs import CallInputs
+from .graph_choice import choose_graphs
 from .kernels.plan import KernelPlan
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
@@ -97,6 +98,8 @@ class CallPlan:
         lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
         keep_cache: the call returns the target's cache (or leaves the caller's as plain `generate()` does).
         kernel_description: what ran the eager forwards' linears, for `SpeculativeStats.linear_kernel`.
+        graphs: whether the call's runners run as graphs, and why (`graph_choice.choose_graphs`), for
+            `SpeculativeStats.graphs`.
         pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
             not handed go back to `cache.static_addresses.POOL` for the next call.
     """
@@ -112,6 +115,7 @@ class CallPlan:
     lookahead: RoundLookahead
     keep_cache: bool
     kernel_description: str
+    graphs: str = ""
     pooled: bool = False
 
     @property
@@ -136,10 +140,13 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     kernel = KernelPlan.for_model(target, config.linear_kernel, clock_free, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
+    graphs = choose_graphs(target.input_device, config.compile, None)
     draft_plan = (
-        None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers, largest)
+        None
+        if lookup_only
+        else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers, largest, graphs.backend)
     )
-    cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest)
+    cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest, graphs.backend)
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
     lookahead = RoundLookahead.for_call(
@@ -158,7 +165,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
         inputs, target, cache, forwards, draft_plan, lookup, generator, clock_free, lookahead, keep_cache,
-        kernel_description, pooled,
+        kernel_description, graphs.reason, pooled,
     )  # fmt: skip
 
 
@@ -204,6 +211,7 @@ def _draft_plan(
     clock_free: bool,
     tokenizers: tuple[Any, Any] | None,
     largest: int,
+    graphs: RunnerBackend | None,
 ) -> DraftPlan:
     """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
     config = inputs.config
@@ -247,7 +255,7 @@ def _draft_plan(
     static = config.compile and step is None and tokenizers is None and not facts.keeps_state
     static = static and row_ops.static_cache_problem(None, facts.model.config) is None
     cache = _static_cache(inputs, facts.model, largest) if static else None
-    runner = RunnerPlan(RunnerBackend.EAGER, DRAFT_STEP_SIZES) if static else None
+    runner = RunnerPlan(graphs or RunnerBackend.EAGER, DRAFT_STEP_SIZES) if static else None
     forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable, runner=runner)
     return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, cache)
 
@@ -284,7 +292,7 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
 
 
 def _target_forwards(
-    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int
+    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int, graphs: RunnerBackend | None = None
 ) -> tuple[Any, Forwards, str, bool]:
     """The target's cache, how its forwards run, what ran its linears (for the statistics), and whether its cache
     was made for this call under `compile=True` (`CallPlan.pooled`).
@@ -293,10 +301,16 @@ def _target_forwards(
     (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and under
     "auto" where its plan serves every round size of this batch (`_kernel_in_graph`); else inductor's GEMM. The plan
     also serves the forwards that run eagerly (wider than the kernel's rows, or a batch that shrinks to one row).
+    Where the call's forwards run as graphs (`graphs`: CUDA under compile=True), every round runs on a runner of
+    the largest round's size instead of the compiled forward (the prompt eagerly).
     """
     config = inputs.config
     kernel_in_graph = config.compile and _kernel_in_graph(kernel, config.linear_kernel, inputs.batch_size, largest)
     cache, compiled, pooled = _target_cache(inputs, target, kernel_in_graph, largest)
+    if graphs is not None and pooled:  # the runner's own compiled code replaces the compiled forward
+        runner = RunnerPlan(graphs, (largest,))
+        forwards = Forwards(kernel=kernel, runner=runner, largest_round=largest)
+        return cache, forwards, f"target on {graphs.value} runners", pooled
     in_graph = compiled is not None and compiled.settings.kernel_rows > 0
     eager_kernel = kernel if compiled is None or in_graph else None
     if eager_kernel is None:

@@ -45,7 +45,7 @@ LAYERS = [
             "distributed",
         ],
     ),  # fmt: skip
-    ("choosing K and refusing", ["round_costs", "lookahead", "round_timer", "validation"]),
+    ("choosing K and refusing", ["round_costs", "lookahead", "round_timer", "graph_choice", "validation"]),
     (
         "prepared drafts",
         [
