@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from . import distributed, transformers_api
-from .cache import row_ops
+from .cache import row_ops, static_addresses
 from .cache.cached_model import CachedModel
 from .options import NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -109,6 +109,7 @@ class SpeculativeDecoder:
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = SpeculativeStats.for_batch(inputs.batch_size)
         self.stats.linear_kernel = plan.kernel_description
+        self.stats.graphs = plan.graphs
         self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         self.model_drafter = self.draft_proposer() if draft is not None else None
         # without a draft model the plan looks up n-grams (`plan_call` sets their size)
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
     def draft_proposer(self) -> DraftModelProposer:
         """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
         draft = self.plan.draft
-        assert draft is not None  # built where the plan has a draft model
+        assert draft is not None, "a draft-model proposer needs the plan's draft"
         inputs = None
         if draft.shared is not None:  # reads the rows' text in its own ids
             assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
@@ -133,7 +134,7 @@ class SpeculativeDecoder:
             inputs = DraftIdBuffer(self.sequences, shared, TextBridge(*draft.tokenizers))
         return DraftModelProposer(
             draft.facts, draft.forwards, draft.vocabulary, self.sequences, self.processor, self.do_sample,
-            self.generator, inputs,
+            self.generator, inputs, draft.cache,
         )  # fmt: skip
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
@@ -158,7 +159,17 @@ class SpeculativeDecoder:
             self.stats.draft_compile_seconds = step.compile_seconds - draft_compile_before
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
+        if self.plan.pooled:  # the call's own static caches, kept for the next call where the caller gets none
+            self.give_back_caches(handed_out=cache)
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
+
+    def give_back_caches(self, handed_out: object) -> None:
+        """Keep this call's static caches for the next call (`cache.static_addresses.POOL`), except one handed to
+        the caller."""
+        if self.target.cache is not handed_out:
+            static_addresses.POOL.give_back(self.target.model, self.target.cache)
+        if self.model_drafter is not None and self.plan.draft is not None and self.plan.draft.cache is not None:
+            static_addresses.POOL.give_back(self.model_drafter.runner.model, self.model_drafter.runner.cache)
 
     def round(self, budget: DraftBudget) -> None:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""

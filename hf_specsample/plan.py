@@ -28,10 +28,12 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import distributed, transformers_api, validation
-from .cache import row_ops
+from .cache import row_ops, static_addresses
 from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
+from .cache.runner import RunnerBackend, RunnerPlan
 from .call_inputs import CallInputs
+from .graph_choice import choose_graphs
 from .kernels.plan import KernelPlan
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
@@ -48,6 +50,7 @@ from .verify.processing import check_supported
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+DRAFT_STEP_SIZES = (1, 2)  # a draft's step, and a round's first step catching up on the last committed tokens
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class DraftPlan:
         shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_vocab`); else None.
         tokenizers: with another tokenizer, (the target's, the draft's); else None.
         description: what drafts, for `SpeculativeStats.draft_form`.
+        cache: the draft's static cache (`compile=True`: allocated once at the call's final size, see
+            `static_cache_size`), or None: a new `DynamicCache`.
     """
 
     prepared: PreparedDraft
@@ -71,6 +76,7 @@ class DraftPlan:
     shared: SharedVocabulary | None
     tokenizers: tuple[Any, Any] | None
     description: str
+    cache: Any = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ class CallPlan:
         lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
         keep_cache: the call returns the target's cache (or leaves the caller's as plain `generate()` does).
         kernel_description: what ran the eager forwards' linears, for `SpeculativeStats.linear_kernel`.
+        graphs: whether the call's runners run as graphs, and why (`graph_choice.choose_graphs`), for
+            `SpeculativeStats.graphs`.
+        pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
+            not handed go back to `cache.static_addresses.POOL` for the next call.
     """
 
     inputs: CallInputs
@@ -103,6 +113,8 @@ class CallPlan:
     lookahead: RoundLookahead
     keep_cache: bool
     kernel_description: str
+    graphs: str = ""
+    pooled: bool = False
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -127,9 +139,14 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
     kernel = KernelPlan.for_model(target, cast(LinearKernel, config.linear_kernel), clock_free, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
-    draft_plan = None if lookup_only else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers)
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
-    cache, forwards, kernel_description = _target_forwards(inputs, target, kernel, largest)
+    graphs = choose_graphs(target.input_device, config.compile, None)
+    draft_plan = (
+        None
+        if lookup_only
+        else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers, largest, graphs.backend)
+    )
+    cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest, graphs.backend)
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
     # A sampled text depends on K (a drafted and a bonus position use the randomness differently), so a sampling
@@ -153,7 +170,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
         inputs, target, cache, forwards, draft_plan, lookup, generator, clock_free, lookahead, keep_cache,
-        kernel_description,
+        kernel_description, graphs.reason, pooled,
     )  # fmt: skip
 
 
@@ -191,6 +208,8 @@ def _draft_plan(
     target_kernel: KernelPlan,
     clock_free: bool,
     tokenizers: tuple[Any, Any] | None,
+    largest: int,
+    graphs: RunnerBackend | None,
 ) -> DraftPlan:
     """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
     config = inputs.config
@@ -228,8 +247,32 @@ def _draft_plan(
         shared = _shared(prepared, tokenizers, target)
         vocabulary = DraftVocabulary(shared.target_ids, shared.draft_columns, target.logit_width)
     embeddable = facts.embeddable if tokenizers is None and facts.embeddable < target.logit_width else None
-    forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable)
-    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description)
+    # Under compile=True the draft's cache keeps its address too, and its steps (one position; two where a round
+    # catches up on the last committed tokens) run through runners (what a captured step needs); not where its
+    # steps are compiled for a dynamic cache (`compile_draft`), it reads another tokenizer's ids (rows even up by
+    # dropping slots), or it keeps recurrent states (rolled back by re-feeding).
+    static = config.compile and step is None and tokenizers is None and not facts.keeps_state
+    static = static and row_ops.static_cache_problem(None, facts.model.config) is None
+    cache = _static_cache(inputs, facts.model, largest) if static else None
+    runner = RunnerPlan(graphs or RunnerBackend.EAGER, DRAFT_STEP_SIZES) if static else None
+    forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable, runner=runner)
+    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, cache)
+
+
+def static_cache_size(inputs: CallInputs, largest: int) -> int:
+    """Slots of a call's static caches under `compile=True`: the prompt, the new tokens, and one verification of
+    `largest` positions (K + 1) past them (a round padded to its full size writes past the committed length;
+    `RoundLookahead` keeps the committed tokens within `max_length`)."""
+    generation_config = inputs.generation_config
+    return max(int(generation_config.max_length) + largest, generation_config.max_cache_len or 0)
+
+
+def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> Any:
+    """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
+    (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
+    slots = static_cache_size(inputs, largest)
+    kept = static_addresses.POOL.take(model, inputs.batch_size, slots)
+    return kept if kept is not None else row_ops.full_static_cache(None, model.config, slots)
 
 
 def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
@@ -248,19 +291,26 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
 
 
 def _target_forwards(
-    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int
-) -> tuple[Any, Forwards, str]:
-    """The target's cache, how its forwards run, and what ran its linears (for the statistics).
+    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int, graphs: RunnerBackend | None = None
+) -> tuple[Any, Forwards, str, bool]:
+    """The target's cache, how its forwards run, what ran its linears (for the statistics), and whether its cache
+    was made for this call under `compile=True` (`CallPlan.pooled`).
 
     Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (`kernel`). Compiled ones
     (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and under
     "auto" where its plan serves every round size of this batch (`_kernel_in_graph`); else inductor's GEMM. The plan
     also serves the forwards that run eagerly (wider than the kernel's rows, or a batch that shrinks to one row).
+    Where the call's forwards run as graphs (`graphs`: CUDA under compile=True), every round runs on a runner of
+    the largest round's size instead of the compiled forward (the prompt eagerly).
     """
     config = inputs.config
     choice = cast(LinearKernel, config.linear_kernel)  # parsed by SpeculativeConfig
     kernel_in_graph = config.compile and _kernel_in_graph(kernel, choice, inputs.batch_size, largest)
-    cache, compiled = _target_cache(inputs, target, kernel_in_graph)
+    cache, compiled, pooled = _target_cache(inputs, target, kernel_in_graph, largest)
+    if graphs is not None and pooled:  # the runner's own compiled code replaces the compiled forward
+        runner = RunnerPlan(graphs, (largest,))
+        forwards = Forwards(kernel=kernel, runner=runner, largest_round=largest)
+        return cache, forwards, f"target on {graphs.value} runners", pooled
     in_graph = compiled is not None and compiled.settings.kernel_rows > 0
     eager_kernel = kernel if compiled is None or in_graph else None
     if eager_kernel is None:
@@ -271,11 +321,14 @@ def _target_forwards(
         description = f"target compiled, its linears of 1-{rows} rows on the kernel: {kernel.reason}"
     else:
         description = f"target {kernel.reason}"
-    return cache, Forwards(kernel=eager_kernel, compiled=compiled, largest_round=largest), description
+    return cache, Forwards(kernel=eager_kernel, compiled=compiled, largest_round=largest), description, pooled
 
 
-def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool) -> tuple[Any, CompiledForward | None]:
-    """The target's cache, and its compiled forward if this call compiles (else None).
+def _target_cache(
+    inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool, largest: int
+) -> tuple[Any, CompiledForward | None, bool]:
+    """The target's cache, its compiled forward if this call compiles (else None), and whether the cache was made
+    for this call under `compile=True` (then at its final size, `static_cache_size`, possibly a kept one).
 
     A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
     or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full `StaticLayer`s of at least
@@ -287,7 +340,7 @@ def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool)
     config, generation_config = inputs.config, inputs.generation_config
     cache = transformers_api.generate_cache(inputs.model_kwargs)
     if not row_ops.runs_static(cache, generation_config.cache_implementation, config.compile):
-        return cache, None
+        return cache, None, False
     # `validation.check_cache_plan` refused offloaded caches and compile=True for a target that cannot compile.
     given = not inputs.caller_cache and row_ops.total_slots(cache) == 0 and not row_ops.is_static(cache)
     fresh = cache is None or given
@@ -295,15 +348,19 @@ def _target_cache(inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool)
     # code is not recompiled for a new size) or `max_cache_len` asks for.
     sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
-    cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
+    pooled = fresh and config.compile
+    if pooled:
+        cache = _static_cache(inputs, target.model, largest)
+    else:
+        cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
     if config.compile:
         settings = CompileSettings.for_device(target.input_device, kernel=kernel_in_graph)
     elif target.compile_problem is None and transformers_api.valid_auto_compile(target.model, cache, generation_config):
         compile_config = generation_config.compile_config or transformers_api.default_compile_config(target.model)
         settings = CompileSettings.from_compile_config(compile_config)
     else:
-        return cache, None
-    return cache, compiled_forward(target.model, settings)
+        return cache, None, pooled
+    return cache, compiled_forward(target.model, settings), pooled
 
 
 def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, largest: int) -> bool:

@@ -37,6 +37,9 @@ class SpeculativeStats:
     # What ran the eager forwards' linear layers (`SpeculativeConfig.linear_kernel`): per model, the small-rows
     # kernel's plan and why (its timing against eager F.linear, or why it is off); "" before a call.
     linear_kernel: str = ""
+    # Whether the rounds' forwards ran as graphs (compiled runners, CUDA graphs) or eagerly, and why in plain words
+    # (`graph_choice.choose_graphs`: the device, compile=True, or the capture's cost against the time it saves).
+    graphs: str = ""
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":

@@ -128,7 +128,8 @@ def methods(target, draft, prepared, compile_plain: CompileConfig) -> dict[str, 
         "target eager": {},
         # one cache size for every call: transformers allocates a larger static cache for a longer call, and its
         # frozen compiled code (inductor `freezing` freezes `mark_static_address` tensors) then indexes the old one
-        # ("index out of bounds" in compiled code, measured here); our loop clears the mark (compiled._unmark_static)
+        # ("index out of bounds" in compiled code, measured here); our loop clears
+        # the mark there (cache.static_addresses.mark)
         # plain generate() with the same linear kernel (every forward of up to 1024 rows, the prompt included): what
         # the kernel alone gives, so that the rest is speculation's
         "target + kernel": dict(context=lambda: small_rows.SmallRowsLinear(small_rows.PROMPT_ROWS)),

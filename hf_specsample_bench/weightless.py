@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import platform
 import time
 from collections import Counter
@@ -188,6 +189,7 @@ class Method(str, Enum):
     ASSISTANT_FIXED = "assistant_model= fixed K"
     OURS = "draft_model= default"
     OURS_FIXED = "draft_model= fixed K"
+    OURS_GRAPHS = "draft_model= fixed K, compile=True"  # both models' rounds as graphs on CUDA (compiled runners)
 
     def __str__(self) -> str:
         return self.value
@@ -213,6 +215,10 @@ def method_kwargs(
         }  # fmt: skip
     if method is Method.OURS:
         return {"draft_model": draft, **(ours or {})}
+    if method is Method.OURS_GRAPHS:
+        given = (ours or {}).get("speculative_config") or SpeculativeConfig()
+        config = dataclasses.replace(given, compile=True)
+        return {"draft_model": draft, "num_lookahead": lookahead, **(ours or {}), "speculative_config": config}
     return {"draft_model": draft, "num_lookahead": lookahead, **(ours or {})}
 
 
@@ -419,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled-plain", action="store_true", help="add plain static+compile (compiles per shape)")
     parser.add_argument("--no-assistant", action="store_true", help="leave transformers' assistant_model= out")
     parser.add_argument("--split", action="store_true", help="a per-round split and operator counts of ours")
+    parser.add_argument("--graphs", action="store_true", help="add ours with compile=True (graphs on CUDA)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     print(f"# {describe_machine(device)}")
@@ -426,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.new_tokens} new tokens, best of {args.repeats} interleaved calls")  # fmt: skip
     methods = [Method.PLAIN] + ([Method.PLAIN_COMPILED] if args.compiled_plain else [])
     methods += [] if args.no_assistant else [Method.ASSISTANT, Method.ASSISTANT_FIXED]
-    methods += [Method.OURS, Method.OURS_FIXED]
+    methods += [Method.OURS, Method.OURS_FIXED] + ([Method.OURS_GRAPHS] if args.graphs else [])
     print("| setting | rows | acceptance | " + " | ".join(map(str, methods)) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in methods) + " |")
     splits = []

@@ -301,3 +301,19 @@ def test_weightless_acceptance_settings():
         0.8, abs=0.01
     )
     assert weightless.acceptance(target, draft, prompt) == pytest.approx(0.8, abs=0.01)
+
+
+def test_gpu_check_skips_cleanly_without_cuda(capsys, monkeypatch):
+    """Issue 42's part 5 script: on a machine without CUDA it says so and exits 0, checking nothing."""
+    from hf_specsample_bench import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_weightless_ours_with_graphs_is_compile_true():
+    from hf_specsample_bench import weightless
+
+    kwargs = weightless.method_kwargs(weightless.Method.OURS_GRAPHS, "draft", 4, torch.device("cpu"), {})
+    assert kwargs["speculative_config"].compile and kwargs["num_lookahead"] == 4

@@ -14,7 +14,9 @@ import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_specsample import SpeculativeConfig, decoding, sequences
+from hf_specsample import SpeculativeConfig, decoding, plan, sequences
+from hf_specsample.cache.forwards import Forwards
+from hf_specsample.cache.runner import RunnerBackend, RunnerPlan
 
 FIXED = SpeculativeConfig(num_lookahead=3, draft_form="as_given")
 # Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design) and
@@ -28,10 +30,12 @@ def pair():
     return target, perturbed_copy(target, seed=1, scale=0.1)
 
 
-def record_rounds(monkeypatch, call) -> list[tuple[collections.Counter, int]]:
-    """Per round after the first (which also encodes the prompt): (transfers per call site, tokens committed)."""
+def record_rounds(monkeypatch, call, extra: tuple[str, ...] = ()) -> list[tuple[collections.Counter, int]]:
+    """Per round after the first (which also encodes the prompt): (transfers per call site, tokens committed).
+
+    `extra`: more conversions to count (`__int__`: a static cache's write pointer read as a Python int)."""
     rounds = []
-    for name in ("item", "tolist", "cpu", "__bool__"):
+    for name in ("item", "tolist", "cpu", "__bool__", *extra):
         original = getattr(torch.Tensor, name)
 
         def counting(self, *args, _original=original, **kwargs):
@@ -134,3 +138,35 @@ def test_prompt_lookup_round_adds_the_token_buffer_copy(pair, monkeypatch, do_sa
         own_last = sites.pop(("prompt_lookup.py", "propose"), 0)
         assert own_last <= 1, sites
         assert sites == {("decoding.py", "commit"): 1, ("prompt_lookup.py", "continuations"): 1}, sites
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_static_caches_on_runners_sync_once_per_round(pair, monkeypatch, do_sample):
+    """Under compile=True both caches are static and both models' rounds run on runners (the target's forced onto
+    eager ones here, as on CUDA): rollbacks set the write pointers from the known slot count and never read one
+    (`int(cumulative_length)` would wait for the device), and padding adds no read."""
+    target, draft = pair
+    original = plan._target_forwards
+
+    def forwards(inputs, facts, kernel, largest):
+        cache, chosen, description, pooled = original(inputs, facts, kernel, largest)
+        runner = RunnerPlan(RunnerBackend.EAGER, (largest,))
+        return cache, Forwards(kernel=chosen.kernel, runner=runner, largest_round=largest), description, pooled
+
+    monkeypatch.setattr(plan, "_target_forwards", forwards)
+    config = SpeculativeConfig(num_lookahead=3, draft_form="as_given", compile=True)
+    rounds = record_rounds(
+        monkeypatch,
+        lambda: target.generate(
+            torch.tensor([[1, 17, 42, 5, 9]]), max_new_tokens=24, min_new_tokens=24, do_sample=do_sample,
+            pad_token_id=PAD, eos_token_id=2, draft_model=draft, speculative_config=config,
+        ),
+        extra=("__int__",),
+    )  # fmt: skip
+    assert len(rounds) > 3
+    for sites, _ in rounds:
+        # transformers' own: eager SDPA on a static cache asks whether the cache is empty (`q_offset == 0`, the
+        # write pointer) once per forward of several positions (the verification, and the draft's step that
+        # catches up on two committed tokens); traced code skips the question
+        asked = sites.pop(("masking_utils.py", "_ignore_causal_mask_sdpa"))
+        assert 1 <= asked <= 2 and sites == {("decoding.py", "commit"): 1}, sites

@@ -24,7 +24,9 @@ LAYERS = [
             "cache.linear_states",
             "cache.row_ops",
             "cache.checkpoints",
+            "cache.static_addresses",
             "cache.compiled",
+            "cache.runner",
             "cache.forwards",
             "cache.cached_model",
         ],
@@ -44,7 +46,7 @@ LAYERS = [
             "distributed",
         ],
     ),  # fmt: skip
-    ("choosing K and refusing", ["round_costs", "lookahead", "round_timer", "validation"]),
+    ("choosing K and refusing", ["round_costs", "lookahead", "round_timer", "graph_choice", "validation"]),
     (
         "prepared drafts",
         [

@@ -192,10 +192,10 @@ def test_sampling_static_power_check(monkeypatch):
     draft = arch_draft(target, seed=1, scale=0.6)
     original = row_ops.crop
 
-    def leaky_crop(cache, num_slots):
+    def leaky_crop(cache, num_slots, total=None):
         if row_ops.is_static(cache):
             return  # rejected slots stay in front of the next forward's
-        return original(cache, num_slots)
+        return original(cache, num_slots, total)
 
     monkeypatch.setattr(row_ops, "crop", leaky_crop)
     p_value = sampled_pvalue(

@@ -49,6 +49,7 @@ from . import linear_states, row_ops
 from .checkpoints import StateCheckpoints
 from .compiled import contiguous_attention, fresh_input, positions_to_keep
 from .forwards import Forwards
+from .runner import runner_for
 
 
 class CachedModel:
@@ -118,6 +119,7 @@ class CachedModel:
         self.fed = [cached] * batch
         self.forward_passes = 0
         self._cache_name = facts.cache_name or transformers_api.CACHE
+        self.runner_plan = forwards.runner if self.capacity is not None and self.states is None else None
 
     @property
     def slots(self) -> int:
@@ -208,6 +210,11 @@ class CachedModel:
         slots = slot_is_real.shape[1]
         device = self.input_device
         rows = slot_is_real.shape[0]
+        size = self.runner_plan.size_for(width) if self.runner_plan is not None and cache is self.cache else None
+        room = self.capacity if self.capacity is not None else 0
+        allocated = all(getattr(layer, "is_initialized", True) for layer in cache.layers)  # by a first, eager forward
+        if size is not None and slots + size - width <= room and allocated:
+            return self._run(size, columns, slot_is_real, num_logits)
         compiled = (
             self.compiled is not None
             and cache is self.cache
@@ -273,6 +280,21 @@ class CachedModel:
             logits = logits[:, :-1]
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
+
+    def _run(self, size: int, columns: Columns, slot_is_real: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """`_forward` through this cache's runner of `size` positions (`cache.runner.ForwardRunner`)."""
+        assert self.runner_plan is not None and self.capacity is not None
+        rows, device = slot_is_real.shape[0], self.input_device
+        runner = runner_for(
+            self.cache, self.model, rows, size, self.runner_plan.backend, self._cache_name,
+            self.facts.takes_position_ids, device,
+        )  # fmt: skip
+        input_ids = columns.input_ids.to(device)
+        if self.forwards.embeddable is not None:
+            input_ids = input_ids.masked_fill(input_ids >= self.forwards.embeddable, 0)
+        logits = runner.run(self.cache, input_ids, columns.position_ids, slot_is_real)
+        self.forward_passes += 1
+        return logits[:, -num_logits:].to(device=columns.input_ids.device)
 
     def warm_up(self) -> None:
         """Compile now what this call's forwards will run, so no round pays for it (`CompiledForward.ready_for`).
@@ -403,7 +425,7 @@ class CachedModel:
             self.states.restore(self.fed, keep, self._refeed_runner())
             self.refeed_passes += self.forward_passes - before
         if len(set(drops)) == 1:  # uniform: a crop (which also trims sliding-window layers back to their window)
-            row_ops.crop(self.cache, drops[0])
+            row_ops.crop(self.cache, drops[0], total=self.slots)  # no read of a static cache's pointer
             self.slot_is_real = self.slot_is_real[:, : self.slots - drops[0]]
             self.fed = list(keep)
             return
@@ -436,6 +458,7 @@ class CachedModel:
         taken.fed = [self.fed[row] for row in rows]
         taken.forward_passes = taken.refeed_passes = 0
         taken.compiled = None  # its few last forwards (a finished row's padding) would compile a new batch size
+        taken.runner_plan = None
         taken.states = StateCheckpoints(taken.cache) if self.states is not None else None
         taken.source = None  # its rows are no longer the buffer's: it is only fed forward, never rolled back
         return taken
@@ -482,7 +505,7 @@ class CachedModel:
         """Keep buffer positions ``0 .. keep[b] - 1`` of each row in its last `keep[b]` of `total` slots."""
         old_starts = [self.slots - fed for fed in self.fed]
         new_starts = [total - kept for kept in keep]
-        row_ops.realign(self.cache, old_starts, new_starts, keep, total, trim=trim)
+        row_ops.realign(self.cache, old_starts, new_starts, keep, total, trim=trim, old_total=self.slots)
         slots = torch.arange(total)[None, :]  # (1, total)
         new_starts_t = torch.tensor(new_starts)[:, None]
         source = (slots - new_starts_t + torch.tensor(old_starts)[:, None]).clamp(0, max(self.slots - 1, 0))

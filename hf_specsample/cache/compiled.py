@@ -38,7 +38,7 @@ from torch.fx.experimental import _config as fx_config
 from transformers import Cache, PreTrainedModel
 
 from ..kernels.small_rows import MAX_ROWS, SmallRowsLinear
-from . import row_ops
+from . import row_ops, static_addresses
 
 # Inductor options that make small-M GEMM fast on CPU: weights frozen and prepacked once, and the C++ GEMM template
 # autotuned against ATen's. Needs `torch.no_grad`/`inference_mode` (generate() runs under no_grad).
@@ -133,6 +133,11 @@ def _fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     )
 
 
+def fingerprint(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """What frozen compiled code must check before running: see `_fingerprint`."""
+    return _fingerprint(model)
+
+
 def _trampoline(model, kwargs):
     return model(**kwargs)
 
@@ -174,9 +179,8 @@ class CompiledForward:
         if self._stale(model):
             self._fresh(model)
         assert self._function is not None  # made by `_fresh`
-        if self.settings.freezes:
-            for value in kwargs.values():  # the cache, under whichever name the model's forward takes it
-                _unmark_static(value)
+        for value in kwargs.values():  # the cache, under whichever name the model's forward takes it
+            static_addresses.mark(value, self.settings.freezes)
         graphs = _captured_graphs()
         start = time.perf_counter()
         with (
@@ -242,21 +246,6 @@ def _no_duck_shapes(symbolic: bool):
         return contextlib.nullcontext()
     # torch declares `patch` (added at runtime by `install_config_module`) for inductor's config module, not fx's
     return fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
-
-
-def _unmark_static(cache: Any) -> None:
-    """Let frozen compiled code read the cache as an input, not as a constant.
-
-    `StaticLayer` marks its tensors with `torch._dynamo.mark_static_address` (for CUDA graphs). Under inductor's
-    `freezing`, marked tensors are frozen like weights: compiled code then reads the *first* call's cache in every
-    later call, a silently wrong result (torch 2.13; tested in `tests/test_compiled.py`). Without the mark they are
-    ordinary inputs.
-    """
-    for layer in getattr(cache, "layers", ()):
-        for name in ("keys", "values", "cumulative_length"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor) and hasattr(tensor, "_dynamo_static_input_type"):
-                del tensor._dynamo_static_input_type
 
 
 def _captured_graphs() -> int:

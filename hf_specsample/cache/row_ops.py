@@ -183,14 +183,18 @@ def _stored_after(layer, total: int) -> int:
     return total
 
 
-def crop(cache: Cache, num_slots: int) -> None:
+def crop(cache: Cache, num_slots: int, total: int | None = None) -> None:
     """`Cache.crop(-num_slots)` of every attention part (0: only trim sliding-window layers), refusing to drop what a
     layer no longer stores. Linear-attention parts are `cache.linear_states`' (a `Cache.crop` would crop them too).
+
+    `total`: the slots the cache holds, where the caller knows them: a static cache's write pointers are then set
+    without reading one (on CUDA a read waits for the device).
 
     A sliding-window layer that has trimmed itself to ``window - 1`` slots cannot give back older ones; `Cache.crop`
     would silently keep too few slots there.
     """
-    total = total_slots(cache)
+    if total is None:
+        total = total_slots(cache)
     if total == 0:  # nothing fed yet (transformers' sliding layers cannot even crop(0) before their first update)
         return
     layers = attention_layers(cache)
@@ -218,6 +222,7 @@ def realign(
     lengths: Sequence[int],
     total: int,
     trim: bool = True,
+    old_total: int | None = None,
 ) -> None:
     """Move each row's slots so that row ``b``'s slots ``old_starts[b] .. + lengths[b]`` land at ``new_starts[b]``.
 
@@ -231,8 +236,10 @@ def realign(
         cache: a cache of `SUPPORTED_LAYERS`.
         old_starts, new_starts, lengths: per row, where its slots begin now, where they begin after, how many.
         total: the number of slots after the move (``new_starts[b] + lengths[b] <= total``).
+        old_total: the number of slots before, where the caller knows it (else read from the cache: on CUDA a
+            static cache's pointer read waits for the device).
     """
-    old_total = total_slots(cache)
+    old_total = total_slots(cache) if old_total is None else old_total
     assert all(start + length <= total for start, length in zip(new_starts, lengths)), "rows must fit in the cache"
     for layer in attention_layers(cache):
         if not _holds_keys(layer):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
@@ -64,6 +64,7 @@ class DraftModelProposer(Proposer):
         do_sample: bool,
         generator: torch.Generator | None = None,
         inputs: DraftIdBuffer | None = None,
+        cache: Cache | None = None,
     ):
         """
         Args:
@@ -75,13 +76,15 @@ class DraftModelProposer(Proposer):
             do_sample: sample proposals (else argmax).
             generator: for the draft's samples.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
+            cache: an empty cache to draft on (the plan's static one, `DraftPlan.cache`); None: a new dynamic one.
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
         # With another tokenizer the draft's rows may have to drop positions confirmed in earlier rounds to even up
         # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
-        cache = DynamicCache() if inputs is not None else None
+        if inputs is not None:
+            cache = DynamicCache()
         self.runner = CachedModel(facts, reads.num_active, cache=cache, forwards=forwards, source=reads)
         reads.rows.attach(self.runner)
         self.int8 = facts.dynamic_int8

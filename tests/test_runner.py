@@ -1,0 +1,205 @@
+"""Runners (`cache/runner.py`): fixed-shape forwards through static buffers, padded, exact, on every backend the CPU
+has; and through the decoding loop (a static draft cache under `compile=True`, a target forced onto runners)."""
+
+import pytest
+import torch
+from exact import sampled_pvalue
+from tiny import PAD, perturbed_copy, tiny_lm, with_cache
+from transformers import StaticCache
+
+import hf_specsample.cache.compiled as compiled
+from hf_specsample import SpeculativeConfig, plan
+from hf_specsample.cache import row_ops
+from hf_specsample.cache.cached_model import CachedModel
+from hf_specsample.cache.forwards import Forwards
+from hf_specsample.cache.runner import ForwardRunner, RunnerBackend, RunnerPlan
+from hf_specsample.model_facts import ModelFacts
+from hf_specsample.transformers_api import CACHE
+
+PROMPT = torch.tensor([[1, 5, 2, 5], [3, 7, 2, 6]])
+CAPACITY = 16
+
+
+@pytest.fixture
+def light(monkeypatch):
+    """Frozen weights without max-autotune (seconds instead of minutes), as `tests/test_compiled.py`."""
+    monkeypatch.setattr(compiled, "CPU_INDUCTOR_OPTIONS", (("freezing", True),))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
+
+
+def prefilled(model) -> StaticCache:
+    cache = StaticCache(config=model.config, max_cache_len=CAPACITY)
+    mask = torch.zeros((2, CAPACITY), dtype=torch.long)
+    mask[:, :4] = 1
+    model(input_ids=PROMPT, attention_mask=mask, **with_cache(cache))
+    return cache
+
+
+def runner(model, cache, width=4, backend=RunnerBackend.EAGER) -> ForwardRunner:
+    return ForwardRunner(model, CAPACITY, 2, width, backend, CACHE, True, torch.device("cpu"))
+
+
+def unpadded(model, cache, ids, slots) -> torch.Tensor:
+    """The plain eager forward of `ids` after `slots - width` slots, masked over every slot."""
+    mask = torch.zeros((2, CAPACITY), dtype=torch.long)
+    mask[:, :slots] = 1
+    width = ids.shape[1]
+    positions = torch.arange(slots - width, slots).repeat(2, 1)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache)).logits.float()
+
+
+@torch.no_grad()
+def test_padded_verification_equals_unpadded_at_valid_positions(model):
+    padded_cache, plain_cache = prefilled(model), prefilled(model)
+    run = runner(model, padded_cache)
+    for width in (1, 2, 3, 4):
+        slots = row_ops.total_slots(plain_cache) + width
+        ids = torch.randint(0, 16, (2, width), generator=torch.Generator().manual_seed(width))
+        positions = torch.arange(slots - width, slots).repeat(2, 1)
+        logits = run.run(padded_cache, ids, positions, torch.ones((2, slots), dtype=torch.bool))
+        expected = unpadded(model, plain_cache, ids, slots)
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)  # rounding of a longer GEMM
+        assert row_ops.total_slots(padded_cache) == slots, "the padded positions are rolled back by position"
+        for padded_layer, plain_layer in zip(padded_cache.layers, plain_cache.layers):
+            torch.testing.assert_close(
+                padded_layer.keys[:, :, :slots], plain_layer.keys[:, :, :slots], rtol=1e-4, atol=1e-4
+            )
+
+
+@torch.no_grad()
+def test_a_second_run_leaves_the_first_outputs_and_the_buffers_in_place(model):
+    cache = prefilled(model)
+    run = runner(model, cache)
+    buffers = [tensor.data_ptr() for tensor in (run.input_ids, run.position_ids, run.attention_mask)]
+    keys = [layer.keys.data_ptr() for layer in cache.layers]
+    first = run.run(
+        cache, torch.tensor([[1, 2], [3, 4]]), torch.tensor([[4, 5], [4, 5]]), torch.ones((2, 6), dtype=bool)
+    )
+    kept = first.clone()
+    row_ops.crop(cache, 2)
+    second = run.run(
+        cache, torch.tensor([[9, 8, 7], [6, 5, 4]]), torch.tensor([[4, 5, 6]] * 2), torch.ones((2, 7), dtype=bool)
+    )
+    assert torch.equal(first, kept) and not torch.equal(first, second[:, :2])
+    assert [tensor.data_ptr() for tensor in (run.input_ids, run.position_ids, run.attention_mask)] == buffers
+    assert [layer.keys.data_ptr() for layer in cache.layers] == keys
+
+
+def test_a_hand_captured_graph_needs_cuda(model):
+    with pytest.raises(ValueError, match="CUDA device"):
+        runner(model, prefilled(model), backend=RunnerBackend.CUDA_GRAPH)
+
+
+def test_runner_sizes():
+    sizes = RunnerPlan(RunnerBackend.EAGER, (1, 2, 5))
+    assert [sizes.size_for(width) for width in (1, 2, 3, 5, 6)] == [1, 2, 5, 5, None]
+
+
+def target_on_runners(monkeypatch, backend: RunnerBackend):
+    """The plan's target forwards, compile=True, with every round on one runner of the largest round's size."""
+    original = plan._target_forwards
+
+    def forwards(inputs, target, kernel, largest):
+        cache, chosen, description, pooled = original(inputs, target, kernel, largest)
+        runner_plan = RunnerPlan(backend, (largest,))
+        return cache, Forwards(kernel=chosen.kernel, runner=runner_plan, largest_round=largest), description, pooled
+
+    monkeypatch.setattr(plan, "_target_forwards", forwards)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
+    return target, perturbed_copy(target, seed=1, scale=0.3)
+
+
+def counted_runs(monkeypatch) -> list[tuple[int, int]]:
+    shapes = []
+    original = ForwardRunner.run
+
+    def run(self, cache, input_ids, position_ids, slot_is_real):
+        shapes.append((self.width, input_ids.shape[1]))
+        return original(self, cache, input_ids, position_ids, slot_is_real)
+
+    monkeypatch.setattr(ForwardRunner, "run", run)
+    return shapes
+
+
+COMPILE = SpeculativeConfig(compile=True, num_lookahead=3)
+
+
+@torch.no_grad()
+def test_eager_runners_greedy_equal_plain_on_a_ragged_batch(monkeypatch, pair):
+    """Both models' rounds through eager runners: the draft's steps (its static cache under compile=True) and the
+    target's verification padded to the largest round."""
+    target, draft = pair
+    target_on_runners(monkeypatch, RunnerBackend.EAGER)
+    shapes = counted_runs(monkeypatch)
+    prompt = torch.tensor([[1, 5, 2, 5, 3], [PAD, PAD, 3, 7, 2]])
+    mask = (prompt != PAD).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, do_sample=False)
+    out = target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs)
+    assert out.tolist() == target.generate(prompt, **kwargs).tolist()
+    largest = max(width for width, _ in shapes)
+    assert any(valid < width == largest for width, valid in shapes), "rounds shorter than the largest, padded"
+    assert {width for width, _ in shapes} >= {1, largest}, "the draft's steps and the target's rounds"
+
+
+@torch.no_grad()
+def test_eager_runners_sample_exactly(monkeypatch, pair):
+    target, draft = pair
+    target_on_runners(monkeypatch, RunnerBackend.EAGER)
+    config = SpeculativeConfig(compile=True, num_lookahead=2)
+    settings = dict(temperature=0.9, top_k=5)
+    p_value = sampled_pvalue(target, PROMPT[:1], 3, 3000, seed=7, settings=settings, draft_model=draft,
+                             speculative_config=config)  # fmt: skip
+    assert p_value > 1e-3
+
+
+@torch.no_grad()
+def test_compiled_runners_compile_whole_graphs_once(monkeypatch, light, pair):
+    """fullgraph=True, dynamic=False: no graph break, and no recompilation after the first run of each runner over a
+    whole call with ragged rows (`error_on_recompile`; a row that retires makes a runner of fewer rows, its own first
+    compilation); greedy output is plain's."""
+    target, draft = pair
+    target_on_runners(monkeypatch, RunnerBackend.COMPILED)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    prompt = torch.tensor([[1, 5, 2, 5, 3], [PAD, PAD, 3, 7, 2]])
+    mask = (prompt != PAD).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=PAD, do_sample=False)
+    out = target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs)
+    assert out.tolist() == target.generate(prompt, **kwargs).tolist()
+
+
+def test_the_cached_model_only_runs_a_static_cache_on_runners(model):
+    facts = ModelFacts.of(model)
+    plan_ = Forwards(runner=RunnerPlan(RunnerBackend.EAGER, (2,)))
+    assert CachedModel(facts, 1, forwards=plan_).runner_plan is None  # a dynamic cache
+    static = CachedModel(facts, 1, cache=StaticCache(config=model.config, max_cache_len=8), forwards=plan_)
+    assert static.runner_plan is not None
+
+
+@torch.no_grad()
+def test_runners_are_kept_with_the_cache_for_the_next_call(monkeypatch, pair):
+    """A second call gets the first call's caches back (`static_addresses.POOL`) and with them the same runners
+    (the same buffers: a captured graph is not recorded again)."""
+    target, draft = pair
+    target_on_runners(monkeypatch, RunnerBackend.EAGER)
+    calls: list[list[ForwardRunner]] = [[], []]
+    original = ForwardRunner.run
+
+    def run(self, cache, *args):
+        calls[-1].append(self)
+        return original(self, cache, *args)
+
+    monkeypatch.setattr(ForwardRunner, "run", run)
+    kwargs = dict(max_new_tokens=10, pad_token_id=PAD, do_sample=False, draft_model=draft, speculative_config=COMPILE)
+    target.generate(PROMPT[:1], **kwargs)
+    first, calls[:] = calls[0] + calls[1], [[]]
+    target.generate(PROMPT[:1], **kwargs)
+    assert calls[0] and all(any(runner is kept for kept in first) for runner in calls[0])
