@@ -73,6 +73,7 @@ def exactness_checks(device: torch.device) -> list[tuple[str, str]]:
 
 
 def second_turn(target, draft, config, device: torch.device) -> str:
+    from hf_specsample.transformers_api import CACHE
     from hf_specsample_bench.tiny import PAD_ID
 
     prompt = torch.tensor([[1, 5, 2, 5]], device=device)
@@ -80,7 +81,7 @@ def second_turn(target, draft, config, device: torch.device) -> str:
     plain = target.generate(prompt, **kwargs)
     ours = target.generate(prompt, draft_model=draft, speculative_config=config, **kwargs)
     turn = torch.tensor([[11, 12, 13]], device=device)
-    cache_name = "cache" if hasattr(plain, "cache") else "past_key_values"
+    cache_name = CACHE
     again = {"max_new_tokens": 10, "pad_token_id": PAD_ID, "do_sample": False}
     plain_2 = target.generate(torch.cat([plain.sequences, turn], 1), **{cache_name: getattr(plain, cache_name)},
                               **again)  # fmt: skip

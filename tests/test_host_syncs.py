@@ -148,8 +148,8 @@ def test_static_caches_on_runners_sync_once_per_round(pair, monkeypatch, do_samp
     target, draft = pair
     original = plan._target_forwards
 
-    def forwards(inputs, facts, kernel, largest):
-        cache, chosen, description, pooled = original(inputs, facts, kernel, largest)
+    def forwards(inputs, facts, kernel, largest, graphs=None):
+        cache, chosen, description, pooled = original(inputs, facts, kernel, largest, graphs)
         runner = RunnerPlan(RunnerBackend.EAGER, (largest,))
         return cache, Forwards(kernel=chosen.kernel, runner=runner, largest_round=largest), description, pooled
 

@@ -104,8 +104,8 @@ def target_on_runners(monkeypatch, backend: RunnerBackend):
     """The plan's target forwards, compile=True, with every round on one runner of the largest round's size."""
     original = plan._target_forwards
 
-    def forwards(inputs, target, kernel, largest):
-        cache, chosen, description, pooled = original(inputs, target, kernel, largest)
+    def forwards(inputs, target, kernel, largest, graphs=None):
+        cache, chosen, description, pooled = original(inputs, target, kernel, largest, graphs)
         runner_plan = RunnerPlan(backend, (largest,))
         return cache, Forwards(kernel=chosen.kernel, runner=runner_plan, largest_round=largest), description, pooled
 
