@@ -112,15 +112,21 @@ class SpeculativeDecoder:
         self.stats.graphs = plan.graphs
         self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         self.model_drafter = self.draft_proposer() if draft is not None else None
-        # without a draft model the plan looks up n-grams (`plan_call` sets their size)
-        self.drafter: Proposer = self.model_drafter or PromptLookupProposer(cast(int, plan.lookup))
-        if self.model_drafter is not None and plan.lookup is not None:  # n-gram continuations first, the model else
-            self.drafter = LookupThenModelProposer(self.model_drafter, PromptLookupProposer(plan.lookup))
+        self.drafter = self.proposer(plan.lookup)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, inputs.batch_size)
         rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
         self.verifier = RoundVerifier(self.processor, self.do_sample, rule, self.generator, self.recorder.keep_scores)
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
+
+    def proposer(self, ngram: int | None) -> Proposer:
+        """The round's drafter: the draft model, n-gram lookup of up to `ngram` tokens (without a draft model the plan
+        always sets it), or both (n-gram continuations first, the model else)."""
+        if self.model_drafter is None:
+            return PromptLookupProposer(cast(int, ngram))
+        if ngram is None:
+            return self.model_drafter
+        return LookupThenModelProposer(self.model_drafter, PromptLookupProposer(ngram))
 
     def draft_proposer(self) -> DraftModelProposer:
         """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""

@@ -351,12 +351,11 @@ def round_split(target, input_ids: torch.Tensor, generate_kwargs: dict[str, Any]
         stack.enter_context(clock.method(SpeculativeDecoder, "round", "round"))
         stack.enter_context(clock.method(DraftModelProposer, "get_candidates", "draft"))
         stack.enter_context(clock.method(SpeculativeDecoder, "verify", "verify"))
-        stack.enter_context(clock.method(SpeculativeDecoder, "accept", "accept"))
         stack.enter_context(clock.method(CachedModel, "_forward", "forward"))  # each model forward of either model
         out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **generate_kwargs)
     totals = clock.totals
-    processing = totals["verify"] - totals["target"] + totals["accept"]
-    rest = totals["round"] - totals["draft"] - totals["verify"] - totals["accept"]
+    processing = totals["verify"] - totals["target"]  # `verify` scores the round and judges it (`RoundVerifier`)
+    rest = totals["round"] - totals["draft"] - totals["verify"]
     rounds = out.speculative_stats.rounds
     return RoundSplit(rounds, totals["draft"], totals["draft_forwards"], totals["target"], processing, rest)
 

@@ -28,6 +28,7 @@ LAYERS = [
             "cache.compiled",
             "cache.runner",
             "cache.forwards",
+            "cache.step_warm_up",
             "cache.cached_model",
         ],
     ),  # fmt: skip

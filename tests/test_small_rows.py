@@ -588,14 +588,14 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     from hf_specsample import DraftForm as Form
     from hf_specsample.prepare import auto, prepared_draft
 
-    forms = {Form.NONE: 0.030, Form.INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
+    forms = {Form.AS_GIVEN: 0.030, Form.DYNAMIC_INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
     monkeypatch.setattr(prepared_draft, "compact_forms", lambda model: {
-        form: (lambda model: model) for form in forms if form is not Form.NONE
+        form: (lambda model: model) for form in forms if form is not Form.AS_GIVEN
     })  # fmt: skip
     monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan: auto.FormTimings(
         {form: forms[form] for form in made}, 0.15
     ))  # fmt: skip
-    rates = {Form.NONE: 0.9, Form.INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
+    rates = {Form.AS_GIVEN: 0.9, Form.DYNAMIC_INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
     monkeypatch.setattr(auto, "acceptance", lambda target, drafts, *args: list(rates.values()))
     target, draft = bf16_pair()
     prepared = prepare_draft(draft, target, calibration=torch.arange(32) % 16)

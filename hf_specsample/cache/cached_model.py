@@ -50,6 +50,7 @@ from .checkpoints import StateCheckpoints
 from .compiled import contiguous_attention, fresh_input, positions_to_keep
 from .forwards import Forwards
 from .runner import runner_for
+from .step_warm_up import warm_step
 
 
 class CachedModel:
@@ -320,41 +321,10 @@ class CachedModel:
             self.compiled.warm(rows)
 
     def warm_step(self) -> None:
-        """Compile the single-position step now, on a throwaway cache like this one, so that no round pays for it.
-
-        Two positions of id 0 eagerly, then single positions through `step` (the keys made contiguous first, as
-        `_forward` does: dynamo guards on their strides); with several rows also with an attention mask (rows that
-        commit different counts leave masked slots: a mask is another graph), and with one only where this call's
-        slots are masked already. This cache is not touched.
-        """
-        if self.step is None:
-            return
-        rows, device = self.slot_is_real.shape[0], self.input_device
-        masked_now = not bool(self.slot_is_real.all())
-        for masked in (True,) if masked_now else (False, True) if rows > 1 else (False,):
-            # made as this cache was (dynamo guards on how a cache makes its layers): from the config, or layer by
-            # layer as it grows (a draft with another tokenizer keeps full layers: `DynamicCache()`)
-            grown = getattr(self.cache, "layer_class_to_replicate", None) is not None
-            scratch = DynamicCache() if grown else DynamicCache(config=self.model.config)
-            scratch.activate_past_recording()  # as this cache records (sliding windows): one code path, one graph
-            kwargs = {self._cache_name: scratch, "use_cache": True}
-            first = (
-                {"position_ids": torch.arange(2, device=device).repeat(rows, 1)}
-                if self.facts.takes_position_ids
-                else {}
-            )
-            self.model(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs, **first)
-            then: dict[str, Any] = (
-                {"position_ids": torch.full((rows, 1), 2, device=device)} if self.facts.takes_position_ids else {}
-            )
-            if self.facts.takes_logits_to_keep:
-                then["logits_to_keep"] = 1
-            contiguous_attention(scratch)  # as `_forward` hands every step its keys: one layout, one graph
-            if masked:
-                then["attention_mask"] = torch.ones((rows, 3), dtype=torch.long, device=device)
-            self.step(input_ids=torch.zeros((rows, 1), dtype=torch.long, device=device), **kwargs, **then)
-        self.step.warm(rows)  # steps of this many rows (one, or several) run compiled; a batch that shrinks to one
-        # row finishes eagerly rather than compile again in the middle of a call (as the target's compiled forward)
+        """Compile the single-position step now, on a throwaway cache like this one (`step_warm_up.warm_step`)."""
+        if self.step is not None:
+            rows, masked = self.slot_is_real.shape[0], not bool(self.slot_is_real.all())
+            warm_step(self.step, self.model, self.cache, self.facts, self._cache_name, rows, masked, self.input_device)
 
     def _dummy_forward(self, forward, rows: int) -> None:
         """Two positions of id 0 after the write pointer, then the pointer moves back."""
