@@ -50,7 +50,7 @@ class CallInputs:
         max_ngram: transformers' `max_matching_ngram_size` (the longest n-gram looked up), or None.
         tokenizers: (target tokenizer, draft tokenizer) as the caller gave them (`tokenizer=`, `draft_tokenizer=` /
             `assistant_tokenizer=`), or None; when their vocabularies differ, the draft reads its own ids and drafts
-            over the tokens both share (`proposers.cross_vocab`), which the plan decides.
+            over the tokens both share (`proposers.cross_tokenizer`), which the plan decides.
     """
 
     model: PreTrainedModel

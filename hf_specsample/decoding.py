@@ -20,7 +20,7 @@ from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .plan import CallPlan, plan_call, resolve_inputs
 from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal, Proposer
-from .proposers.cross_vocab import DraftIdBuffer, TextBridge
+from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
 from .round_costs import RoundRecord
@@ -112,7 +112,7 @@ class SpeculativeDecoder:
         self.stats.graphs = plan.graphs
         self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         self.model_drafter = self.draft_proposer() if draft is not None else None
-        self.drafter = self.proposer(plan.lookup)
+        self.drafter = self.proposer(plan.max_ngram)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.recorder = OutputRecorder(generation_config, inputs.batch_size)
         rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
@@ -191,10 +191,10 @@ class SpeculativeDecoder:
             self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
-        width = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        tested = sum(accepted + int(accepted < width) for accepted in num_accepted)
+        lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
+        tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
         record = RoundRecord(
-            width, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill,
+            lookahead, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill,
             refeed_forwards=self.target.refeed_passes - refeeds,
         )  # fmt: skip
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
@@ -245,8 +245,8 @@ class SpeculativeDecoder:
         num_accepted = [row[0] for row in values]
         _raise_if_nonfinite(num_accepted)
         seqs.write(verdict.num_accepted, verdict.next_tokens)
-        width = proposal.tokens.shape[1]
-        flags = None if eos_flags is None else [row[1 : width + 2] for row in values]
+        lookahead = proposal.tokens.shape[1]
+        flags = None if eos_flags is None else [row[1 : lookahead + 2] for row in values]
         callers, candidates = seqs.rows.callers(), self.stops.candidates(num_accepted)
         # recorded before the criteria run, which read the scores so far as plain's do; `keep` drops those past a stop
         self.recorder.record(callers, candidates, scores, raw_logits)
@@ -257,19 +257,19 @@ class SpeculativeDecoder:
         self.recorder.keep(callers, candidates, counts)
 
         if self.streamer is not None:  # token by token, `(1,)` each, as plain `generate()` streams them
-            tokens = values[0][-(width + 1) :]  # row 0's drafts, then its next token
+            tokens = values[0][-(lookahead + 1) :]  # row 0's drafts, then its next token
             for token in (tokens[: num_accepted[0]] + [tokens[-1]])[: counts[0]]:
                 self.streamer.put(torch.tensor([token]))
         self.stats.record_round(callers, proposal.tokens.shape[1], num_accepted, counts)
 
         seqs.advance(counts)
-        self.target.keep_confirmed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
+        self.target.rollback_to_committed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
         done = [stop is not None for stop in stops]
         if self.keep_cache:
             self.keep_finished_caches(done)
-        seqs.retire(done)  # drops finished rows from the buffer and from both caches
+        seqs.drop_finished(done)  # drops finished rows from the buffer and from both caches
         if seqs.num_active:
-            self.drafter.keep_confirmed(seqs.lengths)
+            self.drafter.rollback_to_committed(seqs.lengths)
         return num_accepted
 
     def caller_view(self, length: int, ends: dict[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
@@ -290,7 +290,7 @@ class SpeculativeDecoder:
             self.finished_caches[self.sequences.rows.caller(0)] = self.target
             return
         for row in rows:
-            self.finished_caches[self.sequences.rows.caller(row)] = self.target.take_rows([row])
+            self.finished_caches[self.sequences.rows.caller(row)] = self.target.copy_rows([row])
 
     def plain_cache(self, sequences: torch.Tensor):
         """The cache plain `generate()` would return with these sequences, in the cache object it was given.

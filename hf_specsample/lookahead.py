@@ -27,7 +27,7 @@ either. Choosing K from past rounds never biases the output: each round is exact
 
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
 made for `generate()`, by `make_policy`), it asks the policy before every round and caps its choice (room left
-before `max_length`, the first round of a prompt ending in padding, the width of a lookup round), handing the
+before `max_length`, the first round of a prompt ending in padding, the lookahead of a lookup round), handing the
 drafter `DraftBudget`; `largest_round` says how large its rounds get, for what is compiled ahead.
 """
 
@@ -230,7 +230,7 @@ class RoundLookahead:
       position can come from an attention row with every key masked (a sliding window over padding), which
       eager/SDPA attention fills by averaging over every key of the forward, so the target's first forward must
       cover exactly the prompt, as plain decoding's does;
-    - lookup width: drafting by lookup alone, the policy's K (its `max_lookahead` widened to N at construction);
+    - lookup lookahead: drafting by lookup alone, the policy's K (its `max_lookahead` widened to N at construction);
       with a model draft and N, a round one row drafts by lookup alone may be ``max(K, N)`` wide.
 
     `observe` passes each round's record to the policy, except a lookup round of a model draft, which says nothing
@@ -250,7 +250,7 @@ class RoundLookahead:
             policy: chooses K (a fresh one per call).
             max_length: `generate()`'s max_length.
             prompt_ends_in_padding: some row's prompt ends in padding: the first round drafts nothing.
-            lookup_tokens: N (`prompt_lookup_num_tokens`) with a model draft: the width of a lookup round; None: no
+            lookup_tokens: N (`prompt_lookup_num_tokens`) with a model draft: the lookahead of a lookup round; None: no
                 lookup.
             lookup_only: drafting by lookup alone (`draft_model="prompt_lookup"`): lookup rounds are K wide.
         """
@@ -309,21 +309,21 @@ class RoundLookahead:
         """
         first_round, self._first_round = self._first_round, False
         if first_round and self.prompt_ends_in_padding:
-            return DraftBudget(model=0, lookup=0)
+            return DraftBudget(lookahead=0, lookup_lookahead=0)
         room = self.max_length - max(lengths) - 1
         lookahead = max(0, min(self.policy.choose(), room))
         if self.lookup_only:
-            return DraftBudget(model=lookahead, lookup=lookahead)
+            return DraftBudget(lookahead=lookahead, lookup_lookahead=lookahead)
         if self.lookup_tokens is None:
-            return DraftBudget(model=lookahead, lookup=0)
-        return DraftBudget(model=lookahead, lookup=max(0, min(max(lookahead, self.lookup_tokens), room)))
+            return DraftBudget(lookahead=lookahead, lookup_lookahead=0)
+        return DraftBudget(lookahead=lookahead, lookup_lookahead=max(0, min(max(lookahead, self.lookup_tokens), room)))
 
     def observe(self, record: RoundRecord, model_steps: int) -> None:
         """Let the policy learn from a finished round.
 
         Args:
-            record: the round's width (the proposal's), acceptance and durations.
-            model_steps: draft-model forwards of the round's proposal (0 and a nonzero width: a lookup round).
+            record: the round's lookahead (the proposal's), acceptance and durations.
+            model_steps: draft-model forwards of the round's proposal (0 and a nonzero lookahead: a lookup round).
         """
         if record.lookahead > 0 and model_steps == 0 and not self.lookup_only:
             return  # a lookup round of a model draft says nothing about the model's acceptance or cost

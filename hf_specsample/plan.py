@@ -10,9 +10,9 @@ the order `plan_call` runs them:
    vocabulary?), a hybrid draft with another tokenizer, the generation mode and flags, the prompt-lookup options,
    the inputs, the target's static cache or compilation, the stopping criteria, the logits processors, options a
    draft-free call cannot use, a draft that `compile_draft` cannot compile, and `linear_kernel="on"` where the kernel
-   cannot serve the target (its plan is made here: `kernels.plan.KernelPlan`);
+   cannot serve the target (its routing is made here: `kernels.routing.KernelRouting`);
 4. the decisions: the prepared draft (AUTO's timings and calibration forwards, the first forwards of the call) and,
-   for a tensor-parallel target, that every rank runs the same one; the draft's facts, kernel plan, compiled step,
+   for a tensor-parallel target, that every rank runs the same one; the draft's facts, kernel routing, compiled step,
    vocabulary and the tokenizers it reads; the target's cache and compiled forward; the rounds' K owner
    (`lookahead.RoundLookahead`); whether the call returns a cache.
 
@@ -34,7 +34,7 @@ from .cache.forwards import Forwards
 from .cache.runner import RunnerBackend, RunnerPlan
 from .call_inputs import CallInputs
 from .graph_choice import choose_graphs
-from .kernels.plan import KernelPlan
+from .kernels.routing import KernelRouting
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
@@ -42,7 +42,7 @@ from .options import DraftForm, LinearKernel, SpeculativeConfig
 from .prepare.implicit import draft_for_call
 from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from .prepare.vocabulary import special_token_ids
-from .proposers.cross_vocab import SharedVocabulary, shared_vocabulary
+from .proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from .proposers.draft_model import DraftVocabulary
 from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM
 from .round_costs import weight_bytes_ratio
@@ -60,9 +60,9 @@ class DraftPlan:
     Attributes:
         prepared: the `PreparedDraft` it runs (the caller's, or the implicit one).
         facts: the facts of the model that drafts (`prepared.model`).
-        forwards: how its forwards run (kernel plan, prompts on its float original, compiled steps, embeddable ids).
+        forwards: how its forwards run (kernel routing, prompts on its float original, compiled steps, embeddable ids).
         vocabulary: which target ids its logits stand for.
-        shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_vocab`); else None.
+        shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_tokenizer`); else None.
         tokenizers: with another tokenizer, (the target's, the draft's); else None.
         description: what drafts, for `SpeculativeStats.draft_form`.
         cache: the draft's static cache (`compile=True`: allocated once at the call's final size, see
@@ -87,9 +87,9 @@ class CallPlan:
         inputs: what `generate()` handed over (`CallInputs`).
         target: the target's facts.
         cache: the target's cache (the caller's, made static, or None: a new dynamic one).
-        forwards: how the target's forwards run (kernel plan, compiled forward and the rounds it serves).
+        forwards: how the target's forwards run (kernel routing, compiled forward and the rounds it serves).
         draft: the draft model, or None (`draft_model="prompt_lookup"`: n-gram continuations alone).
-        lookup: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
+        max_ngram: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
             draft), the longest n-gram looked up; None: no lookup.
         generator: the generator every draw uses (rank 0's for a tensor-parallel target).
         clock_free: no decision depends on the clock (a generator was given, or ranks must agree).
@@ -107,7 +107,7 @@ class CallPlan:
     cache: Any
     forwards: Forwards
     draft: DraftPlan | None
-    lookup: int | None
+    max_ngram: int | None
     generator: torch.Generator | None
     clock_free: bool
     lookahead: RoundLookahead
@@ -134,10 +134,10 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         generator = distributed.shared_generator(generator, inputs.input_ids.device)
     # No choice below may depend on the clock where a seeded call must repeat in any process, or ranks agree.
     clock_free = inputs.generator is not None or target.tensor_parallel
-    # The target's kernel plan: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
+    # The target's kernel routing: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
-    kernel = KernelPlan.for_model(target, cast(LinearKernel, config.linear_kernel), clock_free, Role.TARGET)
+    kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), clock_free, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
     graphs = choose_graphs(target.input_device, config.compile, None)
@@ -150,7 +150,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
     # A sampled text depends on K (a drafted and a bonus position use the randomness differently), so a sampling
-    # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel plans and AUTO's
+    # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel routings and AUTO's
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
     lookahead = RoundLookahead.for_call(
@@ -165,11 +165,11 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     wanted = bool(inputs.generation_config.return_dict_in_generate) or inputs.caller_cache or cached > 0
     keep_cache = wanted and model_kwargs.get("use_cache") is not False
     if draft_plan is not None:
-        assert draft_plan.forwards.kernel is not None  # a draft's forwards always have a kernel plan
+        assert draft_plan.forwards.kernel is not None  # a draft's forwards always have a kernel routing
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
-    lookup = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
+    max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
-        inputs, target, cache, forwards, draft_plan, lookup, generator, clock_free, lookahead, keep_cache,
+        inputs, target, cache, forwards, draft_plan, max_ngram, generator, clock_free, lookahead, keep_cache,
         kernel_description, graphs.reason, pooled,
     )  # fmt: skip
 
@@ -205,7 +205,7 @@ def _draft_plan(
     spec: DraftSpec,
     target: ModelFacts,
     draft: ModelFacts | None,
-    target_kernel: KernelPlan,
+    target_kernel: KernelRouting,
     clock_free: bool,
     tokenizers: tuple[Any, Any] | None,
     largest: int,
@@ -213,12 +213,12 @@ def _draft_plan(
 ) -> DraftPlan:
     """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
     config = inputs.config
-    auto_plan = target_kernel if config.linear_kernel is LinearKernel.AUTO else None
-    auto_plan = auto_plan or KernelPlan.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
+    auto_routing = target_kernel if config.linear_kernel is LinearKernel.AUTO else None
+    auto_routing = auto_routing or KernelRouting.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
     prepared = draft_for_call(
         spec, target, draft, cast(DraftForm, config.draft_form), config.draft_vocabulary,
         special_token_ids(inputs.generation_config),
-        auto_plan, other_tokenizer=tokenizers is not None, clock_free=clock_free,
+        auto_routing, other_tokenizer=tokenizers is not None, clock_free=clock_free,
         calibration=_calibration(inputs.input_ids, inputs.model_kwargs.get("attention_mask")),
     )  # fmt: skip
     if target.tensor_parallel:
@@ -226,11 +226,11 @@ def _draft_plan(
     same_config = draft if draft is not None else target
     facts = same_config if prepared.model is same_config.model else ModelFacts.of(prepared.model, same_config)
     if prepared.form is DraftForm.INT8_WEIGHTS:  # its own layers run the kernel's int8 path
-        kernel = KernelPlan.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
+        kernel = KernelRouting.off(f"int8 weights on the kernel's {best_path(torch.int8)} path")
     elif prepared.form is DraftForm.INT4_WEIGHTS:
-        kernel = KernelPlan.off(f"int4 weights on the kernel's {best_path(torch.uint8)} path (LM head int8)")
+        kernel = KernelRouting.off(f"int4 weights on the kernel's {best_path(torch.uint8)} path (LM head int8)")
     else:
-        kernel = KernelPlan.for_model(facts, cast(LinearKernel, config.linear_kernel), clock_free, Role.DRAFT)
+        kernel = KernelRouting.for_model(facts, cast(LinearKernel, config.linear_kernel), clock_free, Role.DRAFT)
     description = prepared.description
     step = None
     if config.compile_draft and prepared.form is DraftForm.DYNAMIC_INT8:
@@ -277,7 +277,7 @@ def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> A
 
 def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
     """The tokens both tokenizers share: the prepared draft's where it holds these very tokenizers' (built by
-    `prepare_draft`), else looked up (`proposers.cross_vocab.shared_vocabulary`, cached per tokenizer pair)."""
+    `prepare_draft`), else looked up (`proposers.cross_tokenizer.shared_vocabulary`, cached per tokenizer pair)."""
     if prepared.shared_vocabulary is not None and same_tokenizers(tokenizers, prepared.tokenizers):
         shared = prepared.shared_vocabulary
     else:
@@ -291,7 +291,7 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
 
 
 def _target_forwards(
-    inputs: CallInputs, target: ModelFacts, kernel: KernelPlan, largest: int, graphs: RunnerBackend | None = None
+    inputs: CallInputs, target: ModelFacts, kernel: KernelRouting, largest: int, graphs: RunnerBackend | None = None
 ) -> tuple[Any, Forwards, str, bool]:
     """The target's cache, how its forwards run, what ran its linears (for the statistics), and whether its cache
     was made for this call under `compile=True` (`CallPlan.pooled`).
@@ -363,13 +363,13 @@ def _target_cache(
     return cache, compiled_forward(target.model, settings), pooled
 
 
-def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, largest: int) -> bool:
+def _kernel_in_graph(routing: KernelRouting, choice: LinearKernel, batch: int, largest: int) -> bool:
     """Whether `compile=True` compiles the target with its round-size linears on the small-rows kernel.
 
-    Under "on", always (`KernelPlan.for_model` refused it first where the kernel cannot serve the target). Under
-    "auto", where the model's plan serves every forward a round of this batch runs (`batch` rows times 2 ..
+    Under "on", always (`KernelRouting.for_model` refused it first where the kernel cannot serve the target). Under
+    "auto", where the model's routing serves every forward a round of this batch runs (`batch` rows times 2 ..
     `largest` positions: a one-position round runs as two in compiled code), all within the kernel's `MAX_ROWS`:
-    the plan's timing on the model's own weights (eager `F.linear` against the kernel) decides, on the machine at
+    the routing's timing on the model's own weights (eager `F.linear` against the kernel) decides, on the machine at
     hand. Elsewhere inductor's GEMM serves every forward (a batch whose rounds the kernel cannot all serve would
     otherwise run its larger rounds eagerly).
     """
@@ -377,7 +377,7 @@ def _kernel_in_graph(plan: KernelPlan, choice: LinearKernel, batch: int, largest
         return True
     if choice is LinearKernel.OFF or batch * largest > MAX_ROWS:
         return False
-    return all(plan.serves(batch * size) for size in range(2, largest + 1))
+    return all(routing.serves(batch * size) for size in range(2, largest + 1))
 
 
 def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
 """What a round costs and yields, and the cost models the adaptive lookahead learns (`lookahead.AdaptiveLookahead`).
 
-- `RoundRecord`: one round's width, acceptance and durations, handed to the policy after the round.
+- `RoundRecord`: one round's lookahead, acceptance and durations, handed to the policy after the round.
 - `MeasuredCosts`: d (a draft step) and v(K) (the rest of a round verifying K draft tokens) on the wall clock.
 - `StaticCosts`: the same without a clock, from weight sizes (`weight_bytes_ratio`: decoding a token reads every
   weight once), for calls whose K must repeat (a seeded call, tensor-parallel ranks).

@@ -53,7 +53,7 @@ class RowBook:
         """The caller rows of the active `rows` (default: of every active row, in active order)."""
         return list(self.active) if rows is None else [self.active[row] for row in rows]
 
-    def select(self, rows: Sequence[int]) -> None:
+    def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` (indices into the active rows), here and in every member.
 
         Keeping none ends the call: the members are not asked (a cache cannot keep zero rows), and the book only

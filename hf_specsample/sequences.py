@@ -36,7 +36,8 @@ class Sequences:
     Row ``b`` of `tokens` holds its prompt exactly as `generate()` received it (padding included, on either side),
     its committed tokens up to ``lengths[b]``, and during a round the draft tokens after that. Only active rows are
     kept in `tokens`; the row book `rows` maps them back to the caller's batch. The buffer is a member of its book, as
-    are the models' caches (`rows.attach`), so `retire` drops finished rows from the buffer and every cache at once.
+    are the models' caches (`rows.attach`), so `drop_finished` drops finished rows from the buffer and every cache at
+    once.
 
     Positions follow `generate()`: the prompt's are `generate()`'s own `position_ids` (from the attention mask:
     padding gets 0, on the left or the right), and each new token's is the previous column's plus one.
@@ -58,7 +59,7 @@ class Sequences:
             position_ids: `(batch, prompt_length)` the prompt's position ids as `generate()` prepared them; None:
                 computed from the mask the same way.
             rows: the row book to follow, shared with another buffer over the same rows (a draft's own ids); None: a
-                new book of `batch` rows. Either way every one of its rows must be active (nothing retired yet).
+                new book of `batch` rows. Either way every one of its rows must be active (nothing dropped yet).
         """
         batch, prompt_length = input_ids.shape
         self.rows = RowBook(batch) if rows is None else rows
@@ -122,7 +123,7 @@ class Sequences:
             tokens: `(rows, >= max(starts) + width)` long.
         """
         rows = list(callers)
-        every_row = rows == list(range(self.batch_size))  # no row retired: the caller tables as they are
+        every_row = rows == list(range(self.batch_size))  # no row dropped: the caller tables as they are
         positions = self._positions if every_row else self._positions[rows]
         is_real = self._is_real if every_row else self._is_real[rows]
         if len(set(starts)) == 1:  # every row at one start (one row; rows of one length): slices, no index
@@ -173,7 +174,7 @@ class Sequences:
         """Make room for at least `capacity` columns (the buffer at least doubles); new columns hold real tokens.
 
         The target's buffer never grows (its capacity covers `max_length` plus a round); a draft with another
-        tokenizer may need more of its own ids than the target has tokens (`proposers.cross_vocab.DraftIdBuffer`).
+        tokenizer may need more of its own ids than the target has tokens (`proposers.cross_tokenizer.DraftIdBuffer`).
         """
         if capacity <= self.capacity:
             return
@@ -188,7 +189,7 @@ class Sequences:
 
         Every row's length becomes the longest row's real length; positions stay those of the real tokens (counted
         from 0, padding 0). Only for a buffer that no attached cache has been fed from (it would no longer match):
-        `proposers.cross_vocab.DraftIdBuffer`'s, after its draft's cache was emptied.
+        `proposers.cross_tokenizer.DraftIdBuffer`'s, after its draft's cache was emptied.
         """
         real = self.is_real(self.capacity).to(self.tokens.device)  # (rows, capacity)
         rows = [self.tokens[row, :length][real[row, :length]] for row, length in enumerate(self.lengths)]
@@ -207,14 +208,14 @@ class Sequences:
         self._positions[index] = torch.cat([positions, positions[:, -1:] + steps], dim=1)
         self.lengths = [width] * self.num_active
 
-    def retire(self, done: Sequence[bool]) -> list[int]:
+    def drop_finished(self, done: Sequence[bool]) -> list[int]:
         """Keep the final tokens of the rows flagged in `done` and drop them from the row book (so from this buffer and
         every member); return the active rows kept."""
         keep = [row for row, is_done in enumerate(done) if not is_done]
         for row, is_done in enumerate(done):
             if is_done:
                 self.finished[self.rows.caller(row)] = self.tokens[row, : self.lengths[row]].clone()
-        self.rows.select(keep)
+        self.rows.select_rows(keep)
         if not keep:  # every row is done: the book asks no member, this buffer empties itself
             self.tokens = self.tokens[:0]
             self.lengths = []
@@ -248,7 +249,7 @@ class Sequences:
 
     def output(self, pad_token_id: int | None) -> torch.Tensor:
         """`(batch, longest)` sequences in the caller's row order, shorter rows right-padded with `pad_token_id`."""
-        self.retire([True] * self.num_active)
+        self.drop_finished([True] * self.num_active)
         rows = [self.finished[row] for row in range(self.batch_size)]
         longest = max(row.shape[0] for row in rows)
         if any(row.shape[0] < longest for row in rows) and pad_token_id is None:

@@ -59,7 +59,7 @@ def check_hybrid_draft(draft: ModelFacts | None, other_tokenizer: bool) -> None:
     """A draft with another tokenizer must keep no convolution or recurrent state.
 
     Such a draft re-reads the committed text in its own ids every round, which may roll its cache back past
-    positions of earlier rounds (`proposers.cross_vocab`); a convolution or recurrent state only goes back to the
+    positions of earlier rounds (`proposers.cross_tokenizer`); a convolution or recurrent state only goes back to the
     start of the current round.
     """
     if other_tokenizer and draft is not None and draft.keeps_state:
@@ -211,7 +211,7 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
     """Refuse the one stopping setup whose plain behaviour the loop does not reproduce.
 
     Plain `generate()` pads a finished row only when an EOS criterion exists. Without one, a row whose stop string
-    or custom criterion fires keeps receiving real tokens until every row's has fired. The speculative loop retires
+    or custom criterion fires keeps receiving real tokens until every row's has fired. The speculative loop drops
     rows when they stop, so a batch with such criteria and no EOS id would come out different.
     """
     if batch_size == 1 or any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria):
@@ -221,7 +221,7 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
         raise ValueError(
             f"With a batch ({batch_size} rows), stopping criteria {per_row} and no `eos_token_id`, plain generate() "
             "keeps generating rows whose criterion fired (it pads finished rows only when an EOS id is set) until "
-            "every row's has fired; `draft_model=` retires rows as they stop. Set `eos_token_id=` (e.g. "
+            "every row's has fired; `draft_model=` drops rows as they stop. Set `eos_token_id=` (e.g. "
             "tokenizer.eos_token_id; rows are then padded after they stop, as plain generate() does), or generate "
             "one row per call."
         )

@@ -22,7 +22,7 @@ import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 from hf_specsample import LinearKernel, SpeculativeConfig
-from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.model_facts import ModelFacts, Role
 from hf_specsample.transformers_api import cache_kwargs, output_cache
 
@@ -53,7 +53,7 @@ def compare(
     mode: Mode,
     max_new_tokens: int,
     num_lookahead: int | None,
-    kernel: KernelPlan,
+    kernel: KernelRouting,
 ) -> tuple[float, float]:
     """Print the completions of one mode with their timings: plain `generate()`, plain `generate()` with the kernel
     where it pays (`kernel.everywhere()`, so that the kernel's share shows apart from speculation's), and
@@ -94,7 +94,7 @@ def compare(
 
 
 def eager_verification_cost(
-    target, input_ids: torch.Tensor, kernel: KernelPlan, prefix: int = 16, repeats: int = 3
+    target, input_ids: torch.Tensor, kernel: KernelRouting, prefix: int = 16, repeats: int = 3
 ) -> float:
     """The target's eager forward over 3 positions, in one-position steps, after a short cached prefix (median of
     `repeats`, interleaved), with the linear kernel the library's default picks for it: about 1 where verification
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     inputs = prompt.encode(tokenizer)
     print(f"machine: {cpu_name()}; torch {torch.__version__}; memory bandwidth {read_bandwidth() / 1e9:.1f} GB/s "
           "(reading 1 GiB)")  # fmt: skip
-    kernel = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
+    kernel = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
     print(f"linear kernel (target): {kernel.reason}")
     compile_verification = args.compile == "on"
     if args.compile == "auto" and target.device.type == "cpu":

@@ -92,7 +92,7 @@ def second_turn(target, draft, config, device: torch.device) -> str:
 
 def chi_square(target, draft, config, device: torch.device, samples: int = 1000) -> str:
     """Two-token continuations sampled with temperature 0.9 against their exact probabilities (enumerated); one row
-    per call, so that every call reuses the kept caches and runners (a batch whose rows retire one by one would make
+    per call, so that every call reuses the kept caches and runners (a batch whose rows leave one by one would make
     a runner, and a graph, per row count)."""
     from hf_specsample_bench.tiny import PAD_ID
 

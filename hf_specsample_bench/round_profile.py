@@ -9,9 +9,9 @@ Prints, on the machine it runs on (`lscpu`'s model name and flags first):
    named);
 2. per phase of one round, in ms (median of `--repeats`), the bytes it must read, the floor (bytes / bandwidth) and
    its multiple of the floor:
-   - a draft step (one token) in each form the draft can take here (as given on the kernel where its plan puts
+   - a draft step (one token) in each form the draft can take here (as given on the kernel where its routing puts
      one row, dynamic int8, int8 weights on the kernel);
-   - the target's forward over 1 and over K+1 positions with the default kernel plan, split by module hooks into
+   - the target's forward over 1 and over K+1 positions with the default kernel routing, split by module hooks into
      the linears (the LM head apart), attention (without its linears), norms, and the rest (embedding, rotary
      embedding, residuals, the model's Python, the hooks' own cost);
    - processors and acceptance (sampling, T=0.7, top_p=0.95, over K+1 positions of the real vocabulary);
@@ -33,8 +33,8 @@ import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import DraftForm, LinearKernel
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.plan import KernelPlan
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
+from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.model_facts import ModelFacts, Role
 from hf_specsample.prepare.surgery import compact_forms, without_siblings
 from hf_specsample.round_costs import weight_bytes
@@ -109,13 +109,13 @@ class ModuleClock:
             handle.remove()
 
 
-def forward_profile(model, ids, context_ids, width: int, plan: KernelPlan, repeats: int) -> dict[str, float]:
+def forward_profile(model, ids, context_ids, width: int, routing: KernelRouting, repeats: int) -> dict[str, float]:
     """Median seconds of a forward over `width` positions after `context_ids`, and its split by module category."""
     cache = output_cache(model(context_ids, use_cache=True))
     step = ids[:, -width:]
 
     def forward():
-        with plan.applied(width):
+        with routing.applied(width):
             model(step, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=width)
         cache.crop(-width)
 
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     # 1. the draft's single-token step, in each form
     forms = {DraftForm.AS_GIVEN: draft, **{form: make(draft) for form, make in compact_forms(draft).items()}}
     for form, model in forms.items():
-        plan = KernelPlan.for_model(ModelFacts.of(model), LinearKernel.AUTO, role=Role.DRAFT)
-        profile = forward_profile(model, ids, context_ids, 1, plan, args.repeats)
+        routing = KernelRouting.for_model(ModelFacts.of(model), LinearKernel.AUTO, role=Role.DRAFT)
+        profile = forward_profile(model, ids, context_ids, 1, routing, args.repeats)
         row(f"draft step, {form}", profile["total"], weight_bytes(model))
         for key, seconds in profile.items():
             if key != "total":
@@ -203,13 +203,13 @@ def main(argv: list[str] | None = None) -> None:
                 row(f"draft step, {form}, compiled ({compiling:.0f} s compiling)", seconds, weight_bytes(forms[form]))
 
     # 2. the target's forward over 1 and K+1 positions, split
-    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
-    print(f"target kernel plan: {plan.reason}")
+    routing = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO, role=Role.TARGET)
+    print(f"target kernel routing: {routing.reason}")
     target_bytes = weight_bytes(target)
     head = target.get_output_embeddings().weight
     head_bytes = head.numel() * head.element_size()
     for positions in (1, width):
-        profile = forward_profile(target, ids, context_ids, positions, plan, args.repeats)
+        profile = forward_profile(target, ids, context_ids, positions, routing, args.repeats)
         row(f"target forward, {positions} position(s)", profile["total"], target_bytes)
         for key, seconds in profile.items():
             if key != "total":

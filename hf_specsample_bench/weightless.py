@@ -267,7 +267,7 @@ def time_methods(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **common, **kwargs, **(extra or {})
         )
     for call in calls.values():
-        call()  # warm-up: compiles, the kernel plans, the implicit draft's form
+        call()  # warm-up: compiles, the kernel routings, the implicit draft's form
     best: dict[Method, float] = {}
     for _ in range(repeats):
         for method, call in calls.items():

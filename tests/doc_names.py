@@ -1,7 +1,7 @@
 """The code names the documentation cites in backticks, and whether each exists in the code (`test_doc_names.py`).
 
 What counts as a code name (outside fenced blocks, which `test_docs.py` runs):
-- a dotted name, `a.b` or `a.b.c` (a call's parentheses and arguments after it dropped: `KernelPlan.for_model(...)`),
+- a dotted name, `a.b` or `a.b.c` (a call's parentheses and arguments after it dropped: `KernelRouting.for_model(...)`),
   whose first part is one of ours: `hf_specsample` / `hf_specsample_bench`, the last part of one of their modules or
   sub-packages (`lookahead`, `round_costs`, `prepare`, `cached_model`, ...), or a public class they define
   (`RoundLookahead`, `SpeculativeConfig`, ...). It exists when it resolves: modules import, attributes are found by
@@ -52,7 +52,7 @@ def modules() -> dict[str, object]:
 @functools.cache
 def short_names() -> dict[str, list[str]]:
     """The last part of each module's name -> the full names with it (`plan` is `hf_specsample.plan` and
-    `hf_specsample.kernels.plan`)."""
+    `hf_specsample.kernels.routing`)."""
     names: dict[str, list[str]] = {}
     for full in modules():
         names.setdefault(full.rsplit(".", 1)[-1], []).append(full)

@@ -238,14 +238,14 @@ def test_run_benchmark_with_a_draft_of_another_tokenizer(tiny_setup):
 def test_demo_times_eager_verification_on_a_tiny_model():
     # The demo's --compile auto probe: it must run on the cache API transformers ships (crop takes a negative count).
     from hf_specsample import LinearKernel
-    from hf_specsample.kernels.plan import KernelPlan
+    from hf_specsample.kernels.routing import KernelRouting
     from hf_specsample.model_facts import ModelFacts
     from hf_specsample_bench.demo import eager_verification_cost
 
     model = tiny_lm(seed=0, vocab_size=32)
     prompt = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(0))
-    plan = KernelPlan.for_model(ModelFacts.of(model), LinearKernel.AUTO)  # off: a float32 model
-    cost = eager_verification_cost(model, prompt, plan, prefix=16, repeats=2)
+    routing = KernelRouting.for_model(ModelFacts.of(model), LinearKernel.AUTO)  # off: a float32 model
+    cost = eager_verification_cost(model, prompt, routing, prefix=16, repeats=2)
     assert 0.0 < cost < 100.0
 
 

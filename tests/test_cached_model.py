@@ -57,11 +57,11 @@ def test_ragged_rollbacks_keep_rows_exact(arch):
     check([f + 3 for f in cached.fed])
     # Committed lengths: row 0 one past its cache, row 1 two past. Row 0 drops one more so both stand 2 behind.
     lengths = [cached.fed[0] + 1, cached.fed[1] + 2]
-    cached.keep_confirmed(lengths)
+    cached.rollback_to_committed(lengths)
     assert [length - fed for length, fed in zip(lengths, cached.fed)] == [2, 2]
     assert_hole_free(cached)
     check([f + 2 for f in cached.fed])
-    cached.keep_confirmed([f - 1 for f in cached.fed])  # both drop two: a uniform crop
+    cached.rollback_to_committed([f - 1 for f in cached.fed])  # both drop two: a uniform crop
     assert_hole_free(cached)
     check([f + 3 for f in cached.fed])
 
@@ -89,7 +89,7 @@ def test_select_rows_keeps_the_chosen_rows_exact(arch):
     sequences.rows.attach(cached)
     cached.feed_upto(sequences, [12, 12, 12], num_logits=1)
     cached.rollback([12, 7, 9])  # row 0 is the longest: dropping it leaves shared leading holes
-    sequences.retire([True, False, False])
+    sequences.drop_finished([True, False, False])
     assert cached.slots == 9, "leading holes every remaining row shares are dropped"
     assert_hole_free(cached)
     logits = cached.feed_upto(sequences, [9, 11], num_logits=1)[:, 0]

@@ -15,8 +15,8 @@ from transformers import CompileConfig
 
 import hf_specsample.cache.compiled as compiled
 from hf_specsample import FixedLookahead, LookaheadPolicy, SpeculativeConfig
-from hf_specsample.kernels import plan as kernel_plan
-from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.kernels import routing as kernel_routing
+from hf_specsample.kernels.routing import KernelRouting
 
 COMPILE = SpeculativeConfig(compile=True)
 
@@ -258,7 +258,7 @@ def test_compiled_inputs_are_fresh_row_major_tensors():
 # --- The small-rows kernel inside compiled code (compile=True with linear_kernel="on") ----------------------------
 
 KERNEL_COMPILED = SpeculativeConfig(compile=True, linear_kernel="on")
-GEMM_COMPILED = SpeculativeConfig(compile=True, linear_kernel="off")  # inductor's frozen GEMM whatever the plan
+GEMM_COMPILED = SpeculativeConfig(compile=True, linear_kernel="off")  # inductor's frozen GEMM whatever the routing
 
 
 @pytest.fixture(scope="module")
@@ -365,15 +365,15 @@ def test_kernel_in_compiled_graph_runs_wide_forwards_eagerly(built, light):
 
 
 def test_auto_puts_the_kernel_in_the_graph_where_its_plan_serves_every_round():
-    """compile=True under linear_kernel="auto": the kernel inside the graph only where the model's plan serves every
+    """compile=True under linear_kernel="auto": the kernel inside the graph only where the model's routing serves every
     forward of a round of this batch (one position runs as two), all within the kernel's 16 rows."""
-    from hf_specsample.kernels.plan import KernelPlan
+    from hf_specsample.kernels.routing import KernelRouting
     from hf_specsample.options import LinearKernel
     from hf_specsample.plan import _kernel_in_graph
 
-    every = KernelPlan.every_round("timed")
-    holed = KernelPlan(frozenset(range(1, 17)) - {6}, "timed")
-    off = KernelPlan.off("off: fp32")
+    every = KernelRouting.every_round("timed")
+    holed = KernelRouting(frozenset(range(1, 17)) - {6}, "timed")
+    off = KernelRouting.off("off: fp32")
     assert _kernel_in_graph(every, LinearKernel.AUTO, batch=1, largest=9)
     assert _kernel_in_graph(every, LinearKernel.AUTO, batch=2, largest=8)
     assert not _kernel_in_graph(every, LinearKernel.AUTO, batch=2, largest=9), "18 rows: beyond the kernel"
@@ -385,16 +385,16 @@ def test_auto_puts_the_kernel_in_the_graph_where_its_plan_serves_every_round():
     assert _kernel_in_graph(off, LinearKernel.ON, batch=1, largest=2)  # "on" was refused before, if it cannot
 
 
-@pytest.mark.parametrize("kernel_wins", [True, False], ids=["plan-on", "plan-off"])
+@pytest.mark.parametrize("kernel_wins", [True, False], ids=["routing-on", "routing-off"])
 @torch.no_grad()
 def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_wins):
     """compile=True alone on a CPU bf16 target: the kernel inside the graph where AUTO's timing put it on every round
     width, inductor's GEMM where it lost (the timing is replaced here, so both sides run on any machine); the stats
     say which. On the kernel, greedy output is plain generate()'s."""
 
-    plan = KernelPlan.every_round("on (timed)") if kernel_wins else KernelPlan.off("off (timed)")
-    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: plan)
-    target = tiny_lm(seed=4, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)  # its own plan and graphs
+    routing = KernelRouting.every_round("on (timed)") if kernel_wins else KernelRouting.off("off (timed)")
+    monkeypatch.setattr(kernel_routing, "_timed_routing", lambda weight: routing)
+    target = tiny_lm(seed=4, vocab_size=16, layers=2, hidden=32, dtype=torch.bfloat16)  # its own routing and graphs
     draft = perturbed_copy(target, seed=5, scale=0.3)
     plain = greedy(target)
     out = greedy(target, draft_model=draft, speculative_config=COMPILE, return_dict_in_generate=True)
@@ -405,7 +405,7 @@ def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_
         "target compiled, its linears of 1-16 rows on the kernel: on (timed)" if kernel_wins else "target compiled;"
     )
     assert stats.startswith(expected), stats
-    # Prompt lookup runs no draft model: every kernel call is the target's, and only the plan-on graph makes them.
+    # Prompt lookup runs no draft model: every kernel call is the target's, and only the routing-on graph makes them.
     lookup = dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=3, speculative_config=COMPILE)
     count = kernel_calls(lambda: greedy(target, **lookup))
     assert count > 0 if kernel_wins else count == 0

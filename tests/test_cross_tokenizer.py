@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_specsample.proposers.draft_model as draft_model_module
 from hf_specsample import SpeculativeConfig, prepare_draft
-from hf_specsample.proposers.cross_vocab import ABSENT, TokenForm, shared_vocabulary, token_form, vocabulary_contents
+from hf_specsample.proposers.cross_tokenizer import ABSENT, TokenForm, shared_vocabulary, token_contents, token_form
 from hf_specsample.verify.processing import probabilities
 
 TARGET_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "ca"]
@@ -149,8 +149,8 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
 def test_byte_level_and_sentencepiece_tokens_meet_by_content():
     byte_level, metaspace = byte_level_tokenizer(), metaspace_tokenizer()
     assert token_form(byte_level) is TokenForm.BYTE_LEVEL and token_form(metaspace) is TokenForm.METASPACE
-    assert vocabulary_contents(byte_level)[" hi".encode()] == 8
-    assert vocabulary_contents(metaspace)[b" "] == 2, "two tokens of one content: the lowest id stands for it"
+    assert token_contents(byte_level)[" hi".encode()] == 8
+    assert token_contents(metaspace)[b" "] == 2, "two tokens of one content: the lowest id stands for it"
     vocabulary = shared_vocabulary(byte_level, metaspace, len(byte_level), len(metaspace))
     pairs = {(byte_level.convert_ids_to_tokens(t), metaspace.convert_ids_to_tokens(d))
              for d, t in zip(vocabulary.draft_columns.tolist(), vocabulary.target_ids.tolist())}  # fmt: skip
@@ -307,7 +307,7 @@ def test_assistant_tokenizer_alias_stop_strings_and_streamer():
 
 
 def test_sliding_window_draft_in_a_ragged_batch(target, tokenizers):
-    """Rows gain different numbers of draft ids, so the draft's rows drop positions confirmed in earlier rounds to
+    """Rows gain different numbers of draft ids, so the draft's rows drop positions committed in earlier rounds to
     even up: its cache keeps every slot (a window's layer would no longer hold them)."""
     draft = tiny_arch("mistral_sliding", seed=3, vocab_size=len(DRAFT_TOKENS))
     inputs = padded("left")

@@ -26,7 +26,7 @@ def test_every_code_name_in_the_document_exists(document):
         "SpeculativeStats.alpha",  # a dataclass member
         "RowBook.active",  # an attribute assigned in __init__
         "CachedModel.step",  # one of a tuple assignment's targets
-        "KernelPlan.for_model(ModelFacts.of(model), ...)",  # a call: its arguments are not checked
+        "KernelRouting.for_model(ModelFacts.of(model), ...)",  # a call: its arguments are not checked
         "hf_specsample_bench.measure.cpu_name",
         "prepare/auto.py",
         "small_rows.cpp",

@@ -15,7 +15,7 @@ PACKAGE = Path(decoding.__file__).parent
 LAYERS = [
     ("values", ["options", "devices", "transformers_api", "rows", "stats"]),
     ("model facts", ["model_facts"]),
-    ("kernels", ["kernels.small_rows", "kernels.quantized_linear", "kernels.plan"]),
+    ("kernels", ["kernels.small_rows", "kernels.quantized_linear", "kernels.routing"]),
     (
         "caches and buffers",
         [
@@ -41,7 +41,7 @@ LAYERS = [
             "verify.round_verifier",
             "verify.stopping",
             "proposers.base",
-            "proposers.cross_vocab",
+            "proposers.cross_tokenizer",
             "proposers.draft_model",
             "proposers.prompt_lookup",
             "distributed",

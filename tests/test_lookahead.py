@@ -294,14 +294,14 @@ def test_one_owner_caps_k_and_sets_the_lookup_width():
     rounds (max(K, N) with a model draft) and keeps the first round of a prompt ending in padding plain."""
     policy = GreedyForK(5)
     lookahead = RoundLookahead(policy, max_length=20, lookup_tokens=8)
-    assert lookahead.budget([10, 12]) == DraftBudget(model=5, lookup=7)  # room: 20 - 12 - 1 = 7
-    assert lookahead.budget([16]) == DraftBudget(model=3, lookup=3)
+    assert lookahead.budget([10, 12]) == DraftBudget(lookahead=5, lookup_lookahead=7)  # room: 20 - 12 - 1 = 7
+    assert lookahead.budget([16]) == DraftBudget(lookahead=3, lookup_lookahead=3)
     assert policy.calls == 2
-    assert RoundLookahead(GreedyForK(5), max_length=20).budget([4]) == DraftBudget(model=5, lookup=0)
+    assert RoundLookahead(GreedyForK(5), max_length=20).budget([4]) == DraftBudget(lookahead=5, lookup_lookahead=0)
 
     padded = RoundLookahead(GreedyForK(5), max_length=20, prompt_ends_in_padding=True, lookup_tokens=8)
-    assert padded.budget([4]) == DraftBudget(model=0, lookup=0) and padded.policy.calls == 0
-    assert padded.budget([5]) == DraftBudget(model=5, lookup=8) and padded.policy.calls == 1
+    assert padded.budget([4]) == DraftBudget(lookahead=0, lookup_lookahead=0) and padded.policy.calls == 0
+    assert padded.budget([5]) == DraftBudget(lookahead=5, lookup_lookahead=8) and padded.policy.calls == 1
 
     lookahead.observe(RoundRecord(4, 2, 3, 0.0, 0.1), model_steps=0)  # a lookup round of a model draft
     lookahead.observe(RoundRecord(2, 1, 2, 0.1, 0.1), model_steps=2)
@@ -315,16 +315,16 @@ def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
         lookup_tokens=12, lookup_only=True,
     )  # fmt: skip
     assert alone.policy.max_lookahead == 12
-    widths = alone.budget([10])
-    assert widths.model == widths.lookup and 0 < widths.lookup <= 12
+    budget = alone.budget([10])
+    assert budget.lookahead == budget.lookup_lookahead and 0 < budget.lookup_lookahead <= 12
     tested = alone.policy.alpha.count
-    alone.observe(RoundRecord(widths.lookup, 1, 2, 0.0, 0.1), model_steps=0)  # lookup rounds are its rounds
+    alone.observe(RoundRecord(budget.lookup_lookahead, 1, 2, 0.0, 0.1), model_steps=0)  # lookup rounds are its rounds
     assert alone.policy.alpha.count > tested
     fixed = RoundLookahead.for_call(
         SpeculativeConfig(num_lookahead=3), clock_free=False, batch_size=1, max_length=100,
         prompt_ends_in_padding=False, lookup_tokens=None, lookup_only=True,
     )  # fmt: skip
-    assert fixed.budget([10]) == DraftBudget(model=3, lookup=3) and not fixed.needs_timing
+    assert fixed.budget([10]) == DraftBudget(lookahead=3, lookup_lookahead=3) and not fixed.needs_timing
 
 
 def test_lookup_alone_starts_at_four_and_doubles_its_widest_k():
@@ -335,7 +335,7 @@ def test_lookup_alone_starts_at_four_and_doubles_its_widest_k():
     )  # fmt: skip
     widths = []
     for round_ in range(6):
-        k = alone.budget([10]).lookup
+        k = alone.budget([10]).lookup_lookahead
         widths.append(k)
         record = RoundRecord(k, k, k, 0.0, 0.15 + 0.001 * k, prefill=round_ == 0)  # all accepted, flat costs
         alone.observe(record, model_steps=0)

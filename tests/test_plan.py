@@ -9,7 +9,7 @@ from tiny import PAD, perturbed_copy, tiny_arch, tiny_lm
 from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList, cache_utils
 
 from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft, validation
-from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.prepare import prepared_draft
 from hf_specsample_bench.hybrids import tiny_hybrid
 
@@ -18,7 +18,7 @@ PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2, 8, 19, 41, 7, 3, 11, 29, 5, 9, 6
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Per model object: how often its logit width, cache kind (its config's cache layers) and kernel plan were
+    """Per model object: how often its logit width, cache kind (its config's cache layers) and kernel routing were
     worked out, and how often it was inspected (`ModelFacts.of`)."""
     counts = collections.defaultdict(collections.Counter)
     for name in ("logit_width", "_cache_kind"):
@@ -29,24 +29,24 @@ def counted(monkeypatch):
             return _real(model, *args)
 
         monkeypatch.setattr(model_facts, name, wrapper)
-    real_of, real_plan = model_facts.ModelFacts.of.__func__, KernelPlan.for_model.__func__
+    real_of, real_plan = model_facts.ModelFacts.of.__func__, KernelRouting.for_model.__func__
 
     def of(cls, model, same_config=None):
         counts[id(model)]["facts"] += 1
         return real_of(cls, model, same_config)
 
     def for_model(cls, facts, *args, **kwargs):
-        counts[id(facts.model)]["kernel plan"] += 1
+        counts[id(facts.model)]["kernel routing"] += 1
         return real_plan(cls, facts, *args, **kwargs)
 
     monkeypatch.setattr(model_facts.ModelFacts, "of", classmethod(of))
-    monkeypatch.setattr(KernelPlan, "for_model", classmethod(for_model))
+    monkeypatch.setattr(KernelRouting, "for_model", classmethod(for_model))
     return counts
 
 
 @pytest.mark.parametrize("form", ["as_given", "dynamic_int8", "auto"])
 def test_each_model_is_inspected_once_per_call(counted, form):
-    """Within one generate() call each model's logit width, cache kind (hybrid layers included) and kernel plan are
+    """Within one generate() call each model's logit width, cache kind (hybrid layers included) and kernel routing are
     worked out once: the target's, the draft's as given, and the prepared draft's (a compact copy: its cache
     questions are its source's, not asked again). A call that builds the implicit draft (the first) also inspects
     the forms it times; the target and the draft as given still once."""
@@ -61,7 +61,7 @@ def test_each_model_is_inspected_once_per_call(counted, form):
         for model in (target, draft):
             assert counted[id(model)]["facts"] == 1 and counted[id(model)]["_cache_kind"] == 1, (call, counted)
             assert counted[id(model)]["logit_width"] == 1, (call, counted)
-        assert counted[id(target)]["kernel plan"] == 1
+        assert counted[id(target)]["kernel routing"] == 1
         others = [counts for key, counts in counted.items() if key not in (id(target), id(draft))]
         assert all(counts["_cache_kind"] == 0 for counts in others)  # a copy's cache is its source's
         if call == 1:  # the implicit draft is made: every model of the call, once
@@ -105,7 +105,7 @@ def test_a_plans_decisions_are_frozen_and_read_by_the_decoder():
     (made,) = captured
     assert made.target.model is target and made.draft.prepared.model is not None
     assert made.draft.vocabulary.target_width == made.target.logit_width == 64
-    assert made.lookup is None and not made.clock_free and made.config.num_lookahead == 2
+    assert made.max_ngram is None and not made.clock_free and made.config.num_lookahead == 2
     with pytest.raises(AttributeError):
         made.clock_free = True  # frozen
 

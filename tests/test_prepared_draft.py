@@ -13,7 +13,7 @@ from tiny import PAD, implicit_draft, perturbed_copy, tiny_lm
 import hf_specsample
 from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.plan import KernelPlan
+from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.model_facts import ModelFacts
 from hf_specsample.options import LinearKernel
 from hf_specsample.prepare.implicit import _IMPLICIT
@@ -371,11 +371,11 @@ def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_
     draft = perturbed_copy(target, seed=10, scale=0.1)
     calibration = torch.arange(1, 41) % 60 + 1
     facts = ModelFacts.of(target)
-    plan = KernelPlan.for_model(facts, LinearKernel.AUTO, clock_free=True)
+    routing = KernelRouting.for_model(facts, LinearKernel.AUTO, clock_free=True)
 
     def build():
-        return build_draft(resolve_draft(draft), facts, ModelFacts.of(draft), DraftForm.AUTO, None, plan, calibration,
-                           clock_free=True)  # fmt: skip
+        return build_draft(resolve_draft(draft), facts, ModelFacts.of(draft), DraftForm.AUTO, None, routing,
+                           calibration, clock_free=True)  # fmt: skip
 
     prepared = build()
     assert as_given_steps_faster == []

@@ -49,13 +49,13 @@ def test_sample_from_weights_in_chunks_draws_what_one_call_draws():
     assert got.shape == (37,) and sample_from_weights(weights.view(37, 1, 50), chunk_elements=50).shape == (37, 1)
 
 
-def _round(batch: int, num_draft: int, vocab: int, seed: int, mixed: bool, dense: bool):
+def _round(batch: int, lookahead: int, vocab: int, seed: int, mixed: bool, dense: bool):
     """Random target logits, draft tokens and the draft's distributions (some point masses where `mixed`)."""
     generator = torch.Generator().manual_seed(seed)
-    logits = 3 * torch.randn(batch, num_draft + 1, vocab, generator=generator)
-    draft_probs = torch.softmax(3 * torch.randn(batch, num_draft, vocab, generator=generator), dim=-1)
-    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=generator).view(batch, num_draft)
-    point_mass = torch.rand(batch, num_draft, generator=generator) < 0.3 if mixed else None
+    logits = 3 * torch.randn(batch, lookahead + 1, vocab, generator=generator)
+    draft_probs = torch.softmax(3 * torch.randn(batch, lookahead, vocab, generator=generator), dim=-1)
+    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=generator).view(batch, lookahead)
+    point_mass = torch.rand(batch, lookahead, generator=generator) < 0.3 if mixed else None
     tokens = torch.randint(0, vocab, (batch, 20), generator=generator)
     return tokens, logits, draft_tokens, draft_probs if dense else None, point_mass
 
@@ -73,14 +73,14 @@ PROCESSORS = {
 @pytest.mark.parametrize("do_sample", [True, False])
 def test_chunked_verification_matches_unchunked(rule, draft, processors, do_sample):
     """Verdicts, kept scores and the generator's state after the round: identical, chunk size for chunk size."""
-    batch, num_draft, vocab = 13, 3, 50
+    batch, lookahead, vocab = 13, 3, 50
     tokens, logits, draft_tokens, draft_probs, point_mass = _round(
-        batch, num_draft, vocab, seed=3, mixed=draft == "mixed", dense=draft != "point_masses"
+        batch, lookahead, vocab, seed=3, mixed=draft == "mixed", dense=draft != "point_masses"
     )
     processor = PositionwiseProcessor(LogitsProcessorList(PROCESSORS[processors]), batch)
     lengths, callers = [10 + row % 3 for row in range(batch)], list(range(batch))
     results = []
-    for chunk_elements in (10**9, (num_draft + 1) * vocab * 4, 1):  # one chunk; 4 rows a chunk; a row a chunk
+    for chunk_elements in (10**9, (lookahead + 1) * vocab * 4, 1):  # one chunk; 4 rows a chunk; a row a chunk
         generator = torch.Generator().manual_seed(5)
         verifier = RoundVerifier(processor, do_sample, RULES[rule], generator, True, chunk_elements)
         before = logits.clone()
@@ -99,8 +99,8 @@ def test_chunked_verification_matches_unchunked(rule, draft, processors, do_samp
 
 
 def test_chunked_verification_flags_nonfinite_rows_in_their_chunk():
-    batch, num_draft, vocab = 6, 2, 20
-    tokens, logits, draft_tokens, draft_probs, _ = _round(batch, num_draft, vocab, seed=4, mixed=False, dense=True)
+    batch, lookahead, vocab = 6, 2, 20
+    tokens, logits, draft_tokens, draft_probs, _ = _round(batch, lookahead, vocab, seed=4, mixed=False, dense=True)
     logits[4, 0, 3] = float("nan")  # row 4's first position: used whatever is accepted
     processor = PositionwiseProcessor(LogitsProcessorList([]), batch)
     verifier = RoundVerifier(processor, True, speculative_accept, torch.Generator().manual_seed(0), False, 2 * 60)

@@ -164,7 +164,7 @@ def test_eager_runners_sample_exactly(monkeypatch, pair):
 @torch.no_grad()
 def test_compiled_runners_compile_whole_graphs_once(monkeypatch, light, pair):
     """fullgraph=True, dynamic=False: no graph break, and no recompilation after the first run of each runner over a
-    whole call with ragged rows (`error_on_recompile`; a row that retires makes a runner of fewer rows, its own first
+    whole call with ragged rows (`error_on_recompile`; a row that drops makes a runner of fewer rows, its own first
     compilation); greedy output is plain's."""
     target, draft = pair
     target_on_runners(monkeypatch, RunnerBackend.COMPILED)

@@ -4,7 +4,7 @@ A call draws exactly what its sampling needs, from the caller's `generator=` or 
 the library does on its own (preparing a draft's forms, timings, the kernel's checks, warm-ups) draws from either.
 So `torch.manual_seed(0)` + `generate()` gives the same tokens on a new draft's first call as on every later one,
 and a greedy call leaves the global random state as plain `generate()` does. A sampling call's K never reads the
-clock (a sampled text depends on K), and the timed choices (kernel plan, AUTO's form) are made once per model and
+clock (a sampled text depends on K), and the timed choices (kernel routing, AUTO's form) are made once per model and
 kept: two seeded calls sample alike whatever the clock reads.
 """
 
@@ -109,7 +109,7 @@ def erratic(seed: int):
 
 
 def test_seeded_calls_sample_alike_whatever_the_clock_reads(target, monkeypatch):
-    """The adaptive K (the default), the draft's form and the kernel plans decided under two clocks that read
+    """The adaptive K (the default), the draft's form and the kernel routings decided under two clocks that read
     nothing alike: the draft's first call on an even clock, the second on an erratic one."""
     draft = perturbed_copy(target, seed=1, scale=0.3)
     runs = []

@@ -20,10 +20,10 @@ from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, FakeClock, perturbed_copy, prepared_processors, tiny_lm
 
 from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
-from hf_specsample.kernels import plan as kernel_plan
+from hf_specsample.kernels import routing as kernel_routing
 from hf_specsample.kernels import small_rows
-from hf_specsample.kernels.plan import KernelPlan
 from hf_specsample.kernels.quantized_linear import Int4Linear
+from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.kernels.small_rows import KernelPath, SmallRowsLinear
 from hf_specsample.model_facts import ModelFacts, Role
 
@@ -328,9 +328,9 @@ def assert_same_greedy_up_to_bf16_ties(model, ours, plain, prompt_mask, steps: i
 
 
 def every_forward_on_the_kernel(monkeypatch):
-    """The loop's plan routes every forward, however many rows (a 4000-row sampling batch included)."""
-    monkeypatch.setattr(KernelPlan, "for_model", classmethod(lambda cls, *args: cls.every_round("on (test)")))
-    monkeypatch.setattr(KernelPlan, "applied", lambda self, rows: SmallRowsLinear(max_rows=None))
+    """The loop's kernel routing serves every forward, however many rows (a 4000-row sampling batch included)."""
+    monkeypatch.setattr(KernelRouting, "for_model", classmethod(lambda cls, *args: cls.every_round("on (test)")))
+    monkeypatch.setattr(KernelRouting, "applied", lambda self, rows: SmallRowsLinear(max_rows=None))
 
 
 SETTINGS = dict(temperature=0.9, top_k=5)
@@ -378,9 +378,9 @@ def test_sampling_test_catches_a_wrong_kernel(built, monkeypatch):
 
 def test_auto_leaves_float32_models_alone():
     target = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16)
-    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
-    assert not plan.is_on and "float32" in plan.reason
-    assert plan.applied(3).__class__.__name__ == "nullcontext"
+    routing = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    assert not routing.is_on and "float32" in routing.reason
+    assert routing.applied(3).__class__.__name__ == "nullcontext"
 
 
 def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
@@ -415,22 +415,22 @@ class _FailedLoad:
 def test_auto_times_the_kernel_once_per_model(built, monkeypatch):
     target, _ = bf16_pair(hidden=64)
     timed = []
-    real = kernel_plan._timed_plan
-    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: timed.append(weight.shape) or real(weight))
-    first = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
-    again = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    real = kernel_routing._timed_routing
+    monkeypatch.setattr(kernel_routing, "_timed_routing", lambda weight: timed.append(weight.shape) or real(weight))
+    first = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    again = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert len(timed) == 1 and first.reason == again.reason and "timed" in first.reason
     with torch.no_grad():
         ModelFacts.of(target).largest_linear.mul_(1.0)  # the weights changed (version counter): timed again
-    KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
     assert len(timed) == 2
 
 
 def test_a_seeded_call_decides_without_the_clock(built, monkeypatch):
     target, _ = bf16_pair()
-    monkeypatch.setattr(kernel_plan, "_timed_plan", lambda weight: pytest.fail("a seeded call timed the kernel"))
-    plan = KernelPlan.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.AUTO, clock_free=True)
-    assert "without the clock" in plan.reason
+    monkeypatch.setattr(kernel_routing, "_timed_routing", lambda weight: pytest.fail("a seeded call timed the kernel"))
+    routing = KernelRouting.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.AUTO, clock_free=True)
+    assert "without the clock" in routing.reason
 
 
 def test_auto_decides_each_width_on_its_own(built, monkeypatch):
@@ -452,28 +452,28 @@ def test_auto_decides_each_width_on_its_own(built, monkeypatch):
 
     monkeypatch.setattr(time, "perf_counter", clock)
     monkeypatch.setattr(small_rows, "small_rows_linear", slow_from_seven)
-    monkeypatch.setattr(kernel_plan, "F", SlowEager)
+    monkeypatch.setattr(kernel_routing, "F", SlowEager)
     target, _ = bf16_pair(hidden=64)
-    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
-    assert plan.rows == frozenset(range(1, 7)) and "on for 1-6 rows" in plan.reason
-    assert isinstance(plan.applied(5), SmallRowsLinear) and not isinstance(plan.applied(9), SmallRowsLinear)
+    routing = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    assert routing.rows == frozenset(range(1, 7)) and "on for 1-6 rows" in routing.reason
+    assert isinstance(routing.applied(5), SmallRowsLinear) and not isinstance(routing.applied(9), SmallRowsLinear)
 
 
 def test_plain_generate_with_the_plan_everywhere_routes_by_each_linears_rows(built, monkeypatch):
-    """`KernelPlan.everywhere()` (plain generate() with the kernel where it pays): a linear runs on the kernel when
-    the plan serves its row count (the prompt's and each step's), eagerly otherwise; tokens as plain's."""
+    """`KernelRouting.everywhere()` (plain generate() with the kernel where it pays): a linear runs on the kernel when
+    the routing serves its row count (the prompt's and each step's), eagerly otherwise; tokens as plain's."""
     target, _ = bf16_pair()
     calls = []
     real = small_rows.small_rows_linear
     monkeypatch.setattr(
         small_rows, "small_rows_linear", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k)
     )
-    plan = KernelPlan(frozenset({1}), "test")  # one-row steps only: the 4-token prompt stays eager
-    with plan.everywhere():
+    routing = KernelRouting(frozenset({1}), "test")  # one-row steps only: the 4-token prompt stays eager
+    with routing.everywhere():
         out = greedy(target)
     assert calls and set(calls) == {1}
     assert out.tolist() == greedy(target).tolist()
-    assert isinstance(KernelPlan.off("test").everywhere(), contextlib.nullcontext)
+    assert isinstance(KernelRouting.off("test").everywhere(), contextlib.nullcontext)
 
 
 def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
@@ -482,11 +482,11 @@ def test_a_kernel_that_disagrees_with_eager_is_turned_off(built, monkeypatch):
     real = small_rows.small_rows_linear
     monkeypatch.setattr(small_rows, "small_rows_linear", lambda *args, **kwargs: real(*args, **kwargs) * 1.3)
     target, draft = bf16_pair()
-    plan = KernelPlan.for_model(ModelFacts.of(target), LinearKernel.AUTO)
-    assert not plan.is_on and "disagrees with eager F.linear" in plan.reason
-    assert "disagrees" in KernelPlan.for_model(ModelFacts.of(draft), LinearKernel.ON, role=Role.DRAFT).reason
+    routing = KernelRouting.for_model(ModelFacts.of(target), LinearKernel.AUTO)
+    assert not routing.is_on and "disagrees with eager F.linear" in routing.reason
+    assert "disagrees" in KernelRouting.for_model(ModelFacts.of(draft), LinearKernel.ON, role=Role.DRAFT).reason
     with pytest.raises(ValueError, match="disagrees with eager F.linear"):
-        KernelPlan.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.ON, role=Role.TARGET)
+        KernelRouting.for_model(ModelFacts.of(copy.deepcopy(target)), LinearKernel.ON, role=Role.TARGET)
     out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
     assert "disagrees" in out.speculative_stats.linear_kernel
     monkeypatch.setattr(small_rows, "small_rows_linear", real)

@@ -174,7 +174,7 @@ PROMPT = torch.tensor([[1, 5, 2, 5]])
 @pytest.mark.parametrize("name", ["llama", "qwen2_sliding", "gemma3_text"])
 @torch.no_grad()
 def test_sampling_through_a_static_cache_is_exact(name):
-    """8,000 rows in one call (rows retire from the static cache as they stop at EOS) against the exact law."""
+    """8,000 rows in one call (rows leave from the static cache as they stop at EOS) against the exact law."""
     target = tiny_arch(name, seed=0, vocab_size=VOCAB)
     draft = arch_draft(target, seed=1, scale=0.6)
     eos = 7

@@ -202,8 +202,8 @@ def arch_draft(target, seed: int, scale: float = 0.3):
 
 def implicit_draft(draft, target, form="auto", vocabulary=None, clock_free=False):
     """The prepared draft `generate(draft_model=draft)` runs with these options (the implicit cache's), as the
-    call's plan asks for it (`plan._draft_plan`)."""
-    from hf_specsample.kernels.plan import KernelPlan
+    call's routing asks for it (`plan._draft_plan`)."""
+    from hf_specsample.kernels.routing import KernelRouting
     from hf_specsample.model_facts import ModelFacts
     from hf_specsample.options import DraftForm, LinearKernel
     from hf_specsample.prepare.implicit import draft_for_call
@@ -211,5 +211,7 @@ def implicit_draft(draft, target, form="auto", vocabulary=None, clock_free=False
 
     spec, target_facts = resolve_draft(draft), ModelFacts.of(target)
     draft_facts = ModelFacts.of(spec.model) if spec.model is not None else None
-    plan = KernelPlan.for_model(target_facts, LinearKernel.AUTO, clock_free)
-    return draft_for_call(spec, target_facts, draft_facts, DraftForm(form), vocabulary, [], plan, clock_free=clock_free)
+    routing = KernelRouting.for_model(target_facts, LinearKernel.AUTO, clock_free)
+    return draft_for_call(
+        spec, target_facts, draft_facts, DraftForm(form), vocabulary, [], routing, clock_free=clock_free
+    )

@@ -13,7 +13,7 @@ count, a rollback moves the pointer back, a per-row move happens in place. Every
 mask over all the cache's slots (masked beyond the pointer), so shapes stay fixed for compiled code; forwards of at
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
 a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt. Eager forwards
-run in the context of the model's `kernels.plan.KernelPlan`, if any (the small-rows linear kernel for rounds).
+run in the context of the model's `kernels.routing.KernelRouting`, if any (the small-rows linear kernel for rounds).
 A model may also have `WideForwards`: another model of the same layout (a compact draft's float original) that runs
 its eager forwards of many positions (the prompt), where that was timed faster; both write the same cache.
 
@@ -343,7 +343,7 @@ class CachedModel:
         forward(input_ids=torch.zeros((rows, 2), dtype=torch.long, device=device), **kwargs)
         row_ops.crop(self.cache, 2)
 
-    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
         """Roll back to what the committed tokens confirm, leaving every row the same distance behind its length.
 
         A row keeps at most ``lengths[b] - 1`` positions (the last committed token is fed with the next round, as in
@@ -358,13 +358,13 @@ class CachedModel:
         Args:
             lengths: per row, the committed length.
         """
-        keep = self.confirmed(lengths)
+        keep = self.rollback_point(lengths)
         if self.states is not None:
             keep = self.states.deferred_keep(self.fed, keep, lengths, limit=self._last_num_logits - 1) or keep
         self.rollback(keep)
 
-    def confirmed(self, lengths: Sequence[int], unchanged: Sequence[int] | None = None) -> list[int]:
-        """Per row, the buffer length `keep_confirmed` keeps: every row the same distance behind its length.
+    def rollback_point(self, lengths: Sequence[int], unchanged: Sequence[int] | None = None) -> list[int]:
+        """Per row, the buffer length `rollback_to_committed` keeps: every row the same distance behind its length.
 
         Args:
             lengths: per row, the committed length.
@@ -418,12 +418,12 @@ class CachedModel:
         if max(self.fed) < self.slots:
             self._realign(self.fed, total=max(self.fed), trim=False)
 
-    def take_rows(self, rows: Sequence[int]) -> "CachedModel":
+    def copy_rows(self, rows: Sequence[int]) -> "CachedModel":
         """A `CachedModel` of the same model holding copies of these rows' caches (this one is unchanged)."""
         taken = CachedModel.__new__(CachedModel)
         taken.__dict__.update(self.__dict__)
         index = torch.tensor(list(rows), dtype=torch.long)
-        taken.cache = row_ops.take_rows(self.cache, rows)
+        taken.cache = row_ops.copy_rows(self.cache, rows)
         taken.slot_is_real = self.slot_is_real[index]
         taken.fed = [self.fed[row] for row in rows]
         taken.forward_passes = taken.refeed_passes = 0

@@ -170,7 +170,7 @@ class StateCheckpoints:
         return harvested
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the rows `index` (a CPU long tensor) of every snapshot (rows retire between forwards and a rollback)."""
+        """Keep the rows `index` (a CPU long tensor) of every snapshot (rows leave between forwards and a rollback)."""
         rows = index.tolist()
         for snapshot in self.snapshots:
             snapshot.fed = [snapshot.fed[row] for row in rows]

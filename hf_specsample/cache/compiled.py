@@ -79,7 +79,7 @@ class CompileSettings:
                 eager glue around the kernel's linears), rounding its intermediates to bf16 where eager code does
                 (`emulate_precision_casts`: fused, they would stay float32, and greedy output could part from plain
                 `generate()`'s). No freezing: the weights stay inputs, which the kernel reads as they are (no copy;
-                a weight changed in place is read). Ignored on CUDA (the kernel is CPU-only; `KernelPlan.for_model`
+                a weight changed in place is read). Ignored on CUDA (the kernel is CPU-only; `KernelRouting.for_model`
                 refuses "on" there first).
         """
         if device.type == "cpu" and kernel:

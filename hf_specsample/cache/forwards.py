@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedModel
 
-from ..kernels.plan import KernelPlan
+from ..kernels.routing import KernelRouting
 from .compiled import CompiledForward
 from .runner import RunnerPlan
 
@@ -35,10 +35,10 @@ class Forwards:
         compiled: a compiled forward of the model (`cache.compiled.compiled_forward`), for a static cache only.
         largest_round: forwards of at most this many positions use `compiled`; wider ones (the prompt) run eagerly,
             as plain `generate()` runs its prefill (unless `compiled` has symbolic sizes: one graph serves all).
-        wide: eager forwards of at least `wide.from_rows` rows run on `wide.model`, plain eager (no kernel plan: it
+        wide: eager forwards of at least `wide.from_rows` rows run on `wide.model`, plain eager (no kernel routing: it
             was timed so). For a draft only (see `WideForwards`).
         step: forwards of one position per row run on `step`, a compiled forward of the model or of a view of the
-            same weights (`PreparedDraft.step_model`), outside the kernel plan (its linears are the kernel's
+            same weights (`PreparedDraft.step_model`), outside the kernel routing (its linears are the kernel's
             operators or inductor's). For a draft only: compiled logits differ by rounding, which changes how
             often its proposals are accepted, never what is sampled. Not for hybrid models.
         runner: forwards of at most `max(runner.sizes)` positions on the model's static cache run through
@@ -48,7 +48,7 @@ class Forwards:
             needs the distribution the draft really sampled from). None: every id is embeddable.
     """
 
-    kernel: KernelPlan | None = None
+    kernel: KernelRouting | None = None
     compiled: CompiledForward | None = None
     largest_round: int = 0
     wide: WideForwards | None = None

@@ -216,7 +216,7 @@ def move_states(source: LinearLayer, target: LinearLayer) -> None:
     target.record_past, target.dtype, target.device = source.record_past, source.dtype, source.device
 
 
-def take_rows(layer: LinearLayer, index: torch.Tensor) -> LinearLayer:
+def copy_rows(layer: LinearLayer, index: torch.Tensor) -> LinearLayer:
     """A copy of the layer holding copies of the rows `index` of its states (`layer` is unchanged)."""
     clone = copy_states(layer)
     select_rows(clone, index)

@@ -21,7 +21,7 @@ after a crop, more while it records its past between a forward and the next crop
 Hybrid models' layers may hold convolution and recurrent states beside (or instead of) keys and values
 (`LinearAttentionLayer`, `LinearAttentionAndFullAttentionLayer`, ...; `DummyLayer` holds nothing). Everything here
 that moves slots moves a layer's *attention part* only (`attention_part` names its class); `cache.linear_states`
-moves the other part, and `take_rows` / `stack_rows_into` / `select_rows` move both.
+moves the other part, and `copy_rows` / `stack_rows_into` / `select_rows` move both.
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def _moved_by_rows(
     return out
 
 
-def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
+def copy_rows(cache: Cache, rows: Sequence[int]) -> Cache:
     """A new cache object holding copies of `rows` (indices into the batch), every part of every layer; `cache` is
     unchanged."""
     index = torch.tensor(list(rows), dtype=torch.long)
@@ -339,7 +339,7 @@ def take_rows(cache: Cache, rows: Sequence[int]) -> Cache:
             taken.layers.append(layer)
             continue
         clone: Any = (
-            linear_states.take_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
+            linear_states.copy_rows(layer, index) if isinstance(layer, linear_states.LinearLayer) else copy.copy(layer)
         )
         if attention_part(layer) is not None and _holds_keys(layer):
             clone.keys = layer.keys[index.to(layer.keys.device)]

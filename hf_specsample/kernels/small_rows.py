@@ -13,7 +13,7 @@ row. No compilation of the model, no copy of the weights: the kernel reads the m
   for its own instruction set in one binary; the best one the CPU supports runs (a test can run each).
 - `SmallRowsLinear`: a `TorchFunctionMode` that sends every eligible `F.linear` call (CPU, bf16 input and weight,
   at most `max_rows` rows, no autograd) to the kernel while it is active; anything else runs as it would.
-- `kernels.plan.KernelPlan` decides, per model, which forwards run in `SmallRowsLinear`.
+- `kernels.routing.KernelRouting` decides, per model, which forwards run in `SmallRowsLinear`.
 
 Exactness: outputs differ from eager ones by rounding only (fp32 accumulation in another order, rounded to bf16),
 as compiled or batched logits do. The kernel is batch-invariant: a row's output never depends on the other rows.
@@ -273,20 +273,20 @@ class SmallRowsLinear(TorchFunctionMode):
     Args:
         max_rows: route linears of at most this many rows (None: any number, e.g. to compute a reference
             distribution the way the kernel computes it).
-        plan: route only linears whose row count the plan's kernel serves (`KernelPlan.serves`), e.g. plain
-            `generate()` with the kernel where it pays, prompt and steps alike (`KernelPlan.everywhere`).
+        routing: route only linears whose row count the routing's kernel serves (`KernelRouting.serves`), e.g. plain
+            `generate()` with the kernel where it pays, prompt and steps alike (`KernelRouting.everywhere`).
 
     Raises:
         RuntimeError: the operator cannot be built here (the message says why).
     """
 
-    def __init__(self, max_rows: int | None = MAX_ROWS, plan: Any = None):
+    def __init__(self, max_rows: int | None = MAX_ROWS, routing: Any = None):
         super().__init__()
         problem = load().problem
         if problem is not None:
             raise RuntimeError(f"{problem}; run without SmallRowsLinear (eager F.linear)")
-        self.max_rows = None if plan is not None else max_rows
-        self.plan = plan
+        self.max_rows = None if routing is not None else max_rows
+        self.routing = routing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -294,7 +294,7 @@ class SmallRowsLinear(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            planned = self.plan is None or self.plan.serves(x.numel() // max(1, x.shape[-1]))
+            planned = self.routing is None or self.routing.serves(x.numel() // max(1, x.shape[-1]))
             if planned and eligible(x, weight, bias, self.max_rows):
                 return small_rows_linear(x, weight, bias)
         return func(*args, **kwargs)

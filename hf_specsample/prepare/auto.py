@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.forwards import WideForwards
-from ..kernels.plan import KernelPlan
+from ..kernels.routing import KernelRouting
 from ..model_facts import ModelFacts, Role
 from ..options import DraftForm, LinearKernel
 from ..round_costs import expected_speedup, weight_bytes
@@ -64,28 +64,28 @@ def choose_form(
     forms: dict[DraftForm, PreTrainedModel],
     source: ModelFacts,
     target: ModelFacts,
-    target_plan: KernelPlan,
+    target_routing: KernelRouting,
     ids: torch.Tensor | None,
     calibration: torch.Tensor | None,
     clock_free: bool,
 ) -> FormChoice:
     """AUTO's choice among `forms` (two or more), made from `source` (the draft as given or its FR-Spec view; the
-    target for "auto"), for `target` whose forwards run under `target_plan` (see the module docstring).
+    target for "auto"), for `target` whose forwards run under `target_routing` (see the module docstring).
 
     Args:
         ids: `(n,)` the target ids the forms' logits stand for (an FR-Spec subset), or None.
         calibration: `(length,)` target token ids of representative text, or None.
     """
     if clock_free:
-        return _chosen_without_clock(forms, target, target_plan, ids, calibration)
-    timings = time_forms(forms, source, target if calibration is not None else None, target_plan)
+        return _chosen_without_clock(forms, target, target_routing, ids, calibration)
+    timings = time_forms(forms, source, target if calibration is not None else None, target_routing)
     seconds, target_seconds = timings.drafts, timings.target
     logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
     if calibration is None or not math.isfinite(target_seconds or math.inf):
         fastest = min(seconds, key=seconds.__getitem__)
         return _with_wide_forwards(FormChoice(fastest, step_seconds=seconds), forms[fastest], source.model)
     assert target_seconds is not None  # finite: the target was timed
-    context = target_plan.applied(calibration.numel())
+    context = target_routing.applied(calibration.numel())
     rates = dict(zip(forms, acceptance(target.model, list(forms.values()), calibration, context, ids)))
     value = {form: expected_speedup(rates[form], seconds[form] / target_seconds) for form in forms}
     best = max(value, key=value.__getitem__)
@@ -100,15 +100,18 @@ class FormTimings(NamedTuple):
 
 
 def time_forms(
-    forms: dict[DraftForm, PreTrainedModel], source: ModelFacts, target: ModelFacts | None, target_plan: KernelPlan
+    forms: dict[DraftForm, PreTrainedModel],
+    source: ModelFacts,
+    target: ModelFacts | None,
+    target_routing: KernelRouting,
 ) -> FormTimings:
     """Single-token steps of each form of a draft (and of the target, if given), as the loop runs them (bf16 models
-    on the small-rows kernel where their default plan puts one row), interleaved (`decode_step_seconds`)."""
+    on the small-rows kernel where their default routing puts one row), interleaved (`decode_step_seconds`)."""
     facts = [source if model is source.model else ModelFacts.of(model, same_config=source) for model in forms.values()]
-    plans = [KernelPlan.for_model(form_facts, LinearKernel.AUTO, role=Role.DRAFT) for form_facts in facts]
-    models, contexts = list(forms.values()), [plan.applied for plan in plans]
+    routings = [KernelRouting.for_model(form_facts, LinearKernel.AUTO, role=Role.DRAFT) for form_facts in facts]
+    models, contexts = list(forms.values()), [plan.applied for plan in routings]
     if target is not None:
-        models, contexts = [*models, target.model], [*contexts, target_plan.applied]
+        models, contexts = [*models, target.model], [*contexts, target_routing.applied]
     seconds = decode_step_seconds(models, contexts=contexts)
     return FormTimings(dict(zip(forms, seconds)), seconds[len(forms)] if target is not None else None)
 
@@ -116,7 +119,7 @@ def time_forms(
 def _chosen_without_clock(
     forms: dict[DraftForm, PreTrainedModel],
     target: ModelFacts,
-    target_plan: KernelPlan,
+    target_routing: KernelRouting,
     ids: torch.Tensor | None,
     calibration: torch.Tensor | None,
 ) -> FormChoice:
@@ -124,7 +127,7 @@ def _chosen_without_clock(
     sizes = {form: weight_bytes(made) for form, made in forms.items()}
     if calibration is None:
         return FormChoice(next(form for form in CLOCK_FREE_ORDER if form in forms), step_bytes=sizes)
-    context = target_plan.applied(calibration.numel())
+    context = target_routing.applied(calibration.numel())
     rates = dict(zip(forms, acceptance(target.model, list(forms.values()), calibration, context, ids)))
     target_bytes = max(1, weight_bytes(target.model))
     value = {form: expected_speedup(rates[form], sizes[form] / target_bytes) for form in forms}

@@ -42,7 +42,7 @@ def decode_step_seconds(
 
     Args:
         contexts: per model, a function of a forward's rows returning the context it runs in, as the loop runs it
-            (a `KernelPlan.applied`); None: plain forwards.
+            (a `KernelRouting.applied`); None: plain forwards.
 
     Returns:
         One figure per model, in order; inf for a model whose forward raised a RuntimeError (an int8 copy cannot
@@ -124,7 +124,7 @@ def acceptance(
 
     Args:
         ids: `(length,)` token ids of representative text (a prompt).
-        target_context: the context the target's forward runs in (its `KernelPlan.applied`, for the same rounding
+        target_context: the context the target's forward runs in (its `KernelRouting.applied`, for the same rounding
             as the loop's; any context does: the figure only steers a choice).
         vocabulary: `(n,)` the target ids a draft's logit columns stand for (an FR-Spec head), or None: its columns
             are the target's ids ``0 .. width - 1``.

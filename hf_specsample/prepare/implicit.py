@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from transformers import PreTrainedModel
 
-from ..kernels.plan import KernelPlan
+from ..kernels.routing import KernelRouting
 from ..model_facts import ModelFacts
 from ..options import DraftForm
 from .prepared_draft import OTHER_TOKENIZER_VOCABULARY, DraftKind, DraftSpec, PreparedDraft, build_draft, shared_width
@@ -29,7 +29,7 @@ def draft_for_call(
     form: DraftForm,
     vocabulary: torch.Tensor | int | None,
     special_ids: list[int],
-    target_plan: KernelPlan,
+    target_routing: KernelRouting,
     other_tokenizer: bool = False,
     calibration: torch.Tensor | None = None,
     clock_free: bool = False,
@@ -40,7 +40,7 @@ def draft_for_call(
         spec: `draft_model=` resolved (a model, a `PreparedDraft` or "auto"); `draft`: its model's facts (None
             for "auto").
         form, vocabulary: the call's `speculative_config` options.
-        target_plan: the target's kernel plan under `LinearKernel.AUTO` (AUTO's timings run the target under it).
+        target_routing: the target's kernel routing under `LinearKernel.AUTO` (AUTO's timings run the target under it).
         special_ids: the call's EOS / padding / BOS ids (an int `vocabulary` keeps them).
         calibration: `(length,)` target token ids of representative text (the call's prompt): where the implicit
             draft is made under AUTO, its forms are weighed by acceptance on it too (`prepare.auto`).
@@ -70,7 +70,7 @@ def draft_for_call(
     # Clock-free, the implicit draft is chosen from the weights alone: weighed on this call's prompt, the choice (so
     # a seeded sample) would depend on which call first prepared the draft in this process.
     calibration = None if other_tokenizer or clock_free else calibration
-    return _IMPLICIT.get(spec, target, draft, form, ids, target_plan, calibration, clock_free)
+    return _IMPLICIT.get(spec, target, draft, form, ids, target_routing, calibration, clock_free)
 
 
 class _TensorState(NamedTuple):
@@ -137,7 +137,7 @@ class _ImplicitDrafts:
         draft: ModelFacts | None,
         form: DraftForm,
         ids: torch.Tensor | None,
-        target_plan: KernelPlan,
+        target_routing: KernelRouting,
         calibration: torch.Tensor | None = None,
         clock_free: bool = False,
     ) -> PreparedDraft:
@@ -154,7 +154,7 @@ class _ImplicitDrafts:
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            prepared = build_draft(spec, target, draft, form, ids, target_plan, calibration, clock_free)
+            prepared = build_draft(spec, target, draft, form, ids, target_routing, calibration, clock_free)
             decided = prepared.step_seconds or prepared.step_bytes
             if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared

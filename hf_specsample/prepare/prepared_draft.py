@@ -29,10 +29,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.forwards import WideForwards
-from ..kernels.plan import KernelPlan
+from ..kernels.routing import KernelRouting
 from ..model_facts import ModelFacts
 from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
-from ..proposers.cross_vocab import SharedVocabulary, shared_vocabulary
+from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers
 from .auto import choose_form
 from .self_draft import default_layers_to_keep, layer_skip_draft
@@ -64,8 +64,8 @@ class PreparedDraft:
             single-token step of each form reads (`lookahead.weight_bytes`), its stand-in for time; else empty.
         tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
             `generate()` uses them when it is given no tokenizers, or these very objects.
-        shared_vocabulary: the tokens those tokenizers share (`proposers.cross_vocab.shared_vocabulary`, built once here
-            instead of in every call).
+        shared_vocabulary: the tokens those tokenizers share (`proposers.cross_tokenizer.shared_vocabulary`, built once
+            here instead of in every call).
         wide: where AUTO timed `model` (a compact form) against the draft as given over prompt lengths and the latter
             was faster: the draft as given (same logit layout) and the rows from which it runs the draft's forwards
             (`cache.forwards.WideForwards`: the prompt, a chat turn); None: every forward runs on `model`. The
@@ -281,9 +281,9 @@ def prepare_draft(
         vocabulary, shared_width(target_facts, draft_facts), special_token_ids(target.generation_config)
     )
     clock_free = target_facts.tensor_parallel  # every rank must choose the same form
-    target_plan = KernelPlan.for_model(target_facts, LinearKernel.AUTO, clock_free=clock_free)
+    target_routing = KernelRouting.for_model(target_facts, LinearKernel.AUTO, clock_free=clock_free)
     calibration = None if other_tokenizer else calibration
-    prepared = build_draft(spec, target_facts, draft_facts, form, ids, target_plan, calibration, clock_free)
+    prepared = build_draft(spec, target_facts, draft_facts, form, ids, target_routing, calibration, clock_free)
     if not other_tokenizer:
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, target_facts.logit_width, prepared.logit_width)
@@ -348,7 +348,7 @@ def build_draft(
     draft: ModelFacts | None,
     form: DraftForm,
     ids: torch.Tensor | None,
-    target_plan: KernelPlan,
+    target_routing: KernelRouting,
     calibration: torch.Tensor | None = None,
     clock_free: bool = False,
 ) -> PreparedDraft:
@@ -361,7 +361,7 @@ def build_draft(
     Args:
         spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`DraftKind.SELF`: draft is None).
         ids: `(n,)` the FR-Spec ids its head keeps, or None.
-        target_plan: the target's kernel plan under `LinearKernel.AUTO` (clock-free where `clock_free`): the
+        target_routing: the target's kernel routing under `LinearKernel.AUTO` (clock-free where `clock_free`): the
             target's forwards in AUTO's timings and acceptance measurements run under it.
     """
     is_self = spec.kind is DraftKind.SELF
@@ -404,7 +404,7 @@ def build_draft(
         ((made, drafter),) = forms.items()
         return PreparedDraft(drafter, ids, width, made, self_draft_of)
     plain = source if model is source.model else ModelFacts.of(model, same_config=source)
-    choice = choose_form(forms, plain, target, target_plan, ids, calibration, clock_free)
+    choice = choose_form(forms, plain, target, target_routing, ids, calibration, clock_free)
     return PreparedDraft(
         forms[choice.form], ids, width, choice.form, self_draft_of, step_seconds=choice.step_seconds,
         acceptance=choice.acceptance, step_bytes=choice.step_bytes, wide=choice.wide, wide_seconds=choice.wide_seconds,

@@ -1,7 +1,7 @@
 """The contract every drafter implements (`Proposer`) and what it hands the verifier each round (`Proposal`).
 
 Three members: `get_candidates` as in transformers' `CandidateGenerator`, batched over rows of different lengths
-and returning what exactness needs (the distributions the draft tokens were drawn from); `keep_confirmed` where
+and returning what exactness needs (the distributions the draft tokens were drawn from); `rollback_to_committed` where
 transformers has `update_candidate_strategy` (roll back to the committed lengths); `forward_passes`. A token
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
 is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rejection.py`
@@ -27,23 +27,23 @@ class DraftBudget(NamedTuple):
     """How many tokens a round may draft, decided by `RoundLookahead` alone; each drafter reads its own field.
 
     Attributes:
-        model: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
-        lookup: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
+        lookahead: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
+        lookup_lookahead: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
     """
 
-    model: int
-    lookup: int
+    lookahead: int
+    lookup_lookahead: int
 
 
 class Proposal(NamedTuple):
     """Draft tokens of one round, and the distributions they were drawn from.
 
     Attributes:
-        tokens: `(batch, k)` long, also written into the buffer after each row's committed tokens.
-        probs: `(batch, k, vocab)` float32, the distributions `tokens` were drawn from, over the target's ids; None
+        tokens: `(batch, K)` long, also written into the buffer after each row's committed tokens.
+        probs: `(batch, K, vocab)` float32, the distributions `tokens` were drawn from, over the target's ids; None
             when every token is a point mass (a lookup proposal, a greedy draft, no token at all).
-        point_mass: `(batch, k)` bool, True where a token is a point mass although `probs` is given (a forced
+        point_mass: `(batch, K)` bool, True where a token is a point mass although `probs` is given (a forced
             n-gram token in a model's proposal): the verifier ignores `probs` there. None: no such position.
         model_steps: draft-model forwards run for it (0: no model ran, e.g. a lookup proposal).
     """
@@ -58,7 +58,7 @@ class Proposer(ABC):
     """A drafter: proposes draft tokens after every active row's committed tokens, once per round.
 
     The loop (`decoding.SpeculativeDecoder`) calls, per round: `get_candidates` (before the target's forward), then,
-    after the round's tokens are committed and finished rows retired, `keep_confirmed` with the rows' new lengths
+    after the round's tokens are committed and finished rows dropped, `rollback_to_committed` with the rows' new lengths
     (only while rows remain). It reads `forward_passes` once, for the statistics, at the end.
     """
 
@@ -73,20 +73,20 @@ class Proposer(ABC):
 
         Args:
             sequences: the call's token buffer: `tokens` `(batch, capacity)`, the committed `lengths` per active
-                row. The proposal's ``k`` tokens of each row are written at columns ``lengths[b] .. lengths[b]+k-1``
+                row. The proposal's ``K`` tokens of each row are written at columns ``lengths[b] .. lengths[b]+K-1``
                 (`Sequences.write`); the committed lengths do not move.
             budget: how many tokens this round may draft, already capped by the room left before `max_length`
-                (`lookahead.RoundLookahead.budget`): a model drafts `budget.model`, a lookup at most
-                `budget.lookup`; 0 drafts nothing.
+                (`lookahead.RoundLookahead.budget`): a model drafts `budget.lookahead`, a lookup at most
+                `budget.lookup_lookahead`; 0 drafts nothing.
 
         Returns:
-            A `Proposal` with `(batch, k)` tokens, ``k`` at most the drafter's width (all rows the same ``k``).
+            A `Proposal` with `(batch, K)` tokens, ``K`` at most the budget's (all rows the same ``K``).
         """
 
     @abstractmethod
-    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
         """Forget what the round drafted beyond the committed tokens (roll a draft's cache back).
 
         Args:
-            lengths: per active row (after the round's finished rows were retired), its committed length.
+            lengths: per active row (after the round's finished rows were dropped), its committed length.
         """

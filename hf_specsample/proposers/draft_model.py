@@ -2,7 +2,7 @@
 
 It implements `proposers.base.Proposer`: `get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`,
 batched over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
-`keep_confirmed` only rolls the draft's cache back to the committed tokens (transformers'
+`rollback_to_committed` only rolls the draft's cache back to the committed tokens (transformers'
 `update_candidate_strategy` also adapts K; here `lookahead.py` does that).
 """
 
@@ -21,7 +21,7 @@ from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
 from ..verify.rejection import first_argmax, sample_from_weights
 from .base import DraftBudget, Proposal, Proposer
-from .cross_vocab import DraftIdBuffer
+from .cross_tokenizer import DraftIdBuffer
 
 
 class DraftVocabulary(NamedTuple):
@@ -50,7 +50,7 @@ class DraftModelProposer(Proposer):
     vocabulary first (-inf elsewhere) so that id-dependent processors see the true ids.
 
     What the draft reads: the target's own token buffer, or with another tokenizer (`inputs`, a
-    `proposers.cross_vocab.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the
+    `proposers.cross_tokenizer.DraftIdBuffer`) each row's text in the draft's ids. Either way, processors see the
     target-id prefix and every proposal is a target id drawn from the returned distribution over target ids.
     """
 
@@ -69,7 +69,7 @@ class DraftModelProposer(Proposer):
         """
         Args:
             facts: the facts of the model that drafts (possibly a prepared copy).
-            forwards: how its forwards run (the kernel plan, prompts on its float original, the compiled step).
+            forwards: how its forwards run (the kernel routing, prompts on its float original, the compiled step).
             vocabulary: which target ids its logits stand for.
             sequences: the target's rows.
             processor: the call's processors (applied with the target-id prefix).
@@ -80,7 +80,7 @@ class DraftModelProposer(Proposer):
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
-        # With another tokenizer the draft's rows may have to drop positions confirmed in earlier rounds to even up
+        # With another tokenizer the draft's rows may have to drop positions committed in earlier rounds to even up
         # (one row gains more draft ids than another), which a sliding-window layer no longer stores: its cache keeps
         # every slot instead (the attention mask still applies the window, so the draft computes the same).
         if inputs is not None:
@@ -106,13 +106,13 @@ class DraftModelProposer(Proposer):
         self.runner.warm_step()
 
     def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
-        """Draft `budget.model` (K) tokens after every active row's committed tokens (see `Proposer.get_candidates`).
+        """Draft `budget.lookahead` (K) tokens after every active row's committed tokens (`Proposer.get_candidates`).
 
         Returns:
             `Proposal` with `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions (None
             for greedy drafts: argmax tokens are point masses).
         """
-        return self.draft(sequences, budget.model)
+        return self.draft(sequences, budget.lookahead)
 
     def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
         """Draft `num_tokens` tokens after every active row's committed tokens, some of them possibly forced.
@@ -130,13 +130,13 @@ class DraftModelProposer(Proposer):
         reads = sequences if self.inputs is None else self.inputs.sequences
         read_lengths = reads.lengths
         drafted, pinned = [], []
-        drafted_probs: torch.Tensor | None = None  # (batch, k, vocab or subset), filled step by step
+        drafted_probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled step by step
         for step in range(num_tokens):
             prefix_lengths = [length + step for length in lengths]
             logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.rows.active)[:, 0]
             if self.do_sample:
-                # one (batch, k, vocab) tensor per round, written in place: no list of steps stacked at the end
+                # one (batch, K, vocab) tensor per round, written in place: no list of steps stacked at the end
                 if drafted_probs is None:
                     shape = (scores.shape[0], num_tokens, scores.shape[-1])
                     drafted_probs = scores.new_empty(shape, dtype=torch.float32)
@@ -157,8 +157,8 @@ class DraftModelProposer(Proposer):
         any_forced = forced is not None and any(row.numel() for row in forced)
         return Proposal(
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=self._full(drafted_probs) if drafted_probs is not None else None,  # (batch, k, vocab)
-            point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, k)
+            probs=self._full(drafted_probs) if drafted_probs is not None else None,  # (batch, K, vocab)
+            point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, K)
             model_steps=num_tokens,
         )
 
@@ -212,25 +212,25 @@ class DraftModelProposer(Proposer):
         return full.scatter_(-1, self.vocabulary.expand(*logits.shape[:-1], -1), logits)
 
     def _full(self, probs: torch.Tensor) -> torch.Tensor:
-        """`(batch, k, subset)` compact probabilities -> `(batch, k, vocab)`, zero outside the subset."""
+        """`(batch, K, subset)` compact probabilities -> `(batch, K, vocab)`, zero outside the subset."""
         if not self.compact:
             return probs
         assert self.vocabulary is not None  # compact: a subset
         full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
         return full.scatter_(-1, self.vocabulary.expand(*probs.shape[:-1], -1), probs)
 
-    def keep_confirmed(self, lengths: Sequence[int]) -> None:
-        """Roll the draft's cache back to the committed tokens (`CachedModel.keep_confirmed`).
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
+        """Roll the draft's cache back to the committed tokens (`CachedModel.rollback_to_committed`).
 
         With another tokenizer, the committed tokens are first appended to the rows' draft ids, and the cache keeps
         only the positions whose draft ids did not change (`DraftIdBuffer.sync`). Where the rows cannot be evened up
         by rolling back, the draft's cache is emptied and its rows packed into one left-padded block again.
         """
         if self.inputs is None:
-            self.runner.keep_confirmed(lengths)
+            self.runner.rollback_to_committed(lengths)
             return
         unchanged = self.inputs.sync()
-        keep = self.runner.confirmed(self.inputs.sequences.lengths, unchanged)
+        keep = self.runner.rollback_point(self.inputs.sequences.lengths, unchanged)
         if min(keep) >= 0:
             self.runner.rollback(keep)
             return

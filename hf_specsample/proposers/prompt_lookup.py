@@ -10,7 +10,7 @@ distribution without that token. The proposal carries the token ids alone (`Prop
 tensor over the vocabulary is built (`verify/rejection.py` handles point masses as such). A row with no match (or a
 match shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
 being good. A round is only as wide as the longest continuation found (no row has one: a plain decoding step), and
-`draft_model="prompt_lookup"` chooses its width like a model draft's K (`lookahead.AdaptiveLookahead`, with a
+`draft_model="prompt_lookup"` chooses its lookahead like a model draft's K (`lookahead.AdaptiveLookahead`, with a
 lookup's near-zero drafting cost), up to `prompt_lookup_num_tokens` (default `lookahead.DEFAULT_LOOKUP_TOKENS`).
 """
 
@@ -76,20 +76,21 @@ class PromptLookupProposer(Proposer):
         ]
 
     def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
-        """Write up to `budget.lookup` proposed tokens after every active row's committed tokens: as many as the
-        longest continuation found (rows with shorter ones, or none, repeat their last token).
+        """Write up to `budget.lookup_lookahead` proposed tokens after every active row's committed tokens: as many as
+        the longest continuation found (rows with shorter ones, or none, repeat their last token).
 
         Returns:
-            `Proposal` with `(batch, k)` tokens, ``k <= budget.lookup``, and no probabilities (all point masses).
+            `Proposal` with `(batch, K)` tokens, ``K <= budget.lookup_lookahead``, and no probabilities (all point
+            masses).
         """
-        return self.propose(sequences, self.continuations(sequences, budget.lookup))
+        return self.propose(sequences, self.continuations(sequences, budget.lookup_lookahead))
 
     def propose(self, sequences: Sequences, found: Sequence[torch.Tensor]) -> Proposal:
         """Write the rows' continuations `found` (per active row, `(m,)` long, possibly empty), padded to the longest
         with each row's last token, after every active row's committed tokens.
 
         Returns:
-            `Proposal` with `(batch, k)` tokens, ``k`` the longest continuation, and `probs` None.
+            `Proposal` with `(batch, K)` tokens, ``K`` the longest continuation, and `probs` None.
         """
         num_tokens = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
         rows = []
@@ -97,21 +98,21 @@ class PromptLookupProposer(Proposer):
             own_last = sequences.tokens[row, sequences.lengths[row] - 1 :][:1]
             last = continuation[-1:] if continuation.numel() else own_last
             rows.append(torch.cat([continuation, last.cpu().repeat(num_tokens - continuation.numel())]))
-        proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, k)
+        proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, K)
         for step in range(num_tokens):
             sequences.write(step, proposed[:, step])
         return Proposal(tokens=proposed, probs=None)
 
-    def keep_confirmed(self, lengths: Sequence[int]) -> None:
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
         """Nothing to roll back: the drafter keeps no state between rounds."""
 
 
 class LookupThenModelProposer(Proposer):
     """`draft_model=small, prompt_lookup_num_tokens=N`: n-gram continuations where rows have one, the model elsewhere.
 
-    With one active row, a round in which it has a continuation drafts up to `budget.lookup` (``max(K, N)``) tokens
-    by lookup alone and the draft model does not run (its cache catches up in a later round). Otherwise the model
-    drafts `budget.model` (K) tokens, and rows with a continuation take its tokens first
+    With one active row, a round in which it has a continuation drafts up to `budget.lookup_lookahead` (``max(K, N)``)
+    tokens by lookup alone and the draft model does not run (its cache catches up in a later round). Otherwise the model
+    drafts `budget.lookahead` (K) tokens, and rows with a continuation take its tokens first
     (`DraftModelProposer.draft(forced=...)`, marked as point masses in the proposal). In a batch the model runs every
     round: skipping it would leave rows behind in its cache by different amounts, and a forward feeds every row the
     same number of positions.
@@ -133,13 +134,13 @@ class LookupThenModelProposer(Proposer):
         """A lookup round (one active row with a continuation), else the model's proposal with n-gram tokens forced.
 
         Returns:
-            `Proposal` with `(batch, k)` tokens: ``k <= budget.lookup`` and `probs` None for a lookup round;
-            ``k = budget.model``, the model's distributions and a `point_mass` mask where tokens were forced.
+            `Proposal` with `(batch, K)` tokens: ``K <= budget.lookup_lookahead`` and `probs` None for a lookup round;
+            ``K = budget.lookahead``, the model's distributions and a `point_mass` mask where tokens were forced.
         """
-        found = self.lookup.continuations(sequences, budget.lookup)
-        if budget.lookup > 0 and sequences.num_active == 1 and found[0].numel():
+        found = self.lookup.continuations(sequences, budget.lookup_lookahead)
+        if budget.lookup_lookahead > 0 and sequences.num_active == 1 and found[0].numel():
             return self.lookup.propose(sequences, found)
-        return self.model.draft(sequences, budget.model, forced=found)
+        return self.model.draft(sequences, budget.lookahead, forced=found)
 
-    def keep_confirmed(self, lengths: Sequence[int]) -> None:
-        self.model.keep_confirmed(lengths)
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
+        self.model.rollback_to_committed(lengths)

@@ -16,7 +16,7 @@ Glossary (one place, one naming):
   accepted.
 - **point mass**: a draft token proposed with certainty (a prompt-lookup continuation, an n-gram token forced into a
   model's proposal, a greedy draft). Its distribution is never materialised as a one-hot row: ``draft_probs=None``
-  says every position is one, a `(batch, num_draft)` bool ``point_mass`` mask says which are among dense ones.
+  says every position is one, a `(batch, lookahead)` bool ``point_mass`` mask says which are among dense ones.
   Its draft probability is 1, so it is accepted with probability ``target_prob``, and the residual at a rejected
   point mass is ``max(0, target_probs - onehot(token))``: the target with that token zeroed.
 
@@ -35,7 +35,7 @@ class Verdict(NamedTuple):
     """Outcome of one verification round for every row.
 
     Attributes:
-        num_accepted: `(batch,)` long, number of leading draft tokens accepted, in ``[0, num_draft]``.
+        num_accepted: `(batch,)` long, number of leading draft tokens accepted, in ``[0, lookahead]``.
         next_tokens: `(batch,)` long, the recovered token (a rejection happened) or the bonus token (all accepted).
     """
 
@@ -144,14 +144,14 @@ def speculative_accept(
     Algorithm 2 of Chen et al. (2023) / Algorithm 1 of Leviathan et al. (2022), batched over rows.
 
     Args:
-        draft_tokens: `(batch, num_draft)` long, the tokens the draft sampled.
-        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from; None:
+        draft_tokens: `(batch, lookahead)` long, the tokens the draft sampled.
+        draft_probs: `(batch, lookahead, vocab)` float, the distributions `draft_tokens` were sampled from; None:
             every draft token is a point mass.
-        target_probs: `(batch, num_draft + 1, vocab)` float, the target's distribution at each drafted position and
+        target_probs: `(batch, lookahead + 1, vocab)` float, the target's distribution at each drafted position and
             at the position after the last draft token.
         generator: optional generator for the acceptance draws and the recovered/bonus sample.
-        uniform: optional `(batch, num_draft)` acceptance draws in [0, 1) (tests); drawn with `generator` if None.
-        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (its row of
+        uniform: optional `(batch, lookahead)` acceptance draws in [0, 1) (tests); drawn with `generator` if None.
+        point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass (its row of
             `draft_probs` is then ignored); None: none is, unless `draft_probs` is None.
         sample_draws: optional `(batch, 1)` float64 uniforms of the recovered/bonus sample (`sample_uniform`); drawn
             with `generator` after `uniform` if None. (`verify.verification` draws both for all rows at once, then
@@ -161,27 +161,27 @@ def speculative_accept(
         A :class:`Verdict`. A zero draft probability rejects (never divides); an all-zero residual falls back to the
         target's distribution at that position.
     """
-    batch, num_draft = draft_tokens.shape
+    batch, lookahead = draft_tokens.shape
     _check_draft(draft_tokens, draft_probs, point_mass)
-    assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
+    assert target_probs.shape[:2] == (batch, lookahead + 1), f"target_probs {tuple(target_probs.shape)}"
     if uniform is None:
-        uniform = uniform_like((batch, num_draft), target_probs.device, generator)
+        uniform = uniform_like((batch, lookahead), target_probs.device, generator)
 
     index = draft_tokens.unsqueeze(-1)
-    draft_p = draft_token_probs(draft_tokens, draft_probs, point_mass)  # (batch, num_draft)
-    target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1)  # (batch, num_draft)
+    draft_p = draft_token_probs(draft_tokens, draft_probs, point_mass)  # (batch, lookahead)
+    target_p = target_probs[:, :lookahead].gather(-1, index).squeeze(-1)  # (batch, lookahead)
     # u < target_p / draft_p, written without the division; draft_p == 0 rejects.
-    accepted = (draft_p > 0) & (uniform * draft_p < target_p)  # (batch, num_draft)
+    accepted = (draft_p > 0) & (uniform * draft_p < target_p)  # (batch, lookahead)
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
 
     rows = torch.arange(batch, device=target_probs.device)
     target_next = target_probs[rows, num_accepted]  # (batch, vocab)
-    if num_draft == 0:
+    if lookahead == 0:
         return Verdict(num_accepted, sample_from_weights(target_next, generator, sample_draws))
     # The draft distribution at the first rejected position is subtracted; nothing for rows that accepted everything
     # (bonus token).
-    rejected_somewhere = num_accepted < num_draft  # (batch,)
-    at = num_accepted.clamp(max=num_draft - 1)  # (batch,)
+    rejected_somewhere = num_accepted < lookahead  # (batch,)
+    at = num_accepted.clamp(max=lookahead - 1)  # (batch,)
     residual = residual_weights(
         target_next,
         draft_tokens[rows, at],
@@ -218,13 +218,13 @@ def block_accept(
     Token verification's test differs only in stopping at the first failure and using ``weight_{i-1} = 1``.
 
     Args:
-        draft_tokens: `(batch, num_draft)` long.
-        draft_probs: `(batch, num_draft, vocab)` float, the distributions `draft_tokens` were sampled from; None:
+        draft_tokens: `(batch, lookahead)` long.
+        draft_probs: `(batch, lookahead, vocab)` float, the distributions `draft_tokens` were sampled from; None:
             every draft token is a point mass.
-        target_probs: `(batch, num_draft + 1, vocab)` float.
+        target_probs: `(batch, lookahead + 1, vocab)` float.
         generator: optional generator for the draws.
-        uniform: optional `(batch, num_draft)` draws in [0, 1) (tests); drawn with `generator` if None.
-        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass (see
+        uniform: optional `(batch, lookahead)` draws in [0, 1) (tests); drawn with `generator` if None.
+        point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass (see
             `speculative_accept`).
         sample_draws: optional `(batch, 1)` float64 uniforms of the next token's sample (see `speculative_accept`).
 
@@ -232,18 +232,18 @@ def block_accept(
         A :class:`Verdict`. A zero draft probability gives weight 0 (never divides); an all-zero residual falls back
         to the target's distribution at that position (a case of probability zero).
     """
-    batch, num_draft = draft_tokens.shape
+    batch, lookahead = draft_tokens.shape
     _check_draft(draft_tokens, draft_probs, point_mass)
-    assert target_probs.shape[:2] == (batch, num_draft + 1), f"target_probs {tuple(target_probs.shape)}"
+    assert target_probs.shape[:2] == (batch, lookahead + 1), f"target_probs {tuple(target_probs.shape)}"
     rows = torch.arange(batch, device=target_probs.device)
-    if num_draft == 0:
+    if lookahead == 0:
         return Verdict(rows * 0, sample_from_weights(target_probs[:, 0], generator, sample_draws))
     if uniform is None:
-        uniform = uniform_like((batch, num_draft), target_probs.device, generator)
+        uniform = uniform_like((batch, lookahead), target_probs.device, generator)
 
     index = draft_tokens.unsqueeze(-1)
     draft_p = draft_token_probs(draft_tokens, draft_probs, point_mass).double()  # (batch, K)
-    target_p = target_probs[:, :num_draft].gather(-1, index).squeeze(-1).double()  # (batch, K)
+    target_p = target_probs[:, :lookahead].gather(-1, index).squeeze(-1).double()  # (batch, K)
     ratio = torch.where(draft_p > 0, target_p / draft_p.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
     # weight_i = min(1, weight_{i-1} ratio_i) without a loop over positions: in logs, with S_i the running sum of
     # log ratio_j (S_0 = 0), log weight_i = S_i - max_{j <= i} S_j (induction: min(0, S_i - M_{i-1}) = S_i - M_i);
@@ -251,20 +251,20 @@ def block_accept(
     running = torch.cat([ratio.new_zeros((batch, 1)), ratio.log().cumsum(dim=-1)], dim=1)  # (batch, K + 1)
     weight = (running - running.cummax(dim=-1).values).exp()  # (batch, K + 1): weight_0 .. weight_K
     # residual_i for i = 0 .. K-1: after i accepted tokens, against the draft's distribution at that position.
-    scale = weight[:, :num_draft, None].to(target_probs.dtype)
-    residual = residual_weights(scale * target_probs[:, :num_draft], draft_tokens, draft_probs, point_mass)
+    scale = weight[:, :lookahead, None].to(target_probs.dtype)
+    residual = residual_weights(scale * target_probs[:, :lookahead], draft_tokens, draft_probs, point_mass)
     mass = residual.sum(dim=-1).double()  # (batch, K)
-    denominator = mass + 1 - weight[:, :num_draft]
+    denominator = mass + 1 - weight[:, :lookahead]
     keep = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
-    keep = torch.cat([keep[:, 1:], weight[:, num_draft:]], dim=1)  # h_1 .. h_K, (batch, K)
+    keep = torch.cat([keep[:, 1:], weight[:, lookahead:]], dim=1)  # h_1 .. h_K, (batch, K)
     passed = uniform.double() < keep  # (batch, K); `<`: probability h_i for u in [0, 1), never when h_i = 0
-    positions = torch.arange(1, num_draft + 1, device=target_probs.device)
+    positions = torch.arange(1, lookahead + 1, device=target_probs.device)
     num_accepted = (passed * positions).amax(dim=-1)  # (batch,) the last i that passed, 0 if none
 
     target_next = target_probs[rows, num_accepted]  # (batch, vocab)
-    last = num_accepted.clamp(max=num_draft - 1)
+    last = num_accepted.clamp(max=lookahead - 1)
     chosen = residual[rows, last]  # (batch, vocab)
-    bonus = (num_accepted == num_draft).unsqueeze(-1)
+    bonus = (num_accepted == lookahead).unsqueeze(-1)
     weights_next = torch.where(bonus | (chosen.sum(-1, keepdim=True) <= 0), target_next, chosen)
     return Verdict(num_accepted, sample_from_weights(weights_next, generator, sample_draws))
 
@@ -290,18 +290,18 @@ def first_argmax(scores: torch.Tensor) -> torch.Tensor:
     Returns:
         `(...)` long.
     """
-    width = scores.shape[-1]
-    if scores.device.type != "cpu" or width < 64 * ARGMAX_BLOCK:
+    logit_width = scores.shape[-1]
+    if scores.device.type != "cpu" or logit_width < 64 * ARGMAX_BLOCK:
         return scores.argmax(dim=-1)
-    flat = scores if scores.dim() == 2 else scores.reshape(-1, width)  # (rows, vocab)
-    rows, blocks = flat.shape[0], width // ARGMAX_BLOCK
+    flat = scores if scores.dim() == 2 else scores.reshape(-1, logit_width)  # (rows, vocab)
+    rows, blocks = flat.shape[0], logit_width // ARGMAX_BLOCK
     whole = blocks * ARGMAX_BLOCK
-    by_block = (flat if whole == width else flat[:, :whole]).view(rows, blocks, ARGMAX_BLOCK)  # a view
+    by_block = (flat if whole == logit_width else flat[:, :whole]).view(rows, blocks, ARGMAX_BLOCK)  # a view
     # argmax over the block maxima is the first block holding the row's maximum (or its first NaN: amax keeps NaN)
     first = by_block.amax(dim=-1).argmax(dim=-1)  # (rows,)
     within = by_block[torch.arange(rows), first].argmax(dim=-1)  # (rows,)
     index = torch.add(within, first, alpha=ARGMAX_BLOCK)  # (rows,)
-    if whole < width:  # the tail beyond the last whole block wins only where torch's argmax would pick it
+    if whole < logit_width:  # the tail beyond the last whole block wins only where torch's argmax would pick it
         tail = flat[:, whole:]
         candidates = torch.stack([flat.gather(1, index[:, None])[:, 0], tail.amax(dim=-1)])  # (2, rows)
         index = torch.where(candidates.argmax(dim=0).bool(), whole + tail.argmax(dim=-1), index)
@@ -312,16 +312,16 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Ve
     """Greedy verification: keep draft tokens while they equal the target's argmax, then take the target's token.
 
     Args:
-        draft_tokens: `(batch, num_draft)` long.
-        target_tokens: `(batch, num_draft + 1)` long, the target's argmax at each drafted position and one after.
+        draft_tokens: `(batch, lookahead)` long.
+        target_tokens: `(batch, lookahead + 1)` long, the target's argmax at each drafted position and one after.
 
     Returns:
         A :class:`Verdict`; ``next_tokens`` is the target's own argmax after the accepted run, so the committed
         tokens are exactly the target's greedy continuation.
     """
-    batch, num_draft = draft_tokens.shape
-    assert target_tokens.shape == (batch, num_draft + 1), f"target_tokens {tuple(target_tokens.shape)}"
-    matches = draft_tokens == target_tokens[:, :num_draft]  # (batch, num_draft)
+    batch, lookahead = draft_tokens.shape
+    assert target_tokens.shape == (batch, lookahead + 1), f"target_tokens {tuple(target_tokens.shape)}"
+    matches = draft_tokens == target_tokens[:, :lookahead]  # (batch, lookahead)
     num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
     next_tokens = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # (batch,)
     return Verdict(num_accepted, next_tokens)
@@ -349,15 +349,15 @@ def flag_nonfinite(
 
     Args:
         verdict: the round's verdict.
-        draft_probs: `(batch, num_draft, vocab)`, or None (every draft token a point mass).
-        target_probs: `(batch, num_draft + 1, vocab)`.
-        point_mass: optional `(batch, num_draft)` bool, True where the draft token is a point mass.
+        draft_probs: `(batch, lookahead, vocab)`, or None (every draft token a point mass).
+        target_probs: `(batch, lookahead + 1, vocab)`.
+        point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass.
 
     Returns:
         The verdict with `num_accepted` replaced by `NonFinite.TARGET` / `NonFinite.DRAFT` in the rows concerned.
     """
-    num_draft = target_probs.shape[1] - 1
-    used = torch.arange(num_draft + 1, device=target_probs.device) <= verdict.num_accepted[:, None]  # (batch, K+1)
+    lookahead = target_probs.shape[1] - 1
+    used = torch.arange(lookahead + 1, device=target_probs.device) <= verdict.num_accepted[:, None]  # (batch, K+1)
     # A row's sum is finite exactly when all of its entries are (probabilities: no sum overflows): one pass less.
     target_bad = (~torch.isfinite(target_probs.sum(dim=-1)) & used).any(dim=-1)  # (batch,)
     codes = verdict.num_accepted
@@ -365,7 +365,7 @@ def flag_nonfinite(
         draft_nonfinite = ~torch.isfinite(draft_probs.sum(dim=-1))  # (batch, K)
         if point_mass is not None:
             draft_nonfinite &= ~point_mass
-        draft_bad = (draft_nonfinite & used[:, :num_draft]).any(dim=-1)  # (batch,)
+        draft_bad = (draft_nonfinite & used[:, :lookahead]).any(dim=-1)  # (batch,)
         codes = torch.where(draft_bad, int(NonFinite.DRAFT), codes)
     codes = torch.where(target_bad, int(NonFinite.TARGET), codes)
     return Verdict(codes, verdict.next_tokens)
@@ -377,16 +377,16 @@ def draft_token_probs(
     """The draft's probability of each of its tokens: gathered from `draft_probs`, 1 at a point mass.
 
     Args:
-        draft_tokens: `(..., num_draft)` long.
-        draft_probs: `(..., num_draft, vocab)` float, or None (every token a point mass).
-        point_mass: optional `(..., num_draft)` bool, True where the token is a point mass.
+        draft_tokens: `(..., lookahead)` long.
+        draft_probs: `(..., lookahead, vocab)` float, or None (every token a point mass).
+        point_mass: optional `(..., lookahead)` bool, True where the token is a point mass.
 
     Returns:
-        `(..., num_draft)` float32 (or `draft_probs`' dtype).
+        `(..., lookahead)` float32 (or `draft_probs`' dtype).
     """
     if draft_probs is None:
         return torch.ones(draft_tokens.shape, dtype=torch.float32, device=draft_tokens.device)
-    probs = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (..., num_draft)
+    probs = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (..., lookahead)
     return probs if point_mass is None else torch.where(point_mass, 1.0, probs)
 
 

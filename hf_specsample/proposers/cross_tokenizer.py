@@ -93,7 +93,7 @@ def token_bytes(token: str, form: TokenForm) -> bytes:
     return token.encode()
 
 
-def vocabulary_contents(tokenizer: Any, as_bytes: bool = True) -> dict[str | bytes, int]:
+def token_contents(tokenizer: Any, as_bytes: bool = True) -> dict[str | bytes, int]:
     """Content -> id over the tokenizer's whole vocabulary; where several ids have one content, the lowest id.
 
     Args:
@@ -164,7 +164,7 @@ def shared_vocabulary(
     """Pair the tokens of equal content of two tokenizers, within the models' logit widths (cached per pair).
 
     Tokenizers of one `token_form` are compared by their vocabulary strings; otherwise by the bytes each token
-    stands for (`vocabulary_contents`). Pairs are made one-to-one: where an id would pair twice, the pair with the
+    stands for (`token_contents`). Pairs are made one-to-one: where an id would pair twice, the pair with the
     lowest target id (then draft id) stays. Qwen2.5-Coder (151,936 ids) with SmolLM2 (49,152 ids), both byte-level,
     share 39,237 tokens; building the pairs takes about 0.25 s of CPU time, so the result is kept weakly per
     tokenizer pair, keyed by the logit widths and by what a tokenizer can change in place (its size and its added
@@ -177,14 +177,14 @@ def shared_vocabulary(
         entries = _SHARED.setdefault(target_tokenizer, weakref.WeakKeyDictionary()).setdefault(draft_tokenizer, {})
     except TypeError:  # a tokenizer that cannot be referenced weakly: built for this call only
         return _pair_vocabularies(target_tokenizer, draft_tokenizer, target_width, draft_width)
-    key = (target_width, draft_width, _vocabulary_state(target_tokenizer), _vocabulary_state(draft_tokenizer))
+    key = (target_width, draft_width, _tokenizer_state(target_tokenizer), _tokenizer_state(draft_tokenizer))
     if key not in entries:
         entries.clear()  # one map per pair: the previous one described the tokenizers before a change
         entries[key] = _pair_vocabularies(target_tokenizer, draft_tokenizer, target_width, draft_width)
     return entries[key]
 
 
-def _vocabulary_state(tokenizer: Any) -> tuple:
+def _tokenizer_state(tokenizer: Any) -> tuple:
     """What of a tokenizer's vocabulary can change after loading: its size and its added tokens."""
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else len(tokenizer.get_vocab())
@@ -196,8 +196,8 @@ def _pair_vocabularies(
 ) -> SharedVocabulary:
     """`shared_vocabulary`, built."""
     as_bytes = token_form(target_tokenizer) is not token_form(draft_tokenizer)
-    target = vocabulary_contents(target_tokenizer, as_bytes)
-    draft = vocabulary_contents(draft_tokenizer, as_bytes)
+    target = token_contents(target_tokenizer, as_bytes)
+    draft = token_contents(draft_tokenizer, as_bytes)
     pairs = sorted((target[key], draft[key]) for key in target.keys() & draft.keys())
     seen_targets, seen_drafts, kept = set(), set(), []
     for token, column in pairs:
@@ -292,14 +292,14 @@ class DraftIdBuffer:
     output distribution never depends on them (the verifier uses the distribution each proposal was drawn from).
     """
 
-    def __init__(self, target: Sequences, vocabulary: SharedVocabulary, bridge: TextBridge):
+    def __init__(self, target: Sequences, shared: SharedVocabulary, bridge: TextBridge):
         """
         Args:
             target: the target's rows (their prompts must be committed, nothing generated yet).
-            vocabulary: the shared vocabulary, its lookups on `target.tokens`' device.
+            shared: the shared vocabulary, its lookups on `target.tokens`' device.
             bridge: translation through text for prompts and unshared tokens.
         """
-        self.target, self.vocabulary, self.bridge = target, vocabulary, bridge
+        self.target, self.shared, self.bridge = target, shared, bridge
         is_real = target.is_real(target.prompt_length)  # (batch, prompt_length)
         prompt = target.tokens[:, : target.prompt_length].cpu()
         rows = [bridge.prompt(prompt[row][is_real[row]].tolist()) for row in range(target.num_active)]
@@ -322,7 +322,7 @@ class DraftIdBuffer:
         A token the draft lacks (a forced n-gram token, or a greedy draft whose scores were all -inf) is fed as id 0:
         the draft's later proposals condition on another token, which costs acceptance only.
         """
-        draft_ids = self.vocabulary.target_to_draft[target_tokens].clamp_min(0)
+        draft_ids = self.shared.target_to_draft[target_tokens].clamp_min(0)
         self.sequences.reserve(max(self.sequences.lengths) + step + 1)
         self.sequences.write(step, draft_ids)
         self.drafted = step + 1
@@ -341,7 +341,7 @@ class DraftIdBuffer:
         columns = (torch.tensor(self.synced, device=device)[:, None] + offsets).clamp(max=target.capacity - 1)
         new = target.tokens.gather(1, columns)  # (rows, width) the committed target tokens, then anything
         valid = offsets < torch.tensor(counts, device=device)[:, None]  # (rows, width)
-        mapped = torch.where(valid, self.vocabulary.target_to_draft[new], ABSENT)  # (rows, width) -1: no draft id
+        mapped = torch.where(valid, self.shared.target_to_draft[new], ABSENT)  # (rows, width) -1: no draft id
         # The committed tokens that equal this round's drafted ones are in the draft buffer already, fed.
         drafted = min(self.drafted, width)
         starts = torch.tensor(draft.lengths, device=device)[:, None]  # (rows, 1)

@@ -1,6 +1,6 @@
-"""Which forwards of a model the small-rows kernel serves (`KernelPlan`), decided once per model and machine.
+"""Which forwards of a model the small-rows kernel serves (`KernelRouting`), decided once per model and machine.
 
-`KernelPlan.for_model(facts, choice)`: the kernel is first checked against eager `F.linear` on the model's own
+`KernelRouting.for_model(facts, choice)`: the kernel is first checked against eager `F.linear` on the model's own
 largest weight (a disagreement turns it off, with a message); under `LinearKernel.AUTO` each forward of 1 to
 `MAX_ROWS` kernel rows (and a prompt's) runs on it where a timing on that weight finds it faster. Both are kept per
 model (weakly) and per weight version and thread count, for later calls.
@@ -26,7 +26,7 @@ from .small_rows import MAX_ROWS, PROMPT_PROBE_ROWS, PROMPT_ROWS, KernelPath, Sm
 
 
 @dataclass(frozen=True)
-class KernelPlan:
+class KernelRouting:
     """Which forwards of a model the kernel serves, by their rows (batch * positions).
 
     Attributes:
@@ -52,27 +52,27 @@ class KernelPlan:
         return SmallRowsLinear(max(rows, MAX_ROWS)) if self.serves(rows) else contextlib.nullcontext()
 
     def everywhere(self):
-        """A context in which every linear runs as this plan says by its own row count: plain `generate()` with
+        """A context in which every linear runs as this routing says by its own row count: plain `generate()` with
         the kernel where it pays (its prompt and its steps), to tell the kernel's share from speculation's."""
-        return SmallRowsLinear(plan=self) if self.is_on else contextlib.nullcontext()
+        return SmallRowsLinear(routing=self) if self.is_on else contextlib.nullcontext()
 
     @property
     def is_on(self) -> bool:
         return bool(self.rows) or self.prompt_rows > 0
 
     @classmethod
-    def off(cls, reason: str) -> "KernelPlan":
+    def off(cls, reason: str) -> "KernelRouting":
         return cls(frozenset(), reason)
 
     @classmethod
-    def every_round(cls, reason: str) -> "KernelPlan":
+    def every_round(cls, reason: str) -> "KernelRouting":
         return cls(ALL_ROWS, reason)
 
     @classmethod
     def for_model(
         cls, facts: ModelFacts, choice: LinearKernel, clock_free: bool = False, role: Role = Role.TARGET
-    ) -> "KernelPlan":
-        """The plan for the model of `facts` under `choice` (AUTO's timing and the check are done once per model and
+    ) -> "KernelRouting":
+        """The routing for the model of `facts` under `choice` (AUTO's timing and the check are done once per model and
         weight set).
 
         Before the kernel serves a model, its output is checked against eager `F.linear` on the model's own largest
@@ -122,11 +122,11 @@ class KernelPlan:
                 return cls.off(f"off: a seeded call decides without the clock (no vector path here){built}")
             return cls.every_round(f"on for 1-{MAX_ROWS} rows, {path} path: a seeded call decides without the clock"
                                    f"{built}")  # fmt: skip
-        plans = _PLANS.setdefault(model, {})
-        if key not in plans:
-            plans[key] = _timed_plan(weight)
-        plan = plans[key]
-        return cls(plan.rows, plan.reason + built, plan.prompt_rows)
+        routings = _ROUTINGS.setdefault(model, {})
+        if key not in routings:
+            routings[key] = _timed_routing(weight)
+        routing = routings[key]
+        return cls(routing.rows, routing.reason + built, routing.prompt_rows)
 
 
 ALL_ROWS = frozenset(range(1, MAX_ROWS + 1))
@@ -170,13 +170,13 @@ def _check_against_eager(weight: torch.Tensor) -> str | None:
 
 # Timed calls per row count and method (after one warm-up call each), medians compared. With 3 a count whose costs are
 # within a few percent (the AMX path at 11 rows of Qwen2.5's head: 0.69 against 0.71 ms) fell to either side by noise,
-# leaving holes in the plan between counts the kernel won; 7 cost 0.1 s more per model.
+# leaving holes in the routing between counts the kernel won; 7 cost 0.1 s more per model.
 TIMED_REPEATS = 7
 PROBE_WEIGHT_ROWS = 4096  # weight rows per timed call (12.6 MB of Qwen2.5's head); calls step through the weight
 
 
 @torch.no_grad()
-def _timed_plan(weight: torch.Tensor) -> KernelPlan:
+def _timed_routing(weight: torch.Tensor) -> KernelRouting:
     """Time the kernel against eager `F.linear` on `weight` at every row count 1..`MAX_ROWS` and at a prompt's
     `PROMPT_PROBE_ROWS` rows; the kernel serves the counts where it is faster (about 0.3-0.6 s in all).
 
@@ -220,8 +220,8 @@ def _timed_plan(weight: torch.Tensor) -> KernelPlan:
     on_weight = f"timed on the model's largest weight {tuple(weight.shape)}"
     shown = f"{small_rows.best_path()} path, {on_weight}, ms eager/kernel by rows: {shown}"
     if not served and not prompt_rows:
-        return KernelPlan.off(f"off: eager is faster at every row count here ({shown})")
-    return KernelPlan(served, f"on for {_ranges(served)} rows{' and prompts' if prompt_rows else ''} ({shown})",
+        return KernelRouting.off(f"off: eager is faster at every row count here ({shown})")
+    return KernelRouting(served, f"on for {_ranges(served)} rows{' and prompts' if prompt_rows else ''} ({shown})",
                       prompt_rows)  # fmt: skip
 
 
@@ -236,6 +236,6 @@ def _ranges(counts: frozenset[int]) -> str:
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs) or "no"
 
 
-# model -> {(largest weight's storage, version, threads): timed plan / check}. Weak: dropped with the model.
-_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, KernelPlan]]" = weakref.WeakKeyDictionary()
+# model -> {(largest weight's storage, version, threads): timed routing / check}. Weak: dropped with the model.
+_ROUTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, KernelRouting]]" = weakref.WeakKeyDictionary()
 _CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str | None]]" = weakref.WeakKeyDictionary()
