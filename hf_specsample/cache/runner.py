@@ -220,8 +220,9 @@ class ForwardRunner:
 
 
 # cache -> {(rows, width): its runner}. Weak: a runner lives as long as the cache it serves, so a cache kept between
-# calls (`cache.static_addresses.POOL`) keeps its compiled or captured runners too. Rows dropped as they finish replace the
-# cache's tensors (`row_ops.select_rows`): the runners of the old rows are dropped then (`CachedModel._run`).
+# calls (`cache.static_addresses.POOL`) keeps its compiled or captured runners too. Rows dropped as they finish
+# replace the cache's tensors (`row_ops.select_rows`): the runners of the old rows are dropped then
+# (`CachedModel._run`).
 _RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], ForwardRunner]]" = weakref.WeakKeyDictionary()
 
 
