@@ -90,7 +90,6 @@ class SpeculativeDecoder:
         self.sequences = Sequences(input_ids, mask, self.max_length + 1, position_ids)
         real = self.sequences.is_real(plan.cached_slots)
         self.target = CachedModel(plan.target, batch_size, plan.cache, real, plan.forwards, self.sequences)
-        self.sequences.rows.attach(self.target)
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = plan.new_stats()
         self.recorder = OutputRecorder(generation_config, batch_size)
@@ -233,7 +232,10 @@ class SpeculativeDecoder:
         self.target.rollback_to_committed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
         if self.keep_cache:
             self.keep_finished_caches(done)
-        seqs.drop_finished(done)  # drops finished rows from the buffer and from both caches
+        kept = seqs.drop_finished(done)  # the token buffers (and the row book) keep the other rows
+        if seqs.num_active and len(kept) < len(done):  # each cache told which rows stay
+            self.target.select_rows(kept)
+            self.drafter.select_rows(kept)
         if seqs.num_active:
             self.drafter.rollback_to_committed(seqs.lengths)
 
