@@ -6,7 +6,7 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import transformers_api
 from .cache.cached_model import CachedModel
-from .options import SpeculativeConfig
+from .options import SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .plan import CallPlan, plan_call, resolve_inputs
 from .prepare.prepared_draft import PreparedDraft
@@ -93,9 +93,10 @@ class SpeculativeDecoder:
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = plan.new_stats()
         self.recorder = OutputRecorder(generation_config, batch_size)
+        verification = cast(Verification, plan.config.verification)  # a string given is parsed into the enum
         self.verifier = RoundVerifier.for_call(
             inputs.logits_processor, batch_size, plan.config.fast_processors, bool(generation_config.do_sample),
-            plan.config.verification, plan.generator, self.recorder.keep_scores, plan.target.tensor_parallel,
+            verification, plan.generator, self.recorder.keep_scores, plan.target.tensor_parallel,
         )  # fmt: skip
         self.model_drafter, self.drafter = plan.drafters(
             self.sequences, self.verifier.processor, bool(generation_config.do_sample)
