@@ -12,25 +12,18 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import distributed, transformers_api
-from .cache import row_ops, static_addresses
+from . import transformers_api
 from .cache.cached_model import CachedModel
-from .options import NamedDraft, SpeculativeConfig, Verification
+from .options import SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .plan import CallPlan, plan_call, resolve_inputs
 from .prepare.prepared_draft import PreparedDraft
-from .proposers.base import DraftBudget, Proposal, Proposer
-from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
-from .proposers.draft_model import DraftModelProposer
-from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
-from .round_costs import RoundRecord
+from .proposers.base import DraftBudget, Proposal
 from .round_timer import PhaseTimer
 from .sequences import Sequences
-from .stats import SpeculativeStats
-from .verify.processing import PositionwiseProcessor
-from .verify.rejection import NonFinite, Verdict, block_accept, speculative_accept
+from .verify.rejection import Verdict
 from .verify.round_verifier import RoundVerifier
-from .verify.stopping import StopCheck
+from .verify.stopping import RoundRead, StopCheck
 
 
 def speculative_generate(
@@ -84,64 +77,32 @@ class SpeculativeDecoder:
     """State of one speculative `generate()` call; `run()` is the loop."""
 
     def __init__(self, plan: CallPlan):
-        inputs, target, draft = plan.inputs, plan.target, plan.draft
-        input_ids, generation_config = inputs.input_ids, inputs.generation_config
+        inputs, generation_config = plan.inputs, plan.inputs.generation_config
+        input_ids, batch_size = inputs.input_ids, inputs.batch_size
         self.plan, self.max_length = plan, int(generation_config.max_length)
-        self.do_sample, self.generator = bool(generation_config.do_sample), plan.generator
         self.pad_token_id = _as_int(transformers_api.pad_token_id(generation_config))
-        self.verification, self.tensor_parallel = plan.config.verification, target.tensor_parallel
-        self.stops, self.streamer = (
-            StopCheck(inputs.stopping_criteria, input_ids.device, inputs.batch_size),
-            inputs.streamer,
-        )
-        self.processor = PositionwiseProcessor(inputs.logits_processor, inputs.batch_size, plan.config.fast_processors)
+        self.stops, self.streamer = StopCheck(inputs.stopping_criteria, input_ids.device, batch_size), inputs.streamer
         # A row never holds more than max_length tokens: `RoundLookahead` caps K so that the drafts and the
         # recovered/bonus token fit (one spare column).
         position_ids = inputs.model_kwargs.get("position_ids")
         position_ids = position_ids if position_ids is not None and position_ids.dim() == 2 else None
         mask = inputs.model_kwargs.get("attention_mask")
         self.sequences = Sequences(input_ids, mask, self.max_length + 1, position_ids)
-        cached = row_ops.total_slots(plan.cache) if plan.cache is not None else 0
-        self.target = CachedModel(
-            target, inputs.batch_size, plan.cache, self.sequences.is_real(cached), plan.forwards, self.sequences
-        )
-        self.sequences.rows.attach(self.target)
+        real = self.sequences.is_real(plan.cached_slots)
+        self.target = CachedModel(plan.target, batch_size, plan.cache, real, plan.forwards, self.sequences)
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
-        self.stats = SpeculativeStats.for_batch(inputs.batch_size)
-        self.stats.linear_kernel = plan.kernel_description
-        self.stats.graphs = plan.graphs
-        self.stats.draft_form = draft.description if draft is not None else str(NamedDraft.PROMPT_LOOKUP)
-        self.model_drafter = self.draft_proposer() if draft is not None else None
-        self.drafter = self.proposer(plan.max_ngram)
-        self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
-        self.recorder = OutputRecorder(generation_config, inputs.batch_size)
-        rule = block_accept if self.verification is Verification.BLOCK else speculative_accept
-        self.verifier = RoundVerifier(self.processor, self.do_sample, rule, self.generator, self.recorder.keep_scores)
-        self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
-
-    def proposer(self, ngram: int | None) -> Proposer:
-        """The round's drafter: the draft model, n-gram lookup of up to `ngram` tokens (without a draft model the plan
-        always sets it), or both (n-gram continuations first, the model else)."""
-        if self.model_drafter is None:
-            return PromptLookupProposer(cast(int, ngram))
-        if ngram is None:
-            return self.model_drafter
-        return LookupThenModelProposer(self.model_drafter, PromptLookupProposer(ngram))
-
-    def draft_proposer(self) -> DraftModelProposer:
-        """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
-        draft = self.plan.draft
-        assert draft is not None, "a draft-model proposer needs the plan's draft"
-        inputs = None
-        if draft.shared is not None:  # reads the rows' text in its own ids
-            assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
-            self.stats.shared_vocabulary = draft.shared.size
-            shared = draft.shared.to(self.sequences.tokens.device)
-            inputs = DraftIdBuffer(self.sequences, shared, TextBridge(*draft.tokenizers))
-        return DraftModelProposer(
-            draft.facts, draft.forwards, draft.vocabulary, self.sequences, self.processor, self.do_sample,
-            self.generator, inputs, draft.cache,
+        self.stats = plan.new_stats()
+        self.recorder = OutputRecorder(generation_config, batch_size)
+        verification = cast(Verification, plan.config.verification)  # a string given is parsed into the enum
+        self.verifier = RoundVerifier.for_call(
+            inputs.logits_processor, batch_size, plan.config.fast_processors, bool(generation_config.do_sample),
+            verification, plan.generator, self.recorder.keep_scores, plan.target.tensor_parallel,
         )  # fmt: skip
+        self.model_drafter, self.drafter = plan.drafters(
+            self.sequences, self.verifier.processor, bool(generation_config.do_sample)
+        )
+        self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
+        self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
@@ -166,16 +127,15 @@ class SpeculativeDecoder:
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
         if self.plan.pooled:  # the call's own static caches, kept for the next call where the caller gets none
-            self.give_back_caches(handed_out=cache)
+            self.plan.give_back_caches(self.own_static_caches(handed_out=cache))
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
-    def give_back_caches(self, handed_out: object) -> None:
-        """Keep this call's static caches for the next call (`cache.static_addresses.POOL`), except one handed to
-        the caller."""
-        if self.target.cache is not handed_out:
-            static_addresses.POOL.give_back(self.target.model, self.target.cache)
+    def own_static_caches(self, handed_out: object) -> list[tuple[Any, Any]]:
+        """This call's static caches as (model, cache), except one handed to the caller."""
+        caches = [(self.target.model, self.target.cache)] if self.target.cache is not handed_out else []
         if self.model_drafter is not None and self.plan.draft is not None and self.plan.draft.cache is not None:
-            static_addresses.POOL.give_back(self.model_drafter.runner.model, self.model_drafter.runner.cache)
+            caches.append((self.model_drafter.runner.model, self.model_drafter.runner.cache))
+        return caches
 
     def round(self, budget: DraftBudget) -> None:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
@@ -192,11 +152,7 @@ class SpeculativeDecoder:
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
-        record = RoundRecord(
-            lookahead, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill,
-            refeed_forwards=self.target.refeed_passes - refeeds,
-        )  # fmt: skip
+        record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 
@@ -222,55 +178,67 @@ class SpeculativeDecoder:
             self.sequences.tokens, lengths, raw_logits, self.sequences.rows.active, proposal.tokens, proposal.probs,
             proposal.point_mass,
         )  # fmt: skip
-        if self.tensor_parallel:
-            verdict = distributed.broadcast_verdict(verdict)
         return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 
     def commit(
         self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None, raw_logits: torch.Tensor | None
     ) -> list[int]:
-        """Write the recovered/bonus token, stop rows where `generate()` would, roll caches back, drop done rows.
+        """Write the recovered/bonus token, then the round's four steps: read it (its one host sync), stop rows where
+        `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows).
 
         Returns:
             Per row active in this round, the number of draft tokens it accepted.
         """
-        seqs = self.sequences
-        eos_flags = self.stops.eos_flags(proposal.tokens, verdict.next_tokens)  # (batch, K + 1) or None
-        read = verdict.num_accepted[:, None]
-        if eos_flags is not None:
-            read = torch.cat([read, eos_flags.to(read.device)], dim=1)
-        if self.streamer is not None:  # the row's new tokens travel with it: no read of their own
-            read = torch.cat([read, proposal.tokens.to(read.device), verdict.next_tokens[:, None].to(read.device)], 1)
-        values = read.tolist()  # the round's one host sync
-        num_accepted = [row[0] for row in values]
-        _raise_if_nonfinite(num_accepted)
-        seqs.write(verdict.num_accepted, verdict.next_tokens)
-        lookahead = proposal.tokens.shape[1]
-        flags = None if eos_flags is None else [row[1 : lookahead + 2] for row in values]
-        callers, candidates = seqs.rows.callers(), self.stops.candidates(num_accepted)
+        read = self.stops.read_round(proposal.tokens, verdict, stream=self.streamer is not None)
+        self.sequences.write(verdict.num_accepted, verdict.next_tokens)
+        callers = self.sequences.rows.callers()
+        stops, counts = self.stop(read, callers, scores, raw_logits)
+        self.emit(read, counts)
+        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts)
+        self.shrink(counts, [stop is not None for stop in stops])
+        return read.num_accepted
+
+    def stop(
+        self, read: RoundRead, callers: list[int], scores: torch.Tensor | None, raw_logits: torch.Tensor | None
+    ) -> tuple[list[int | None], list[int]]:
+        """Where each row stops within the round (`StopCheck.first_stops`), and the new tokens each commits; the
+        recorder keeps those rows' scores and logits.
+
+        Returns:
+            Per active row, the new token after which it stops (or None), and the number of new tokens it commits.
+        """
+        seqs, candidates = self.sequences, self.stops.candidates(read.num_accepted)
         # recorded before the criteria run, which read the scores so far as plain's do; `keep` drops those past a stop
         self.recorder.record(callers, candidates, scores, raw_logits)
         stops = self.stops.first_stops(
-            seqs.tokens, seqs.lengths, num_accepted, candidates, flags, callers, self.caller_view
+            seqs.tokens, seqs.lengths, read.num_accepted, candidates, read.eos_flags, callers, self.caller_view
         )
         counts = [stop if stop is not None else count for stop, count in zip(stops, candidates)]
         self.recorder.keep(callers, candidates, counts)
+        return stops, counts
 
-        if self.streamer is not None:  # token by token, `(1,)` each, as plain `generate()` streams them
-            tokens = values[0][-(lookahead + 1) :]  # row 0's drafts, then its next token
-            for token in (tokens[: num_accepted[0]] + [tokens[-1]])[: counts[0]]:
-                self.streamer.put(torch.tensor([token]))
-        self.stats.record_round(callers, proposal.tokens.shape[1], num_accepted, counts)
+    def emit(self, read: RoundRead, counts: list[int]) -> None:
+        """Stream row 0's committed tokens, token by token, `(1,)` each, as plain `generate()` streams them."""
+        if self.streamer is None or read.streamed is None:
+            return
+        tokens = read.streamed  # row 0's drafts, then its next token
+        for token in (tokens[: read.num_accepted[0]] + [tokens[-1]])[: counts[0]]:
+            self.streamer.put(torch.tensor([token]))
 
+    def shrink(self, counts: list[int], done: list[bool]) -> None:
+        """Commit `counts` new tokens per row, roll the caches back to the committed tokens, and drop the `done`
+        rows (their target caches set aside first where the call returns a cache)."""
+        seqs = self.sequences
         seqs.advance(counts)
         self.target.rollback_to_committed(seqs.lengths)  # rejected drafts out; a stopped row keeps its length - 1
-        done = [stop is not None for stop in stops]
         if self.keep_cache:
             self.keep_finished_caches(done)
-        seqs.drop_finished(done)  # drops finished rows from the buffer and from both caches
+        kept = seqs.drop_finished(done)  # the token buffers (and the row book) keep the other rows
+        if seqs.num_active and len(kept) < len(done):  # each cache told which rows stay
+            self.target.select_rows(kept)
+            self.drafter.select_rows(kept)
         if seqs.num_active:
             self.drafter.rollback_to_committed(seqs.lengths)
-        return num_accepted
 
     def caller_view(self, length: int, ends: dict[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """What plain `generate()` passes its stopping criteria once rows hold `length` columns: `(batch, length)`
@@ -311,28 +279,9 @@ class SpeculativeDecoder:
                 part.feed(self.sequences.columns_of(sequences[row : row + 1], [row], [start], length - start), 1)
             part.left_align()
         if parts != [self.target]:  # a single row that never left the batch is already in place
-            row_ops.stack_rows_into(self.target.cache, [part.cache for part in parts])
+            self.target.stack_rows(parts)
         self.target.stop_recording()
         return self.target.cache
-
-
-def _raise_if_nonfinite(num_accepted: list[int]) -> None:
-    """Raise where plain sampling raises: a distribution sampled from holds NaN or inf (see `flag_nonfinite`)."""
-    codes = {code for code in num_accepted if code < 0}
-    if not codes:
-        return
-    if NonFinite.TARGET in codes:
-        raise RuntimeError(
-            "The target's processed next-token scores contain NaN or inf, so they are no distribution to sample "
-            "from (plain generate() fails here too: 'probability tensor contains either inf, nan or element < 0'). "
-            "Usual causes: float16 overflow (load the model in bfloat16 or float32), a broken checkpoint, or a logits "
-            "processor that writes inf. `remove_invalid_values=True` replaces them, as in plain generate()."
-        )
-    raise RuntimeError(
-        "The draft's processed next-token scores contain NaN or inf, so its proposals have no distribution to "
-        "verify against. Usual causes: float16 overflow (load the draft in bfloat16 or float32) or a broken "
-        "checkpoint; use another draft, or pass `remove_invalid_values=True`."
-    )
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

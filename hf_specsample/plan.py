@@ -38,15 +38,18 @@ from .kernels.routing import KernelRouting
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
-from .options import DraftForm, LinearKernel, SpeculativeConfig
+from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig
 from .prepare.implicit import draft_for_call
 from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from .prepare.vocabulary import special_token_ids
-from .proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
-from .proposers.draft_model import DraftVocabulary
-from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM
+from .proposers.base import Proposer
+from .proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
+from .proposers.draft_model import DraftModelProposer, DraftVocabulary
+from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .round_costs import weight_bytes_ratio
-from .verify.processing import check_supported
+from .sequences import Sequences
+from .stats import SpeculativeStats
+from .verify.processing import PositionwiseProcessor, check_supported
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
@@ -119,6 +122,57 @@ class CallPlan:
     @property
     def config(self) -> SpeculativeConfig:
         return self.inputs.config
+
+    @property
+    def cached_slots(self) -> int:
+        """Slots the target's cache holds before the first round (the caller's cache: its past; else 0)."""
+        return row_ops.total_slots(self.cache) if self.cache is not None else 0
+
+    def new_stats(self) -> SpeculativeStats:
+        """The call's statistics, with what the plan decided already filled in."""
+        stats = SpeculativeStats.for_batch(self.inputs.batch_size)
+        stats.linear_kernel, stats.graphs = self.kernel_description, self.graphs
+        stats.draft_form = self.draft.description if self.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
+        if self.draft is not None and self.draft.shared is not None:
+            stats.shared_vocabulary = self.draft.shared.size
+        return stats
+
+    def drafters(
+        self, sequences: Sequences, processor: PositionwiseProcessor, do_sample: bool
+    ) -> tuple[DraftModelProposer | None, Proposer]:
+        """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
+        n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
+        continuations first, the model else)."""
+        if self.draft is None:
+            return None, PromptLookupProposer(cast(int, self.max_ngram))
+        model = _draft_proposer(self.draft, sequences, processor, do_sample, self.generator)
+        if self.max_ngram is None:
+            return model, model
+        return model, LookupThenModelProposer(model, PromptLookupProposer(self.max_ngram))
+
+    def give_back_caches(self, caches: list[tuple[PreTrainedModel, Any]]) -> None:
+        """After a `pooled` call: its own static caches, as (model, cache), kept for the next call
+        (`cache.static_addresses.POOL`)."""
+        for model, cache in caches:
+            static_addresses.POOL.give_back(model, cache)
+
+
+def _draft_proposer(
+    draft: DraftPlan,
+    sequences: Sequences,
+    processor: PositionwiseProcessor,
+    do_sample: bool,
+    generator: torch.Generator | None,
+) -> DraftModelProposer:
+    """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
+    inputs = None
+    if draft.shared is not None:  # reads the rows' text in its own ids
+        assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
+        shared = draft.shared.to(sequences.tokens.device)
+        inputs = DraftIdBuffer(sequences, shared, TextBridge(*draft.tokenizers))
+    return DraftModelProposer(
+        draft.facts, draft.forwards, draft.vocabulary, sequences, processor, do_sample, generator, inputs, draft.cache
+    )
 
 
 def plan_call(inputs: CallInputs) -> CallPlan:

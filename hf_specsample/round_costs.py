@@ -38,6 +38,12 @@ class RoundRecord:
     prefill: bool = False  # the first round also encodes the prompt: its costs say nothing about later rounds
     refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
 
+    @classmethod
+    def untimed(cls, lookahead: int, num_accepted: list[int], prefill: bool, refeed_forwards: int) -> RoundRecord:
+        """A round of `lookahead` draft tokens per row, `num_accepted` per row, before its durations are known."""
+        tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
+        return cls(lookahead, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill, refeed_forwards=refeed_forwards)
+
 
 class DecayedMean:
     """Exponentially decayed mean: recent rounds count most; `weight` is the prior's weight in observations."""

@@ -3,7 +3,7 @@
 On the CPU the marks are `time.perf_counter()`. On CUDA each mark records an event on the token buffer's device
 instead of synchronising: a synchronisation per phase would drain the queue of kernels the host had launched
 ahead, which on a launch-bound GPU costs what the host needs to fill it again. An event's time is known once the
-device has passed it; the round's one host sync (`SpeculativeDecoder.commit`) passes every event of the round
+device has passed it; the round's one host sync (`StopCheck.read_round`) passes every event of the round
 before, so a round's durations reach the policy one round late (`finish` hands back the records whose events
 have completed).
 """
@@ -32,6 +32,11 @@ class PhaseTimer:
         self.device = device if enabled and device.type == "cuda" else None
         self._marks: list = []
         self._pending: list[tuple[RoundRecord, Any, list]] = []  # CUDA: records waiting for their events
+
+    @staticmethod
+    def record(lookahead: int, num_accepted: list[int], prefill: bool, refeed_forwards: int) -> RoundRecord:
+        """The round's record for `finish` (`RoundRecord.untimed`): its durations are filled in there."""
+        return RoundRecord.untimed(lookahead, num_accepted, prefill, refeed_forwards)
 
     def start(self) -> None:
         self._marks = []

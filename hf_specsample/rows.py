@@ -3,8 +3,9 @@
 Two indexings meet in a call. State that exists only for rows still generating (the token buffers, the KV caches'
 slot counts, the draft-id buffer) is indexed by *active row*, ``0 .. num_active - 1``, and shrinks when a row
 finishes. What the call returns (output rows, scores, statistics, finished rows' caches) is indexed by *caller row*,
-``0 .. batch_size - 1``, the row of the batch `generate()` prepared. `RowBook` is the one map between them: every
-holder of active-row state attaches to it, and every caller-row table is written through `callers`.
+``0 .. batch_size - 1``, the row of the batch `generate()` prepared. `RowBook` is the one map between them: the
+token buffers attach to it (the loop tells the models' caches itself), and every caller-row table is written through
+`callers`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 
 
 class RowMember(Protocol):
-    """Anything holding per-active-row state that must follow the batch (a token buffer, a model's KV cache)."""
+    """Anything holding per-active-row state that must follow the batch (a token buffer)."""
 
     def select_rows(self, rows: Sequence[int]) -> None: ...
 

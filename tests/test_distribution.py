@@ -10,10 +10,10 @@ import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 
-import hf_specsample.decoding as decoding
 from hf_specsample import SpeculativeConfig
 from hf_specsample.kernels import small_rows
 from hf_specsample.options import Verification
+from hf_specsample.verify import round_verifier
 from hf_specsample.verify.rejection import Verdict, block_accept, sample_from_weights, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
@@ -155,7 +155,7 @@ WRONG_SAMPLERS = {  # (the rule each replaces, the wrong sampler)
 def test_the_test_rejects_wrong_samplers(target, drafts, monkeypatch, wrong, draft_kind):
     verification, wrong_sampler = WRONG_SAMPLERS[wrong]
     name = "block_accept" if verification is Verification.BLOCK else "speculative_accept"
-    monkeypatch.setattr(decoding, name, wrong_sampler)
+    monkeypatch.setattr(round_verifier, name, wrong_sampler)
     settings = PROCESSOR_SETTINGS["temperature"]
     samples = draw(
         target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD,

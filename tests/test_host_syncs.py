@@ -84,7 +84,7 @@ def test_model_draft_round_syncs_once(pair, monkeypatch, do_sample, streamer):
     )  # fmt: skip
     assert len(rounds) > 3
     for sites, _ in rounds:
-        assert sites == {("decoding.py", "commit"): 1}, sites
+        assert sites == {("stopping.py", "read_round"): 1}, sites
 
 
 class Collect:
@@ -118,7 +118,7 @@ def test_other_stopping_criteria_read_their_verdict_per_committed_token(pair, mo
     )  # fmt: skip
     assert len(rounds) > 3
     for sites, committed in rounds:
-        assert sites == {("decoding.py", "commit"): 1, ("stopping.py", "_prefix_stops"): committed}, sites
+        assert sites == {("stopping.py", "read_round"): 1, ("stopping.py", "_prefix_stops"): committed}, sites
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -137,7 +137,7 @@ def test_prompt_lookup_round_adds_the_token_buffer_copy(pair, monkeypatch, do_sa
     for sites, _ in rounds:
         own_last = sites.pop(("prompt_lookup.py", "propose"), 0)
         assert own_last <= 1, sites
-        assert sites == {("decoding.py", "commit"): 1, ("prompt_lookup.py", "continuations"): 1}, sites
+        assert sites == {("stopping.py", "read_round"): 1, ("prompt_lookup.py", "continuations"): 1}, sites
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -169,4 +169,4 @@ def test_static_caches_on_runners_sync_once_per_round(pair, monkeypatch, do_samp
         # write pointer) once per forward of several positions (the verification, and the draft's step that
         # catches up on two committed tokens); traced code skips the question
         asked = sites.pop(("masking_utils.py", "_ignore_causal_mask_sdpa"))
-        assert 1 <= asked <= 2 and sites == {("decoding.py", "commit"): 1}, sites
+        assert 1 <= asked <= 2 and sites == {("stopping.py", "read_round"): 1}, sites

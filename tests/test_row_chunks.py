@@ -9,7 +9,6 @@ from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-import hf_specsample.decoding as decoding
 from hf_specsample import SpeculativeConfig
 from hf_specsample.verify import rejection, round_verifier
 from hf_specsample.verify.processing import PositionwiseProcessor
@@ -200,7 +199,7 @@ def test_samples_in_chunks_follow_target(target, draft, tiny_chunks, verificatio
 @pytest.mark.parametrize("verification", ["token", "block"])
 def test_the_chunked_test_rejects_a_wrong_rule(target, draft, tiny_chunks, monkeypatch, verification):
     name = "block_accept" if verification == "block" else "speculative_accept"
-    monkeypatch.setattr(decoding, name, _always_accept)
+    monkeypatch.setattr(round_verifier, name, _always_accept)
     tiny_chunks(target.config.vocab_size, rows=333)
     config = SpeculativeConfig(verification=verification)
     samples = _samples(target, 22, draft_model=draft, speculative_config=config, top_p=0.8)

@@ -443,6 +443,10 @@ class CachedModel:
         else:
             row_ops.crop(self.cache, 0)  # trims sliding-window layers as a realign would
 
+    def stack_rows(self, parts: Sequence["CachedModel"]) -> None:
+        """Make this cache hold the rows of `parts` (each of the same number of slots), in order, in place."""
+        row_ops.stack_rows_into(self.cache, [part.cache for part in parts])
+
     def stop_recording(self) -> None:
         """Trim sliding-window layers to their window and stop recording their past, as before this call."""
         row_ops.crop(self.cache, 0)

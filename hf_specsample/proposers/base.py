@@ -58,8 +58,8 @@ class Proposer(ABC):
     """A drafter: proposes draft tokens after every active row's committed tokens, once per round.
 
     The loop (`decoding.SpeculativeDecoder`) calls, per round: `get_candidates` (before the target's forward), then,
-    after the round's tokens are committed and finished rows dropped, `rollback_to_committed` with the rows' new lengths
-    (only while rows remain). It reads `forward_passes` once, for the statistics, at the end.
+    after the round's tokens are committed, `select_rows` where rows finished and `rollback_to_committed` with the
+    rows' new lengths (only while rows remain). It reads `forward_passes` once, for the statistics, at the end.
     """
 
     @property
@@ -82,6 +82,11 @@ class Proposer(ABC):
         Returns:
             A `Proposal` with `(batch, K)` tokens, ``K`` at most the budget's (all rows the same ``K``).
         """
+
+    @abstractmethod
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only the active `rows` (ascending indices into the active rows) of any per-row state (a draft's
+        cache), as the loop drops finished rows."""
 
     @abstractmethod
     def rollback_to_committed(self, lengths: Sequence[int]) -> None:

@@ -281,8 +281,8 @@ class DraftIdBuffer:
     """Each active row's text in the draft's own ids: what a draft with another tokenizer reads.
 
     Owns `sequences`, a second `Sequences` over draft ids (its prompt: each row's real target prompt re-encoded, left
-    padded) over the target's row book, to which the draft's KV cache attaches too, so that rows leave both buffers
-    (and the draft's cache) together.
+    padded) over the target's row book, so that rows leave both buffers together (the loop tells the draft's cache,
+    `DraftModelProposer.select_rows`).
 
     Per round: `write` puts the draft id of each drafted target token after the row's draft ids (the draft's next
     input); `sync`, once the round is committed, appends the committed target tokens in draft ids. The leading
@@ -378,5 +378,5 @@ class DraftIdBuffer:
         return torch.tensor(out, dtype=torch.long)
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Row-book member: keep the `synced` lengths of `rows` (the draft buffer and cache follow the book too)."""
+        """Row-book member: keep the `synced` lengths of `rows` (the draft buffer follows the book too)."""
         self.synced = [self.synced[row] for row in rows]

@@ -86,7 +86,6 @@ class DraftModelProposer(Proposer):
         if inputs is not None:
             cache = DynamicCache()
         self.runner = CachedModel(facts, reads.num_active, cache=cache, forwards=forwards, source=reads)
-        reads.rows.attach(self.runner)
         self.int8 = facts.dynamic_int8
         self.processor = processor
         self.do_sample = do_sample
@@ -100,6 +99,10 @@ class DraftModelProposer(Proposer):
     @property
     def forward_passes(self) -> int:
         return self.runner.forward_passes
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
+        self.runner.select_rows(rows)
 
     def warm_up(self) -> None:
         """Compile the draft's single-token step now, if it runs compiled, so that no round pays for it."""

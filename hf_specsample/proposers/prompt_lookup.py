@@ -103,6 +103,9 @@ class PromptLookupProposer(Proposer):
             sequences.write(step, proposed[:, step])
         return Proposal(tokens=proposed, probs=None)
 
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Nothing to drop: the drafter keeps no per-row state."""
+
     def rollback_to_committed(self, lengths: Sequence[int]) -> None:
         """Nothing to roll back: the drafter keeps no state between rounds."""
 
@@ -141,6 +144,9 @@ class LookupThenModelProposer(Proposer):
         if budget.lookup_lookahead > 0 and sequences.num_active == 1 and found[0].numel():
             return self.lookup.propose(sequences, found)
         return self.model.draft(sequences, budget.lookahead, forced=found)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self.model.select_rows(rows)
 
     def rollback_to_committed(self, lengths: Sequence[int]) -> None:
         self.model.rollback_to_committed(lengths)

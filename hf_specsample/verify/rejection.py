@@ -334,6 +334,26 @@ class NonFinite(enum.IntEnum):
     DRAFT = -2
 
 
+def raise_if_nonfinite(num_accepted: list[int]) -> None:
+    """Raise where plain sampling raises: a distribution sampled from holds NaN or inf (`num_accepted` as read on the
+    host, with its `NonFinite` codes; see `flag_nonfinite`)."""
+    codes = {code for code in num_accepted if code < 0}
+    if not codes:
+        return
+    if NonFinite.TARGET in codes:
+        raise RuntimeError(
+            "The target's processed next-token scores contain NaN or inf, so they are no distribution to sample "
+            "from (plain generate() fails here too: 'probability tensor contains either inf, nan or element < 0'). "
+            "Usual causes: float16 overflow (load the model in bfloat16 or float32), a broken checkpoint, or a logits "
+            "processor that writes inf. `remove_invalid_values=True` replaces them, as in plain generate()."
+        )
+    raise RuntimeError(
+        "The draft's processed next-token scores contain NaN or inf, so its proposals have no distribution to "
+        "verify against. Usual causes: float16 overflow (load the draft in bfloat16 or float32) or a broken "
+        "checkpoint; use another draft, or pass `remove_invalid_values=True`."
+    )
+
+
 def flag_nonfinite(
     verdict: Verdict,
     draft_probs: torch.Tensor | None,

@@ -21,16 +21,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import LogitsProcessorList
 
+from .. import distributed
+from ..options import Verification
 from . import rejection
 from .processing import PositionwiseProcessor, probabilities
 from .rejection import (
     Verdict,
+    block_accept,
     first_argmax,
     flag_nonfinite,
     greedy_accept,
     row_chunks,
     sample_uniform,
+    speculative_accept,
     uniform_like,
 )
 
@@ -48,6 +53,7 @@ class RoundVerifier:
         generator: torch.Generator | None,
         keep_scores: bool,
         chunk_elements: int | None = None,
+        tensor_parallel: bool = False,
     ):
         """
         Args:
@@ -60,9 +66,29 @@ class RoundVerifier:
             keep_scores: return the processed scores (the caller records them).
             chunk_elements: the most logits verified at a time (None: `rejection.ROW_CHUNK_ELEMENTS`, read at each
                 round, so that a test can force chunks).
+            tensor_parallel: the target is split over ranks: every rank takes rank 0's verdict
+                (`distributed.broadcast_verdict`).
         """
         self.processor, self.do_sample, self.rule, self.generator = processor, do_sample, rule, generator
-        self.keep_scores, self.chunk_elements = keep_scores, chunk_elements
+        self.keep_scores, self.chunk_elements, self.tensor_parallel = keep_scores, chunk_elements, tensor_parallel
+
+    @classmethod
+    def for_call(
+        cls,
+        processors: LogitsProcessorList,
+        batch_size: int,
+        fast_processors: bool,
+        do_sample: bool,
+        verification: Verification,
+        generator: torch.Generator | None,
+        keep_scores: bool,
+        tensor_parallel: bool,
+    ) -> RoundVerifier:
+        """A call's verifier: its processors per position (`PositionwiseProcessor`, shared with the draft model's
+        proposer), judging by the configured rule (`Verification`: `block_accept` or `speculative_accept`)."""
+        processor = PositionwiseProcessor(processors, batch_size, fast_processors)
+        rule = block_accept if verification is Verification.BLOCK else speculative_accept
+        return cls(processor, do_sample, rule, generator, keep_scores, tensor_parallel=tensor_parallel)
 
     def __call__(
         self,
@@ -117,4 +143,6 @@ class RoundVerifier:
             verdict = self.rule(draft_tokens[rows], chunk_probs, target_probs, self.generator, **keywords)
             parts.append(flag_nonfinite(verdict, chunk_probs, target_probs, chunk_mass))
         verdict = parts[0] if len(parts) == 1 else Verdict(*(torch.cat(field) for field in zip(*parts)))
+        if self.tensor_parallel:
+            verdict = distributed.broadcast_verdict(verdict)
         return verdict, (None if not kept else kept[0] if len(kept) == 1 else torch.cat(kept))

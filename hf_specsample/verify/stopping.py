@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import StoppingCriteriaList
@@ -37,11 +38,28 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ..devices import tensor_on
+from .rejection import Verdict, raise_if_nonfinite
 
 # A prefix length -> what plain `generate()` passes its stopping criteria after that many columns: `(batch, length)`
 # input ids of every caller row, and its scores so far (a tuple of `(batch, vocab)`, or None).
 # `ends`: active rows that stopped earlier in this round -> their final length (shown padded past it).
 CallerView = Callable[[int, dict[int, int]], tuple[torch.Tensor, "tuple[torch.Tensor, ...] | None"]]
+
+
+@dataclass(frozen=True)
+class RoundRead:
+    """What the host learns of a round, in its one read (`StopCheck.read_round`).
+
+    Attributes:
+        num_accepted: per row active in the round, the draft tokens it accepted.
+        eos_flags: per row, `StopCheck.eos_flags`' row (K + 1 flags: the drafts, then the next token); None without
+            an EOS criterion.
+        streamed: where the round is streamed, row 0's K draft tokens then its recovered or bonus token; else None.
+    """
+
+    num_accepted: list[int]
+    eos_flags: list[list[int]] | None
+    streamed: list[int] | None
 
 
 class StopCheck:
@@ -82,6 +100,29 @@ class StopCheck:
             return None
         tokens = torch.cat([draft_tokens, next_tokens[:, None].to(draft_tokens.device)], dim=1)  # (batch, K + 1)
         return torch.isin(tokens, self.eos_ids.to(tokens.device)).long()
+
+    def read_round(self, draft_tokens: torch.Tensor, verdict: Verdict, stream: bool) -> RoundRead:
+        """The round's one host sync: the accepted counts (raising where they carry a NaN/inf code, as plain sampling
+        raises), with the EOS flags of the round's tokens and, when streaming, row 0's tokens travelling with them.
+
+        Args:
+            draft_tokens: `(batch, K)` long, the proposal.
+            verdict: the round's verdict.
+            stream: the round's tokens are streamed.
+        """
+        eos_flags = self.eos_flags(draft_tokens, verdict.next_tokens)  # (batch, K + 1) or None
+        read = verdict.num_accepted[:, None]
+        if eos_flags is not None:
+            read = torch.cat([read, eos_flags.to(read.device)], dim=1)
+        if stream:  # the row's new tokens travel with it: no read of their own
+            read = torch.cat([read, draft_tokens.to(read.device), verdict.next_tokens[:, None].to(read.device)], 1)
+        values = read.tolist()  # the round's one host sync
+        num_accepted = [row[0] for row in values]
+        raise_if_nonfinite(num_accepted)
+        lookahead = draft_tokens.shape[1]
+        flags = None if eos_flags is None else [row[1 : lookahead + 2] for row in values]
+        streamed = values[0][-(lookahead + 1) :] if stream else None
+        return RoundRead(num_accepted, flags, streamed)
 
     def first_stops(
         self,
