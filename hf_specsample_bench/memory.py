@@ -84,7 +84,11 @@ def _reset_high_water_mark() -> bool:
 
 
 def peak_beyond(run: Callable[[], Any]) -> tuple[int, str]:
-    """Bytes of resident memory `run()` adds at its peak to what the process held before, and how it was read."""
+    """Bytes of resident memory `run()` adds at its peak to what the process held before, and how it was read.
+
+    Meaningful in a fresh process only: a long-lived one may hold freed heap that is still resident, and an
+    allocation served from it adds nothing to resident memory.
+    """
     if _reset_high_water_mark():
         before = _status_kib("VmRSS")
         run()

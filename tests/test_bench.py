@@ -1,6 +1,8 @@
 """Benchmark pieces: Leviathan's formula, aggregation, formatting, prompts, and a run on tiny models."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -276,9 +278,14 @@ def test_memory_benchmark_runs_on_tiny_shapes(capsys):
     and ours peaks per mode; and the peak it reads holds an allocation made inside the measured call."""
     from hf_specsample_bench import memory
 
-    held = []
-    peak, how = memory.peak_beyond(lambda: held.append(torch.ones(16 * 2**20)))  # 64 MiB, touched
-    assert peak >= 60 * 2**20 and how in ("VmHWM", "sampled")
+    # In a fresh process, as the benchmark measures: a long-lived one (a test worker) may hold freed, still resident
+    # heap that serves the 64 MiB without any growth of resident memory.
+    probe = (
+        "import torch; from hf_specsample_bench import memory; held = []; "
+        "peak, how = memory.peak_beyond(lambda: held.append(torch.ones(16 * 2**20))); print(peak, how)"
+    )  # 64 MiB, touched
+    peak, how = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+    assert int(peak) >= 60 * 2**20 and how in ("VmHWM", "sampled")
     memory.main(["--rows", "2", "--shape", "tiny", "--new-tokens", "3", "--lookahead", "2", "--prompt-tokens", "4",
                  "--modes", "greedy,sampling"])  # fmt: skip
     out = capsys.readouterr().out
