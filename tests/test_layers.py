@@ -13,7 +13,7 @@ PACKAGE = Path(decoding.__file__).parent
 
 # Bottom to top: a module imports only from its own layer or the layers below it (`docs/ARCHITECTURE.md`, "Layers").
 LAYERS = [
-    ("values", ["options", "devices", "transformers_api", "rows", "stats"]),
+    ("values", ["options", "devices", "transformers_api", "rows", "stats", "draft_tree"]),
     ("model facts", ["model_facts"]),
     ("kernels", ["kernels.small_rows", "kernels.quantized_linear", "kernels.routing"]),
     (
