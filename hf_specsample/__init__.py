@@ -15,8 +15,9 @@ check_installed()  # before anything else: an unsupported transformers is refuse
 
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
+from .draft_tree import TreeShape
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
-from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig, Verification
+from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
@@ -30,6 +31,7 @@ __all__ = [
     "AdaptiveLookahead",
     "DEFAULT_MAX_LOOKAHEAD",
     "DraftForm",
+    "DraftShape",
     "FixedLookahead",
     "NamedDraft",
     "frequent_tokens",
@@ -39,6 +41,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
+    "TreeShape",
     "Verification",
     "LinearKernel",
     "is_registered",

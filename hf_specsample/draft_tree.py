@@ -88,6 +88,20 @@ class TreeShape:
     def is_chain(self) -> bool:
         return self == TreeShape.chain(self.num_nodes)
 
+    def truncated(self, depth: int) -> TreeShape:
+        """The nodes at depth <= `depth` (>= 1), renumbered in the same order."""
+        kept = [node for node, node_depth in enumerate(self.depths) if node_depth <= depth]
+        if len(kept) == self.num_nodes:
+            return self
+        index = {node: new for new, node in enumerate(kept)}
+        return TreeShape(tuple(index.get(self.parents[node], -1) for node in kept), tuple(self.ranks[n] for n in kept))
+
+    def describe(self) -> str:
+        """In words, for `SpeculativeStats.shape`."""
+        if self.is_chain:
+            return f"a chain of {self.num_nodes}"
+        return f"a tree of {self.num_nodes} nodes, depth {self.max_depth}, up to {self.max_rank + 1} choices a node"
+
     def levels(self) -> list[list[int]]:
         """The nodes at each depth, depth 1 first."""
         depths = self.depths

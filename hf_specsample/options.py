@@ -4,8 +4,10 @@
 - `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`).
 - `DraftForm`: the form a draft model runs in (`draft_form=`, `prepare_draft(form=)`).
 - `Verification`: how a draft block is verified (`verification=`).
+- `DraftShape`: whether a round drafts one chain or a tree of candidates (`draft_shape=`).
 
 All enums are `str` enums: the plain strings compare equal, and an invalid one is refused with the choices.
+Beside them, only `draft_tree.TreeShape` (an explicit tree, a value too) is imported.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
+
+from .draft_tree import TreeShape
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
 
@@ -62,6 +66,17 @@ class Verification(str, enum.Enum):
 
     TOKEN = "token"  # token by token, stopping at the first rejection (`verify.rejection.speculative_accept`)
     BLOCK = "block"  # jointly (`verify.rejection.block_accept`): never fewer accepted tokens in expectation
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DraftShape(str, enum.Enum):
+    """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `draft_tree.TreeShape` names an explicit tree."""
+
+    AUTO = "auto"  # the chain, until trees are chosen from measured acceptance and costs (`SpeculativeStats.shape`)
+    CHAIN = "chain"  # K tokens in one chain, each the draft's sample (or choice); K chosen per round
+    TREE = "tree"  # `TreeShape.default()`: 16 candidates, the draft's top choices; refused where trees cannot run
 
     def __str__(self) -> str:
         return self.value
@@ -148,6 +163,14 @@ class SpeculativeConfig:
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
             other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
             "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
+        draft_shape: "auto" (default: the chain today), "chain", "tree" or a `TreeShape`: whether a round drafts
+            one chain of K tokens or a tree of candidates (a node's children are the draft's top distinct choices
+            at it; `TreeShape.default()` for "tree": 16 nodes, a first-choice spine of depth 8 with second and third
+            choices at the first levels) verified in one target forward over every node. Exact either way: at each
+            node the target draws its token and the round descends while the draw is one of the node's children.
+            A tree is refused, before any forward, where it cannot run (recurrent or convolution layers, attention
+            without a 4D mask, static caches and `compile=True`, lookup drafts and drafts with another tokenizer);
+            `SpeculativeStats.shape` says which ran.
     """
 
     num_lookahead: int | None = None
@@ -160,6 +183,7 @@ class SpeculativeConfig:
     compile: bool = False
     compile_draft: bool = False
     linear_kernel: LinearKernel | str = LinearKernel.AUTO
+    draft_shape: DraftShape | str | TreeShape = DraftShape.AUTO
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
@@ -167,6 +191,8 @@ class SpeculativeConfig:
         object.__setattr__(self, "draft_form", parse_choice(DraftForm, self.draft_form, "draft_form"))
         object.__setattr__(self, "verification", parse_choice(Verification, self.verification, "verification"))
         object.__setattr__(self, "linear_kernel", parse_choice(LinearKernel, self.linear_kernel, "linear_kernel"))
+        if not isinstance(self.draft_shape, TreeShape):
+            object.__setattr__(self, "draft_shape", parse_choice(DraftShape, self.draft_shape, "draft_shape"))
         for name in ("fast_processors", "compile", "compile_draft"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")

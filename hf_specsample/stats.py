@@ -19,7 +19,9 @@ class SpeculativeStats:
     # (`cache.checkpoints`); 0 for attention-only and convolution-only targets.
     target_refeed_passes: int = 0
     draft_forward_passes: int = 0  # draft forward calls
-    lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens asked for in each round
+    lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens (a tree's nodes) in each round
+    # Per round, the mean over its rows of the draft tokens accepted (a tree's accepted depth).
+    accepted_depth_per_round: list[float] = field(default_factory=list)
     row_draft_tokens: list[int] = field(default_factory=list)  # draft tokens proposed to each row
     row_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted by the target
     row_rejections: list[int] = field(default_factory=list)  # rounds that ended with a rejected draft token
@@ -40,6 +42,9 @@ class SpeculativeStats:
     # Whether the rounds' forwards ran as graphs (compiled runners, CUDA graphs) or eagerly, and why in plain words
     # (`graph_choice.choose_graphs`: the device, compile=True, or the capture's cost against the time it saves).
     graphs: str = ""
+    # What a round drafted (`SpeculativeConfig.draft_shape`): "chain", or the tree's size and depth; and why a tree
+    # asked for or considered did not run.
+    shape: str = ""
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -65,6 +70,7 @@ class SpeculativeStats:
         """
         self.rounds += 1
         self.lookahead_per_round.append(lookahead)
+        self.accepted_depth_per_round.append(sum(num_accepted) / len(num_accepted) if num_accepted else 0.0)
         for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
             self.row_draft_tokens[row] += lookahead
             self.row_accepted_tokens[row] += accepted
@@ -138,6 +144,7 @@ class SpeculativeStats:
             f"acceptance {self.acceptance_rate:.1%} "
             f"of {self.draft_tokens} draft tokens, {self.draft_forward_passes} draft passes"
             + (f", draft {self.draft_form}" if self.draft_form else "")
+            + (f", {self.shape}" if self.shape else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
             + (
                 f", compiled target ({self.compile_seconds:.1f} s compiling)"

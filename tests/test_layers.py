@@ -47,7 +47,10 @@ LAYERS = [
             "distributed",
         ],
     ),  # fmt: skip
-    ("choosing K and refusing", ["round_costs", "lookahead", "round_timer", "graph_choice", "validation"]),
+    (
+        "choosing K and refusing",
+        ["round_costs", "lookahead", "round_timer", "graph_choice", "shape_choice", "validation"],
+    ),
     (
         "prepared drafts",
         [

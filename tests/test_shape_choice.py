@@ -1,0 +1,74 @@
+"""Tree shapes (`draft_tree`) and the call's choice between a chain and a tree (`shape_choice`)."""
+
+import pytest
+import torch
+
+from hf_specsample import DraftShape, SpeculativeConfig, TreeShape
+from hf_specsample.draft_tree import DraftTree
+from hf_specsample.shape_choice import choose_shape
+
+
+def test_the_default_tree():
+    shape = TreeShape.default()
+    assert (shape.num_nodes, shape.max_depth, shape.max_rank) == (16, 8, 2)
+    assert shape.levels()[0] == [0, 1, 2] and all(len(level) == 1 for level in shape.levels()[4:])
+    assert not shape.is_chain and TreeShape.chain(4).is_chain
+    assert [shape.depths[node] for node in range(shape.num_nodes)] == sorted(shape.depths)  # level order
+
+
+def test_a_shape_is_checked():
+    with pytest.raises(ValueError, match="parent"):
+        TreeShape((0, -1), (0, 0))  # a node its own parent
+    with pytest.raises(ValueError, match="taken twice"):
+        TreeShape((-1, -1), (0, 0))  # two first choices of one parent: siblings must be distinct
+    with pytest.raises(ValueError, match="at least one node"):
+        TreeShape((), ())
+
+
+def test_truncation_keeps_the_shallow_nodes_and_their_links():
+    shape = TreeShape.from_paths([(0, 0, 0), (1, 0), (0, 1)])
+    cut = shape.truncated(2)
+    assert cut.max_depth == 2 and cut.num_nodes == 5  # (0,) (1,) (0, 0) (0, 1) (1, 0)
+
+    # every kept node keeps its path of ranks
+    def paths(tree):
+        out = []
+        for node in range(tree.num_nodes):
+            path, at = [], node
+            while at >= 0:
+                path.append(tree.ranks[at])
+                at = tree.parents[at]
+            out.append(tuple(reversed(path)))
+        return out
+
+    assert set(paths(cut)) == {path for path in paths(shape) if len(path) <= 2}
+    assert shape.truncated(3) is shape
+
+
+def test_ancestors_are_each_node_and_its_path():
+    shape = TreeShape.from_paths([(0, 0), (1,)])  # nodes: (0,), (1,), (0, 0)
+    tree = DraftTree.of_shape(shape, torch.tensor([[5, 6, 7]]))
+    expected = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.ancestors()[0], expected)
+
+
+def test_the_choice():
+    assert choose_shape(DraftShape.CHAIN, [], None).tree is None
+    auto = choose_shape(DraftShape.AUTO, [], None)
+    assert auto.tree is None and "chain" in auto.reason
+    assert choose_shape(DraftShape.AUTO, ["a hybrid target"], None).tree is None  # auto falls back, never refuses
+    assert choose_shape(DraftShape.TREE, [], None).tree == TreeShape.default()
+    assert choose_shape(DraftShape.TREE, [], 3).tree == TreeShape.default().truncated(3)
+    explicit = TreeShape.from_paths([(0, 0), (1,)])
+    assert choose_shape(explicit, [], None).tree is explicit
+    with pytest.raises(ValueError, match="a hybrid target.*draft_shape='chain'"):
+        choose_shape(DraftShape.TREE, ["a hybrid target"], None)
+
+
+def test_the_option():
+    assert SpeculativeConfig().draft_shape is DraftShape.AUTO
+    assert SpeculativeConfig(draft_shape="tree").draft_shape is DraftShape.TREE
+    shape = TreeShape.chain(2)
+    assert SpeculativeConfig(draft_shape=shape).draft_shape is shape
+    with pytest.raises(ValueError, match="draft_shape must be one of"):
+        SpeculativeConfig(draft_shape="bush")
