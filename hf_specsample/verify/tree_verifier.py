@@ -100,12 +100,7 @@ class TreeVerifier:
             scores: index d after d accepted tokens; entries past `num_accepted` repeat the root's), else None.
         """
         batch, positions, vocab = logits.shape
-        if shape is not None:
-            assert shape.num_nodes == positions - 1, f"{shape.num_nodes} nodes in the shape, {positions} positions"
-            depths, max_depth = [list(shape.depths)] * batch, shape.max_depth
-        else:
-            depths = tree.depths.tolist()  # (batch, N) on the host
-            max_depth = max((max(row, default=0) for row in depths), default=0)
+        depths, max_depth = _host_depths(tree, shape, batch)
         limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
         chunks = row_chunks(batch, positions * vocab, limit)
         # the whole round's draws first, in one call: one per depth level per row
@@ -129,6 +124,20 @@ class TreeVerifier:
         if self.tensor_parallel:
             verdict = distributed.broadcast_tree_verdict(verdict)
         return verdict, (None if not kept else kept[0] if len(kept) == 1 else torch.cat(kept))
+
+    def node_scores(
+        self,
+        tokens: torch.Tensor,
+        lengths: Sequence[int],
+        logits: torch.Tensor,
+        callers: Sequence[int],
+        tree: DraftTree,
+        shape: TreeShape | None = None,
+    ) -> torch.Tensor:
+        """`(batch, N + 1, vocab)` the processed scores at every position of the tree, in one chunk (arguments as
+        for a call): what the rule draws from, for statistics (`tree_rule.expected_tokens`) and tests."""
+        depths, _ = _host_depths(tree, shape, logits.shape[0])
+        return self._processed(tokens, lengths, logits, callers, tree, depths)
 
     def _processed(
         self,
@@ -155,6 +164,15 @@ class TreeVerifier:
         prefixes = _position_prefixes(tokens, lengths, tree, deepest)  # (rows * (N + 1), width)
         scores = self.processor(prefixes, flat_lengths, logits.reshape(chunk * positions, 1, vocab), flat_callers)
         return scores.reshape(chunk, positions, vocab)
+
+
+def _host_depths(tree: DraftTree, shape: TreeShape | None, batch: int) -> tuple[list[list[int]], int]:
+    """Per row, each node's depth, and the deepest: from `shape` where given, else read from `tree.depths`."""
+    if shape is not None:
+        assert shape.num_nodes == tree.num_nodes, f"{shape.num_nodes} nodes in the shape, {tree.num_nodes} in the tree"
+        return [list(shape.depths)] * batch, shape.max_depth
+    depths = tree.depths.tolist()  # (batch, N) on the host
+    return depths, max((max(row, default=0) for row in depths), default=0)
 
 
 def _position_prefixes(tokens: torch.Tensor, lengths: Sequence[int], tree: DraftTree, max_depth: int) -> torch.Tensor:
