@@ -178,3 +178,44 @@ def test_nonfinite_rows_flagged_in_their_chunk():
     verdict, _ = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
     assert verdict.num_accepted[2] == int(NonFinite.TARGET)
     assert (verdict.num_accepted[[0, 1, 3, 4]] >= 0).all()
+
+
+def test_tensor_parallel_takes_rank_zeros_verdict(tmp_path):
+    """`distributed.broadcast_tree_verdict` on a one-rank gloo group: the verdict comes back whole."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tokens, tree, logits = _round(6)
+        verdicts = []
+        for tensor_parallel in (False, True):
+            verifier = TreeVerifier.for_call(
+                processors(12), CALLER_BATCH, True, True, torch.Generator().manual_seed(2), False, tensor_parallel
+            )
+            verdicts.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)[0])
+        assert all(torch.equal(a, b) for a, b in zip(*verdicts))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_no_host_read_with_a_static_shape(monkeypatch, do_sample):
+    """Given the shape, a round reads nothing back from its tensors (on CUDA each read waits for the device):
+    prefix-free processors, the draws, the walk over levels, the NaN flags and the kept scores."""
+    tokens, tree, logits = _round(7)
+    verifier = TreeVerifier.for_call(
+        LogitsProcessorList([lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(5)]),
+        CALLER_BATCH, True, do_sample, torch.Generator().manual_seed(0), True, False,
+    )  # fmt: skip
+    verifier.chunk_elements = 2 * (SHAPE.num_nodes + 1) * VOCAB
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read")
+
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+    with pytest.raises(AssertionError, match="a host read"):  # without the shape: the depths are read
+        verifier(tokens, LENGTHS, logits, CALLERS, tree, None)
+    monkeypatch.undo()
+    assert verdict.path.shape == (len(LENGTHS), SHAPE.max_depth) and kept.shape[1] == SHAPE.max_depth + 1
