@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .verify.rejection import Verdict
+from .verify.tree_rule import TreeVerdict
 
 
 def _broadcast_device(device: torch.device) -> torch.device:
@@ -71,3 +72,9 @@ def broadcast_verdict(verdict: Verdict) -> Verdict:
         _from_rank_zero(verdict.num_accepted, device).to(device),
         _from_rank_zero(verdict.next_tokens, device).to(device),
     )
+
+
+def broadcast_tree_verdict(verdict: TreeVerdict) -> TreeVerdict:
+    """Rank 0's tree verdict on every rank (its four tensors, one broadcast each)."""
+    device = verdict.num_accepted.device
+    return TreeVerdict(*(_from_rank_zero(field, device).to(device) for field in verdict))

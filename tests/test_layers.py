@@ -39,6 +39,8 @@ LAYERS = [
             "verify.processing",
             "verify.rejection",
             "verify.round_verifier",
+            "verify.tree_rule",
+            "verify.tree_verifier",
             "verify.stopping",
             "proposers.base",
             "proposers.cross_tokenizer",

@@ -202,7 +202,7 @@ class PositionwiseProcessor:
             cols = torch.tensor([col for _, col in pairs], device=scores.device)
             group_ids = tokens[rows, :length]  # (group, length)
             group_scores = scores[rows, cols]  # (group, vocab)
-            caller_rows = torch.tensor([callers[row] for row, _ in pairs], device=scores.device)  # (group,)
+            caller_rows = [callers[row] for row, _ in pairs]
             for processor in processors:
                 if _row_local(processor):
                     group_scores = processor(group_ids, group_scores)
@@ -212,22 +212,36 @@ class PositionwiseProcessor:
         return out
 
     def _whole_batch_call(
-        self, processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, caller_rows: torch.Tensor
+        self, processor: lp.LogitsProcessor, ids: torch.Tensor, scores: torch.Tensor, caller_rows: list[int]
     ) -> torch.Tensor:
         """`processor` called on the caller's whole batch with the group's rows at their own indices.
 
+        A caller row appears once per call: where the group holds several prefixes of one caller row (a draft
+        tree's siblings share a prefix length), the processor is called once per repeat.
+
         Args:
-            ids: `(group, length)` the group's prefixes; scores: `(group, vocab)`; caller_rows: `(group,)` their
-                indices in the caller's batch (distinct: a row has one position per prefix length).
+            ids: `(group, length)` the group's prefixes; scores: `(group, vocab)`; caller_rows: `group` ints, their
+                indices in the caller's batch.
 
         Returns:
             `(group, vocab)` the processed scores of the group's rows.
         """
-        whole_ids = ids.new_zeros((self.batch_size, ids.shape[1]))
-        whole_ids[caller_rows] = ids
-        whole_scores = scores.new_zeros((self.batch_size, scores.shape[1]))
-        whole_scores[caller_rows] = scores
-        return processor(whole_ids, whole_scores)[caller_rows]
+        repeat: list[int] = []  # per group row, how many earlier group rows share its caller row
+        seen: dict[int, int] = defaultdict(int)
+        for caller in caller_rows:
+            repeat.append(seen[caller])
+            seen[caller] += 1
+        out = scores.new_empty(scores.shape)
+        for call in range(max(seen.values(), default=0)):
+            members = [index for index, count in enumerate(repeat) if count == call]
+            picked = torch.tensor(members, device=scores.device)  # (part,)
+            rows = torch.tensor([caller_rows[index] for index in members], device=scores.device)  # (part,) distinct
+            whole_ids = ids.new_zeros((self.batch_size, ids.shape[1]))
+            whole_ids[rows] = ids[picked]
+            whole_scores = scores.new_zeros((self.batch_size, scores.shape[1]))
+            whole_scores[rows] = scores[picked]
+            out[picked] = processor(whole_ids, whole_scores)[rows]
+        return out
 
 
 def _row_local(processor: lp.LogitsProcessor) -> bool:
