@@ -92,7 +92,7 @@ def test_tree_logits_equal_sequential_paths_and_compaction_keeps_the_committed_p
     cached = CachedModel(ModelFacts.of(model), batch=rows)
     shape = TreeShape.default()
     endings = [[15, 2, 0], [-1, 9, 13], [7, 7, 4]]  # per round, the node each row's accepted path ends at
-    for round_index, ends in enumerate(endings):
+    for ends in endings:
         tree = random_tree(shape, rows, generator)
         logits, in_cache = feed_tree(cached, sequences, tree)
         assert_tree_logits(model, sequences, tree, shape, logits)
