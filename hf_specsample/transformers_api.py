@@ -13,6 +13,8 @@ old name broke at once. So the library spells none of them: it asks this module.
 - the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
 - `cache_layer_classes(config)`: the layer classes of the cache transformers builds for a config, read as its
   constructor reads them, without building one.
+- `additive_attention_mask`, `FOUR_D_MASK_ATTENTION`, `attention_implementation`: a draft tree's 4D mask, as the
+  attention implementations that take one as given want it (`cache.tree_forward`).
 - `scan_restarts_from_zero(model)`: whether a model's recurrent layers can continue a multi-token forward from a
   cached state, read off the installed modeling module's scan function.
 
