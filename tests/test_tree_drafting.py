@@ -21,20 +21,25 @@ PROCESSORS = {
 }
 
 
-def proposer_for(model, sequences, processors) -> DraftModelProposer:
+SUBSET = torch.arange(8, VOCAB)  # a draft vocabulary of the ids 8.. (an FR-Spec subset), logit column i for id i
+
+
+def proposer_for(model, sequences, processors, subset: torch.Tensor | None = None) -> DraftModelProposer:
     return DraftModelProposer(
-        ModelFacts.of(model), Forwards(), DraftVocabulary(None, None, VOCAB), sequences,
+        ModelFacts.of(model), Forwards(), DraftVocabulary(subset, subset, VOCAB), sequences,
         PositionwiseProcessor(processors, sequences.num_active), do_sample=False,
     )  # fmt: skip
 
 
 @torch.no_grad()
-def reference_choices(model, processors, sequences, row: int, path: list[int], count: int) -> list[int]:
-    """The `count` best draft tokens after row `row`'s committed tokens and `path`: a plain forward of the real
-    tokens, the processors called as plain `generate()` calls them (the prompt's padding included, the row at its
-    index in the batch), a stable sort."""
+def reference_scores(model, processors, sequences, row, path, subset=None) -> torch.Tensor:
+    """`(vocab,)` the draft's processed scores after row `row`'s committed tokens and `path`: a plain forward of the
+    real tokens, the processors called as plain `generate()` calls them (the prompt's padding included, the row at
+    its index in the batch); with a `subset`, the draft's logits stand for those ids only."""
     length = sequences.lengths[row]
     logits = model(input_ids=torch.tensor([committed_tokens(sequences, row) + path])).logits[:, -1].float()
+    if subset is not None:  # the draft proposes only the subset's ids
+        logits = torch.full_like(logits, float("-inf")).index_copy_(1, subset, logits[:, subset])
     ids = torch.cat([sequences.tokens[row, :length], torch.tensor(path, dtype=torch.long)])
     # the whole batch, this row at its index (a padded batch's repetition penalty holds one prompt length per row)
     batch_ids, batch_scores = (
@@ -42,45 +47,54 @@ def reference_choices(model, processors, sequences, row: int, path: list[int], c
         logits.new_zeros((sequences.num_active, VOCAB)),
     )
     batch_ids[row], batch_scores[row] = ids, logits[0]
-    scores = processors(batch_ids, batch_scores)[row]
-    return torch.sort(scores, descending=True, stable=True).indices[:count].tolist()
+    return processors(batch_ids, batch_scores)[row]
 
 
-def assert_tree_is_the_reference(model, processors, sequences, shape: TreeShape, tokens: torch.Tensor) -> None:
-    """Every parent's children are its reference choices at their ranks; siblings are distinct."""
+def assert_tree_is_the_reference(model, processors, sequences, shape: TreeShape, tokens, subset=None) -> None:
+    """Every parent's children are its reference choices at their ranks (a stable sort of the reference scores; a
+    child the processors ruled out, of score -inf, may be any such token), and siblings are distinct."""
     for row in range(sequences.num_active):
         for parent in [-1, *range(shape.num_nodes)]:
             kids = [(node, rank) for node, (p, rank) in enumerate(zip(shape.parents, shape.ranks)) if p == parent]
             if not kids:
                 continue
             path = tokens[row, path_nodes(shape, parent)].tolist() if parent >= 0 else []
-            expected = reference_choices(model, processors, sequences, row, path, max(r for _, r in kids) + 1)
+            scores = reference_scores(model, processors, sequences, row, path, subset)
+            best = torch.sort(scores, descending=True, stable=True)
+            for node, rank in kids:
+                token = int(tokens[row, node])
+                if best.values[rank] > float("-inf"):
+                    assert token == int(best.indices[rank]), (row, parent, rank)
+                else:
+                    assert scores[token] == float("-inf"), (row, parent, rank)
             got = [int(tokens[row, node]) for node, _ in kids]
-            assert got == [expected[rank] for _, rank in kids], (row, parent)
             assert len(set(got)) == len(got)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("processing", list(PROCESSORS))
 @pytest.mark.parametrize("padding", [[0], [3, 0]], ids=["one_row", "two_rows"])
+@pytest.mark.parametrize("subset", [None, SUBSET], ids=["full_vocabulary", "subset"])
 @torch.no_grad()
-def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, processing, padding):
+def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, processing, padding, subset):
     """Three rounds of drafting the default shape, each followed by a ragged accepted path (a leaf the draft never
-    fed, an inner node, nothing), compaction and the loop's rollback: every round's tree is the reference's."""
+    fed, an inner node, nothing), compaction and the loop's rollback: every round's tree is the reference's. With a
+    vocabulary subset, vocabulary-free processing runs on the subset (`compact`), the rest over the spread logits."""
     model = tiny_model(attention, seed=3)
     generator = torch.Generator().manual_seed(7)
     sequences = padded_batch(generator, len(padding), 7, padding)
     processors, _ = prepared_processors(
         model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **PROCESSORS[processing]
     )
-    proposer = proposer_for(model, sequences, processors)
+    proposer = proposer_for(model, sequences, processors, subset)
+    assert proposer.compact == (subset is not None and processing != "prefix")
     shape = TreeShape.default()
     endings = [[15, 1], [2, -1], [8, 13]]
     for ends in endings:
         before = proposer.forward_passes
         proposal = proposer.draft_tree(sequences, shape)
         assert proposal.model_steps == shape.max_depth == proposer.forward_passes - before
-        assert_tree_is_the_reference(model, processors, sequences, shape, proposal.tree.tokens)
+        assert_tree_is_the_reference(model, processors, sequences, shape, proposal.tree.tokens, subset)
         held = proposer.runner.fed
         inner = sum(1 for node in range(shape.num_nodes) if node in shape.parents)
         assert held == [length + inner for length in sequences.lengths]  # committed, then every inner node
