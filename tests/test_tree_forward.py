@@ -4,7 +4,7 @@ forward"). Tiny random Llamas in fp32, sdpa and eager attention, one row and lef
 
 import pytest
 import torch
-from tiny import PAD, tiny_arch
+from tiny import ARCHITECTURES, PAD, tiny_arch
 
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.tree_forward import feed_tree, tree_problem
@@ -48,16 +48,18 @@ def random_tree(shape: TreeShape, rows: int, generator: torch.Generator) -> Draf
     return DraftTree.of_shape(shape, torch.randint(3, VOCAB, (rows, shape.num_nodes), generator=generator))
 
 
-def assert_tree_logits(model, sequences: Sequences, tree: DraftTree, shape: TreeShape, logits: torch.Tensor) -> None:
+def assert_tree_logits(
+    model, sequences: Sequences, tree: DraftTree, shape: TreeShape, logits: torch.Tensor, rtol: float = 0
+) -> None:
     """Logits (rows, N + 1, vocab) equal the sequential forwards along each node's path from each row's prefix."""
     assert logits.shape == (sequences.num_active, shape.num_nodes + 1, VOCAB) and logits.dtype == torch.float32
     for row in range(sequences.num_active):
         prefix = committed_tokens(sequences, row)
-        torch.testing.assert_close(logits[row, 0], reference_logits(model, prefix), rtol=0, atol=ATOL)
+        torch.testing.assert_close(logits[row, 0], reference_logits(model, prefix), rtol=rtol, atol=ATOL)
         for node in range(shape.num_nodes):
             path = tree.tokens[row, path_nodes(shape, node)].tolist()
             expected = reference_logits(model, prefix + path)
-            torch.testing.assert_close(logits[row, node + 1], expected, rtol=0, atol=ATOL)
+            torch.testing.assert_close(logits[row, node + 1], expected, rtol=rtol, atol=ATOL)
 
 
 def padded_batch(generator: torch.Generator, rows: int, length: int, padding: list[int]):
@@ -146,3 +148,40 @@ def test_tree_problem_refuses_what_trees_cannot_serve():
     hybrid = next(name for name in HYBRID_FAMILIES if available(name))
     problem = tree_problem(ModelFacts.of(tiny_hybrid(hybrid, seed=0, vocab_size=VOCAB)))
     assert problem is not None and "chains there" in problem or "cannot" in problem
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@torch.no_grad()
+def test_every_architecture_is_exact_or_refused(arch, attention):
+    """Every family the greedy tests cover: tree logits equal sequential paths over two compacted rounds of a padded
+    batch, or `tree_problem` refuses the model (sliding windows; no position ids)."""
+    model = tiny_arch(arch, seed=0, vocab_size=VOCAB)
+    if attention != model.config._attn_implementation:
+        try:
+            model.set_attn_implementation(attention)
+        except (ValueError, ImportError):  # a family that runs one implementation only
+            pytest.skip(f"{arch} cannot run {attention} attention")
+    facts = ModelFacts.of(model)
+    if tree_problem(facts) is not None:
+        assert arch in ("qwen2_sliding", "mistral_sliding", "gemma2", "gemma3_text", "starcoder2", "bloom")
+        return
+    generator = torch.Generator().manual_seed(1)
+    sequences = padded_batch(generator, 2, 8, [3, 0])
+    cached = CachedModel(facts, batch=2)
+    shape = TreeShape.default()
+    for ends in ([15, 2], [9, -1]):
+        tree = random_tree(shape, 2, generator)
+        logits, in_cache = feed_tree(cached, sequences, tree)
+        assert_tree_logits(model, sequences, tree, shape, logits, rtol=1e-4)  # logits of up to ~10: rounding
+        path, counts = accept(sequences, tree, shape, ends, [5, 6])
+        in_cache.compact(path, counts)
+        cached.rollback_to_committed(sequences.lengths)
+
+
+def test_alibi_models_are_refused():
+    """Falcon with ALiBi builds its biases from a 2D mask (Bloom and MPT take no position ids at all)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True)
+    assert "ALiBi" in tree_problem(ModelFacts.of(FalconForCausalLM(config)))

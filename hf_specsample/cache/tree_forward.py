@@ -13,9 +13,10 @@ right after the root and rolls the rest back: the cache then holds what a sequen
 would, and the loop's usual `rollback_to_committed` follows.
 
 What trees cannot serve yet (`tree_problem` says it in words, for the plan to choose chains there): convolution and
-recurrent states (a state cannot branch), sliding-window layers (they keep their own number of slots, which one mask
-over all layers cannot cover), attention without a 4D mask (flash attention, flex attention), forwards that take no
-position ids, static caches and compiled forwards or runners (their inputs have fixed shapes).
+recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (they keep
+their own number of slots, which one mask over all layers cannot cover), attention without a 4D mask (flash
+attention, flex attention), forwards that take no position ids, static caches and compiled forwards or runners
+(their inputs have fixed shapes).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def tree_problem(facts: ModelFacts, static_cache: bool = False, compiled: bool =
         )
     if not facts.takes_position_ids:
         return f"{name}'s forward takes no position ids, which a tree's nodes need: chains there"
+    if getattr(facts.model.config, "alibi", False):
+        return f"{name} builds its ALiBi biases from a 2D padding mask, which a tree mask is not: chains there"
     layers = transformers_api.cache_layer_classes(facts.model.config)
     if any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
         return f"{name} has sliding-window layers, which tree forwards do not serve yet: chains there"
