@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .. import transformers_api
-from ..draft_tree import DraftTree
+from ..draft_tree import DraftTree, TreeShape
 from ..model_facts import ModelFacts
 from ..sequences import Columns, Sequences
 from . import row_ops
@@ -80,27 +80,35 @@ class CachedTree:
 
     def __init__(
         self, model: CachedModel, tree: DraftTree, committed: Sequence[int], root_positions: torch.Tensor,
-        first_slot: int,
+        first_slot: int, shape: TreeShape | None = None,
     ):  # fmt: skip
         """
         Args:
             committed: per row, its committed length (the buffer positions fed before the nodes, root included).
             root_positions: `(rows,)` long on the CPU, each row's root's position id.
             first_slot: where the first node goes: the cache's slot count once the root is fed.
+            shape: the static shape of `tree`, if it has one: its parents and depths are then read on the host
+                (None: read off `tree`, a device read where it lives on an accelerator).
         """
         assert model.states is None and model.capacity is None, "tree forwards need a dynamic attention cache"
         self.model, self.tree, self.first_slot, self.committed = model, tree, first_slot, list(committed)
         self.node_slots = [-1] * tree.num_nodes
-        host_parents = tree.parents.cpu()
-        self.ancestors = DraftTree(host_parents, host_parents, tree.depths.cpu()).ancestors()  # (rows, N, N)
-        self.node_positions = root_positions[:, None] + tree.depths.cpu()  # (rows, N)
+        rows = len(self.committed)
+        if shape is not None:
+            host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
+        else:
+            host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
+        self.ancestors = host_tree.ancestors()  # (rows, N, N)
+        self.node_positions = root_positions[:, None] + host_tree.depths  # (rows, N)
 
     @classmethod
-    def after_root(cls, model: CachedModel, sequences: Sequences, tree: DraftTree) -> CachedTree:
-        """The tree of a model that has fed every row's committed tokens, the root included (a draft after its first
-        level's forward)."""
+    def after_root(
+        cls, model: CachedModel, sequences: Sequences, tree: DraftTree, shape: TreeShape | None = None
+    ) -> CachedTree:
+        """The tree (of `shape`, if static) of a model that has fed every row's committed tokens, the root included
+        (a draft after its first level's forward)."""
         assert model.fed == sequences.lengths, "the root must be fed before the nodes"
-        return cls(model, tree, sequences.lengths, _root_positions(sequences), model.slots)
+        return cls(model, tree, sequences.lengths, _root_positions(sequences), model.slots, shape)
 
     def feed(self, nodes: Sequence[int], prefix: Columns | None = None) -> torch.Tensor:
         """Feed `nodes` (none fed yet, every ancestor fed already or now, in this order), after `prefix`.
@@ -177,11 +185,14 @@ class CachedTree:
         self.model.rollback([committed + kept for committed, kept in zip(self.committed, fed)])
 
 
-def feed_tree(model: CachedModel, sequences: Sequences, tree: DraftTree) -> tuple[torch.Tensor, CachedTree]:
+def feed_tree(
+    model: CachedModel, sequences: Sequences, tree: DraftTree, shape: TreeShape | None = None
+) -> tuple[torch.Tensor, CachedTree]:
     """Feed every row's committed positions not fed yet (the root at least) and all of `tree`'s nodes, in one forward.
 
     Every row must be the same number of positions behind its length (as `CachedModel.rollback_to_committed` leaves
-    them).
+    them). `shape`: the tree's static shape, if it has one (its mask is then built without reading the tree's
+    parents off the device).
 
     Returns:
         `(rows, N + 1, vocab)` float32 logits (index 0: the root's, ``i + 1``: node ``i``'s), and the tree in the
@@ -191,7 +202,7 @@ def feed_tree(model: CachedModel, sequences: Sequences, tree: DraftTree) -> tupl
     assert len(behind) == 1 and min(behind) >= 1, f"rows must be one width behind their lengths, got {behind}"
     prefix = sequences.columns(model.fed, behind.pop())
     first_slot = model.slots + prefix.input_ids.shape[1]
-    cached = CachedTree(model, tree, sequences.lengths, _root_positions(sequences), first_slot)
+    cached = CachedTree(model, tree, sequences.lengths, _root_positions(sequences), first_slot, shape)
     return cached.feed(range(tree.num_nodes), prefix), cached
 
 

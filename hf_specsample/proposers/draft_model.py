@@ -203,12 +203,12 @@ class DraftModelProposer(Proposer):
         for level, parents in enumerate(levels):
             if level == 0:
                 logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
-                self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree)
+                self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree, shape)
             else:
                 assert self.tree_in_cache is not None  # made by the first level
                 logits = self.tree_in_cache.feed(parents)  # (rows, P, width)
             full = self._spread(self._columns(logits))
-            scores = processed_at_parents(self.processor, tokens, lengths, tree, parents, full, callers)
+            scores = processed_at_parents(self.processor, tokens, lengths, shape, tree.tokens, parents, full, callers)
             for lane, parent in enumerate(parents):
                 kids = children[parent]
                 index = choices(scores[:, lane], max(rank for _, rank in kids) + 1)  # (rows, ranks)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..draft_tree import DraftTree, TreeShape
+from ..draft_tree import TreeShape
 from ..verify.processing import PositionwiseProcessor, RunKind
 from ..verify.rejection import first_argmax
 
@@ -23,7 +23,8 @@ def processed_at_parents(
     processor: PositionwiseProcessor,
     tokens: torch.Tensor,
     lengths: Sequence[int],
-    tree: DraftTree,
+    shape: TreeShape,
+    tree_tokens: torch.Tensor,
     parents: Sequence[int],
     scores: torch.Tensor,
     callers: Sequence[int],
@@ -33,32 +34,36 @@ def processed_at_parents(
     Args:
         tokens: `(rows, capacity)` the token buffer (committed tokens up to ``lengths[b]``; not written to).
         lengths: per row, its committed length.
-        tree: the tree being drafted: the tokens of every parent's path are set.
+        shape: the tree's shape (read on the host: no device read).
+        tree_tokens: `(rows, N)` the tree's tokens so far: those of every parent's path are set.
         callers: each row's caller row (`RowBook.active`).
 
     Returns:
         `(rows, P, vocab)` processed scores.
     """
     rows, num_parents, vocab = scores.shape
-    depths = [0 if parent < 0 else int(tree.depths[0, parent]) for parent in parents]
+    depths = [0 if parent < 0 else shape.depths[parent] for parent in parents]
     if not any(kind is RunKind.PREFIX for kind, _ in processor.runs):  # no processor reads a token: one call
         prefix_lengths = [length + depth for length in lengths for depth in depths]
         flat = scores.reshape(rows * num_parents, 1, vocab)
         return processor(tokens, prefix_lengths, flat).reshape(rows, num_parents, vocab)
     out = torch.empty_like(scores)
     for lane, (parent, depth) in enumerate(zip(parents, depths)):
-        lane_tokens = tokens if parent < 0 else _with_path(tokens, lengths, tree, parent, depth)
+        lane_tokens = tokens if parent < 0 else _with_path(tokens, lengths, shape, tree_tokens, parent)
         prefix_lengths = [length + depth for length in lengths]
         out[:, lane : lane + 1] = processor(lane_tokens, prefix_lengths, scores[:, lane : lane + 1], callers)
     return out
 
 
-def _with_path(tokens: torch.Tensor, lengths: Sequence[int], tree: DraftTree, node: int, depth: int) -> torch.Tensor:
+def _with_path(
+    tokens: torch.Tensor, lengths: Sequence[int], shape: TreeShape, tree_tokens: torch.Tensor, node: int
+) -> torch.Tensor:
     """A copy of `tokens` with `node`'s path written after each row's committed tokens."""
     path = [node]
-    while len(path) < depth:
-        path.append(int(tree.parents[0, path[-1]]))
-    path_tokens = tree.tokens[:, path[::-1]].to(tokens.device)  # (rows, depth)
+    while shape.parents[path[-1]] >= 0:
+        path.append(shape.parents[path[-1]])
+    depth = len(path)
+    path_tokens = tree_tokens[:, path[::-1]].to(tokens.device)  # (rows, depth)
     columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(depth, device=tokens.device)
     return tokens.clone().scatter_(1, columns, path_tokens)
 
