@@ -4,7 +4,7 @@ path, processors with the path's prefix, top-k by hand); the draft's cache after
 
 import pytest
 import torch
-from test_tree_forward import accept, committed_tokens, padded_batch, path_nodes, tiny_model
+from test_tree_forward import accept, committed_tokens, new_cache, padded_batch, path_nodes, tiny_model
 from tiny import PAD, prepared_processors
 
 from hf_specsample.cache.forwards import Forwards
@@ -24,10 +24,10 @@ PROCESSORS = {
 SUBSET = torch.arange(8, VOCAB)  # a draft vocabulary of the ids 8.. (an FR-Spec subset), logit column i for id i
 
 
-def proposer_for(model, sequences, processors, subset: torch.Tensor | None = None) -> DraftModelProposer:
+def proposer_for(model, sequences, processors, subset=None, cache=None) -> DraftModelProposer:
     return DraftModelProposer(
         ModelFacts.of(model), Forwards(), DraftVocabulary(subset, subset, VOCAB), sequences,
-        PositionwiseProcessor(processors, sequences.num_active), do_sample=False,
+        PositionwiseProcessor(processors, sequences.num_active), do_sample=False, cache=cache,
     )  # fmt: skip
 
 
@@ -75,8 +75,9 @@ def assert_tree_is_the_reference(model, processors, sequences, shape: TreeShape,
 @pytest.mark.parametrize("processing", list(PROCESSORS))
 @pytest.mark.parametrize("padding", [[0], [3, 0]], ids=["one_row", "two_rows"])
 @pytest.mark.parametrize("subset", [None, SUBSET], ids=["full_vocabulary", "subset"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @torch.no_grad()
-def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, processing, padding, subset):
+def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, processing, padding, subset, cache):
     """Three rounds of drafting the default shape, each followed by a ragged accepted path (a leaf the draft never
     fed, an inner node, nothing), compaction and the loop's rollback: every round's tree is the reference's. With a
     vocabulary subset, vocabulary-free processing runs on the subset (`compact`), the rest over the spread logits."""
@@ -86,7 +87,7 @@ def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, proce
     processors, _ = prepared_processors(
         model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **PROCESSORS[processing]
     )
-    proposer = proposer_for(model, sequences, processors, subset)
+    proposer = proposer_for(model, sequences, processors, subset, new_cache(model, cache))
     assert proposer.compact == (subset is not None and processing != "prefix")
     shape = TreeShape.default()
     endings = [[15, 1], [2, -1], [8, 13]]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny import ARCHITECTURES, PAD, tiny_arch
 
+from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.tree_forward import feed_tree, tree_problem
 from hf_specsample.draft_tree import DraftTree, TreeShape
@@ -62,6 +63,11 @@ def assert_tree_logits(
             torch.testing.assert_close(logits[row, node + 1], expected, rtol=rtol, atol=ATOL)
 
 
+def new_cache(model, kind: str):
+    """None (`CachedModel` makes a dynamic cache) or a static cache of full `StaticLayer`s, run eagerly."""
+    return row_ops.full_static_cache(None, model.config, 96) if kind == "static" else None
+
+
 def padded_batch(generator: torch.Generator, rows: int, length: int, padding: list[int]):
     prompt = torch.randint(3, VOCAB, (rows, length), generator=generator)
     mask = torch.ones((rows, length), dtype=torch.long)
@@ -83,15 +89,17 @@ def accept(sequences: Sequences, tree: DraftTree, shape: TreeShape, ends: list[i
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("padding", [[0], [0, 3], [2, 0, 5]], ids=["one_row", "two_rows", "three_rows"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @torch.no_grad()
-def test_tree_logits_equal_sequential_paths_and_compaction_keeps_the_committed_prefix(attention, padding):
+def test_tree_logits_equal_sequential_paths_and_compaction_keeps_the_committed_prefix(attention, padding, cache):
     """Three rounds: the prompt and a tree in one forward, then trees after compacted rounds (ragged accepted paths,
     a leaf, an inner node, nothing), each node's logits against a plain forward of its row's prefix and path."""
     model = tiny_model(attention)
     generator = torch.Generator().manual_seed(len(padding))
     rows = len(padding)
     sequences = padded_batch(generator, rows, 8, padding)
-    cached = CachedModel(ModelFacts.of(model), batch=rows)
+    cached = CachedModel(ModelFacts.of(model), batch=rows, cache=new_cache(model, cache))
+    assert (cached.capacity is not None) == (cache == "static")
     shape = TreeShape.default()
     endings = [[15, 2, 0], [-1, 9, 13], [7, 7, 4]]  # per round, the node each row's accepted path ends at
     for ends in endings:
@@ -129,7 +137,7 @@ def test_tree_after_a_prefilled_cache_and_a_chain_shape(attention):
 
 
 def test_tree_problem_refuses_what_trees_cannot_serve():
-    """Flash / flex attention, hybrid layers, sliding windows, static or compiled forwards: chains, said why."""
+    """Flash / flex attention, hybrid layers, sliding windows, compiled forwards: chains, said why."""
     from hf_specsample_bench.hybrids import HYBRID_FAMILIES, available, tiny_hybrid
 
     assert tree_problem(ModelFacts.of(tiny_model("sdpa"))) is None
@@ -143,7 +151,6 @@ def test_tree_problem_refuses_what_trees_cannot_serve():
     sliding = tiny_arch("mistral_sliding", seed=0, vocab_size=VOCAB)
     assert "sliding-window" in tree_problem(ModelFacts.of(sliding))
     facts = ModelFacts.of(tiny_model("sdpa"))
-    assert "chains there" in tree_problem(facts, static_cache=True)
     assert "chains there" in tree_problem(facts, compiled=True)
     hybrid = next(name for name in HYBRID_FAMILIES if available(name))
     problem = tree_problem(ModelFacts.of(tiny_hybrid(hybrid, seed=0, vocab_size=VOCAB)))

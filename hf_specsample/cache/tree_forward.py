@@ -13,10 +13,12 @@ right after the root and rolls the rest back: the cache then holds what a sequen
 would, and the loop's usual `rollback_to_committed` follows.
 
 What trees cannot serve yet (`tree_problem` says it in words, for the plan to choose chains there): convolution and
-recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (they keep
-their own number of slots, which one mask over all layers cannot cover), attention without a 4D mask (flash
-attention, flex attention), forwards that take no position ids, static caches and compiled forwards or runners
-(their inputs have fixed shapes).
+recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (a forward sees
+only a layer's last ``window - 1 + width`` slots, which, once nodes sit after the root, miss the start of its window,
+and models take their masks per layer type in ways of their own), attention without a 4D mask (flash
+attention, flex attention), forwards that take no position ids, compiled forwards and runners (their inputs have
+fixed shapes). A static cache (full `StaticLayer`s) run eagerly serves trees: the mask covers all its slots, and the
+compaction moves entries in place.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from .cached_model import CachedModel
 from .compiled import positions_to_keep
 
 
-def tree_problem(facts: ModelFacts, static_cache: bool = False, compiled: bool = False) -> str | None:
+def tree_problem(facts: ModelFacts, compiled: bool = False) -> str | None:
     """Why a model's forwards cannot feed draft trees (chains run there instead), or None.
 
     Args:
         facts: the model's facts.
-        static_cache: its cache is static (`cache.row_ops.runs_static`).
-        compiled: its forwards run compiled or through runners (`cache.forwards.Forwards`).
+        compiled: its rounds run compiled forwards or runners (`cache.forwards.Forwards`: `compiled`, `runner`), whose
+            inputs have fixed shapes and a 2D mask. A static cache run eagerly serves trees.
     """
     name = type(facts.model).__name__
     implementation = transformers_api.attention_implementation(facts.model)
@@ -62,8 +64,8 @@ def tree_problem(facts: ModelFacts, static_cache: bool = False, compiled: bool =
     layers = transformers_api.cache_layer_classes(facts.model.config)
     if any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
         return f"{name} has sliding-window layers, which tree forwards do not serve yet: chains there"
-    if static_cache or compiled:
-        return "static caches and compiled forwards run draft trees not yet: chains there"
+    if compiled:
+        return "compiled forwards and runners do not run draft trees yet: chains there"
     return None
 
 
@@ -90,7 +92,7 @@ class CachedTree:
             shape: the static shape of `tree`, if it has one: its parents and depths are then read on the host
                 (None: read off `tree`, a device read where it lives on an accelerator).
         """
-        assert model.states is None and model.capacity is None, "tree forwards need a dynamic attention cache"
+        assert model.states is None, "tree forwards need an attention cache"
         self.model, self.tree, self.first_slot, self.committed = model, tree, first_slot, list(committed)
         self.node_slots = [-1] * tree.num_nodes
         rows = len(self.committed)
@@ -223,6 +225,10 @@ def _forward(
     `num_logits` logits, float32, on the ids' device."""
     facts, device = model.facts, model.input_device
     rows, width = input_ids.shape
+    if model.capacity is not None:  # a static cache attends over all its slots: those past the pointer masked
+        slots = allowed.shape[-1]
+        assert slots <= model.capacity, f"a static cache of {model.capacity} slots cannot hold {slots}"
+        allowed = torch.cat([allowed, allowed.new_zeros((rows, width, model.capacity - slots))], dim=-1)
     ids = input_ids.to(device)
     if model.forwards.embeddable is not None:
         ids = ids.masked_fill(ids >= model.forwards.embeddable, 0)
