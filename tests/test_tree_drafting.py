@@ -128,3 +128,19 @@ def test_a_draft_with_another_tokenizer_drafts_chains_only():
     proposer.inputs = object()  # stands for a `DraftIdBuffer`
     with pytest.raises(ValueError, match="chains only"):
         proposer.draft_tree(sequences, TreeShape.default())
+
+
+@torch.no_grad()
+def test_a_tree_left_in_the_cache_is_never_taken_for_committed_positions():
+    """Rolling back, dropping rows or drafting again before `compact_tree` is an error, not a wrong cache."""
+    model = tiny_model("sdpa")
+    sequences = padded_batch(torch.Generator().manual_seed(0), 2, 5, [0, 1])
+    proposer = proposer_for(model, sequences, [])
+    proposer.draft_tree(sequences, TreeShape.default())
+    for call in (
+        lambda: proposer.rollback_to_committed(sequences.lengths),
+        lambda: proposer.select_rows([0]),
+        lambda: proposer.draft_tree(sequences, TreeShape.default()),
+    ):
+        with pytest.raises(RuntimeError, match="compacted first"):
+            call()

@@ -118,6 +118,7 @@ class DraftModelProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
+        self._no_tree_left()
         self.runner.select_rows(rows)
 
     def warm_up(self) -> None:
@@ -196,6 +197,7 @@ class DraftModelProposer(Proposer):
         """
         if self.inputs is not None:
             raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
+        self._no_tree_left()
         tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
         tree = DraftTree.of_shape(shape, tokens.new_zeros((sequences.num_active, shape.num_nodes)))
         children = children_by_parent(shape)
@@ -228,6 +230,12 @@ class DraftModelProposer(Proposer):
         assert self.tree_in_cache is not None, "no tree was drafted"
         self.tree_in_cache.compact(path, counts)
         self.tree_in_cache = None
+
+    def _no_tree_left(self) -> None:
+        if self.tree_in_cache is not None:
+            raise RuntimeError(
+                "hf_specsample internal error: the drafted tree must be compacted first (`compact_tree`)"
+            )
 
     def _force(
         self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor
@@ -293,6 +301,7 @@ class DraftModelProposer(Proposer):
         only the positions whose draft ids did not change (`DraftIdBuffer.sync`). Where the rows cannot be evened up
         by rolling back, the draft's cache is emptied and its rows packed into one left-padded block again.
         """
+        self._no_tree_left()  # its node slots would pass for committed positions
         if self.inputs is None:
             self.runner.rollback_to_committed(lengths)
             return
