@@ -141,6 +141,7 @@ def test_a_tree_left_in_the_cache_is_never_taken_for_committed_positions():
         lambda: proposer.rollback_to_committed(sequences.lengths),
         lambda: proposer.select_rows([0]),
         lambda: proposer.draft_tree(sequences, TreeShape.default()),
+        lambda: proposer.draft(sequences, 3),
     ):
         with pytest.raises(RuntimeError, match="compacted first"):
             call()

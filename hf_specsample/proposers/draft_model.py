@@ -146,6 +146,7 @@ class DraftModelProposer(Proposer):
                 proposal's `point_mass` mask. The model still runs for every row (its later proposals condition on
                 the forced tokens).
         """
+        self._no_tree_left()
         tokens, lengths = sequences.tokens, sequences.lengths
         reads = sequences if self.inputs is None else self.inputs.sequences
         read_lengths = reads.lengths
