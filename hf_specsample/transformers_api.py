@@ -13,6 +13,8 @@ old name broke at once. So the library spells none of them: it asks this module.
 - the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
 - `cache_layer_classes(config)`: the layer classes of the cache transformers builds for a config, read as its
   constructor reads them, without building one.
+- `additive_attention_mask`, `FOUR_D_MASK_ATTENTION`, `attention_implementation`: a draft tree's 4D mask, as the
+  attention implementations that take one as given want it (`cache.tree_forward`).
 - `scan_restarts_from_zero(model)`: whether a model's recurrent layers can continue a multi-token forward from a
   cached state, read off the installed modeling module's scan function.
 
@@ -29,6 +31,7 @@ import sys
 import warnings
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import GenerationConfig, PreTrainedModel, cache_utils
@@ -203,6 +206,30 @@ def plain_decoding(
     model_kwargs = {**model_kwargs, "streamer": streamer}
     decode: Any = model._sample  # `Any`: a module's attributes read as tensors or modules to type checkers
     return decode(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+
+
+# Attention implementations that use a 4D mask handed to the forward as it is: transformers' mask builders
+# (`masking_utils._preprocess_mask_arguments`, 5.23 and 5.24 alike) return a mask of 4 dimensions unchanged, and these
+# two apply it (eager adds it to the scores, sdpa passes it on). Flash attention takes no mask of that shape; flex
+# attention wants a `BlockMask`; a paged or kernel-hub implementation builds its own.
+FOUR_D_MASK_ATTENTION = ("eager", "sdpa")
+
+
+def attention_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation the model's forward runs (its config's, as transformers dispatches on it)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def additive_attention_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`(rows, 1, queries, slots)` mask of `dtype` on `device` from `allowed` `(rows, queries, slots)` bool: 0 where a
+    query attends to a slot, the dtype's lowest value elsewhere.
+
+    Additive, not boolean: eager attention adds the mask to the scores (a boolean mask would add 1 and mask nothing),
+    sdpa takes either. The lowest finite value rather than -inf keeps a query that sees no slot (prompt padding) from
+    turning into NaN, as transformers' own eager masks do.
+    """
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None].to(device)
 
 
 # Private hooks the library calls (above), by the class that holds them.

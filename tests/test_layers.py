@@ -30,6 +30,7 @@ LAYERS = [
             "cache.forwards",
             "cache.step_warm_up",
             "cache.cached_model",
+            "cache.tree_forward",
         ],
     ),  # fmt: skip
     (
@@ -44,6 +45,7 @@ LAYERS = [
             "verify.stopping",
             "proposers.base",
             "proposers.cross_tokenizer",
+            "proposers.tree_drafting",
             "proposers.draft_model",
             "proposers.prompt_lookup",
             "distributed",

@@ -194,15 +194,19 @@ class CachedModel:
 
     def _feed_part(self, columns: Columns, num_logits: int) -> torch.Tensor:
         """One forward over `columns` (see `feed`)."""
-        width = columns.input_ids.shape[1]
         if self.states is not None:
             self.states.before_forward(self.fed)
-        self.slot_is_real = torch.cat([self.slot_is_real, columns.is_real], dim=1)
-        self.fed = [fed + width for fed in self.fed]
+        self.grow(columns.is_real)
         logits = self._forward(self.cache, self.slot_is_real, columns, num_logits)
         if self.states is not None:
             self.states.after_forward()
         return logits
+
+    def grow(self, is_real: torch.Tensor) -> None:
+        """Count the slots a forward is about to write, `(rows, width)` bool on the CPU (False: padding): by `feed`,
+        and by `cache.tree_forward`, whose tree nodes are counted as fed positions until its compaction."""
+        self.slot_is_real = torch.cat([self.slot_is_real, is_real], dim=1)
+        self.fed = [fed + is_real.shape[1] for fed in self.fed]
 
     def _forward(self, cache: Cache, slot_is_real: torch.Tensor, columns: Columns, num_logits: int) -> torch.Tensor:
         """The model's forward over `columns` with `cache`, whose slots (these columns' included) `slot_is_real`

@@ -16,12 +16,15 @@ from transformers import Cache, DynamicCache
 
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
+from ..cache.tree_forward import CachedTree
+from ..draft_tree import DraftTree, TreeShape
 from ..model_facts import ModelFacts
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
 from ..verify.rejection import first_argmax, sample_from_weights
 from .base import DraftBudget, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
+from .tree_drafting import children_by_parent, choices, parents_of_levels, processed_at_parents
 
 
 class DraftVocabulary(NamedTuple):
@@ -38,6 +41,18 @@ class DraftVocabulary(NamedTuple):
     ids: torch.Tensor | None
     columns: torch.Tensor | None
     target_width: int
+
+
+class TreeProposal(NamedTuple):
+    """A round's drafted tree (`DraftModelProposer.draft_tree`).
+
+    Attributes:
+        tree: `DraftTree` of `(rows, N)` tokens, parents and depths; siblings carry distinct tokens.
+        model_steps: draft-model forwards run for it (one per level: the tree's depth).
+    """
+
+    tree: DraftTree
+    model_steps: int
 
 
 class DraftModelProposer(Proposer):
@@ -95,6 +110,7 @@ class DraftModelProposer(Proposer):
         self.columns = None if vocabulary.columns is None else vocabulary.columns.to(device)  # (subset,)
         self.vocab_size = vocabulary.target_width
         self.compact = vocabulary.ids is not None and processor.vocabulary_free
+        self.tree_in_cache: CachedTree | None = None  # the last drafted tree, until `compact_tree`
 
     @property
     def forward_passes(self) -> int:
@@ -102,6 +118,7 @@ class DraftModelProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
+        self._no_tree_left()
         self.runner.select_rows(rows)
 
     def warm_up(self) -> None:
@@ -129,6 +146,7 @@ class DraftModelProposer(Proposer):
                 proposal's `point_mass` mask. The model still runs for every row (its later proposals condition on
                 the forced tokens).
         """
+        self._no_tree_left()
         tokens, lengths = sequences.tokens, sequences.lengths
         reads = sequences if self.inputs is None else self.inputs.sequences
         read_lengths = reads.lengths
@@ -164,6 +182,61 @@ class DraftModelProposer(Proposer):
             point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, K)
             model_steps=num_tokens,
         )
+
+    def draft_tree(self, sequences: Sequences, shape: TreeShape) -> TreeProposal:
+        """Draft a tree of `shape` after every active row's committed tokens, one draft forward per level.
+
+        The first forward feeds the committed positions the draft has not fed (the root at least) and gives the
+        root's children; each later one feeds the parents of the next level's nodes with the tree mask
+        (`cache.tree_forward.CachedTree`). A parent's children are the top-(rank + 1) distinct tokens of the draft's
+        processed scores there (processed with the parent's own prefix: `tree_drafting.processed_at_parents`), the
+        scores a greedy chain draft takes its argmax of, also when sampling: the children are deterministic. Leaves
+        are not fed. The buffer is not written to.
+
+        After it the draft's cache holds each row's committed tokens, the root included, then every node that has
+        children, in level order (`tree_in_cache`), until `compact_tree`.
+        """
+        if self.inputs is not None:
+            raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
+        self._no_tree_left()
+        tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
+        tree = DraftTree.of_shape(shape, tokens.new_zeros((sequences.num_active, shape.num_nodes)))
+        children = children_by_parent(shape)
+        levels = parents_of_levels(shape)
+        for level, parents in enumerate(levels):
+            if level == 0:
+                logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
+                self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree, shape)
+            else:
+                assert self.tree_in_cache is not None  # made by the first level
+                logits = self.tree_in_cache.feed(parents)  # (rows, P, width)
+            full = self._spread(self._columns(logits))
+            scores = processed_at_parents(self.processor, tokens, lengths, shape, tree.tokens, parents, full, callers)
+            for lane, parent in enumerate(parents):
+                kids = children[parent]
+                index = choices(scores[:, lane], max(rank for _, rank in kids) + 1)  # (rows, ranks)
+                chosen = self.vocabulary[index] if self.compact and self.vocabulary is not None else index
+                for node, rank in kids:
+                    tree.tokens[:, node] = chosen[:, rank]
+        return TreeProposal(tree, model_steps=len(levels))
+
+    def compact_tree(self, path: torch.Tensor, counts: Sequence[int]) -> None:
+        """Keep the accepted path of the last drafted tree in the draft's cache (`CachedTree.compact`): called after
+        verification, before rows are dropped and before `rollback_to_committed`.
+
+        Args:
+            path: `(rows, D)` long, each row's accepted nodes, -1 after `counts[b]`.
+            counts: per row, its accepted nodes.
+        """
+        assert self.tree_in_cache is not None, "no tree was drafted"
+        self.tree_in_cache.compact(path, counts)
+        self.tree_in_cache = None
+
+    def _no_tree_left(self) -> None:
+        if self.tree_in_cache is not None:
+            raise RuntimeError(
+                "hf_specsample internal error: the drafted tree must be compacted first (`compact_tree`)"
+            )
 
     def _force(
         self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor
@@ -229,6 +302,7 @@ class DraftModelProposer(Proposer):
         only the positions whose draft ids did not change (`DraftIdBuffer.sync`). Where the rows cannot be evened up
         by rolling back, the draft's cache is emptied and its rows packed into one left-padded block again.
         """
+        self._no_tree_left()  # its node slots would pass for committed positions
         if self.inputs is None:
             self.runner.rollback_to_committed(lengths)
             return
