@@ -15,9 +15,8 @@ check_installed()  # before anything else: an unsupported transformers is refuse
 
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
-from .draft_tree import TreeShape
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
-from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig, Verification
+from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig, TreeShape, Verification
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens

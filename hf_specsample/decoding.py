@@ -101,6 +101,9 @@ class SpeculativeDecoder:
         self.model_drafter, self.drafter = plan.drafters(
             self.sequences, self.verifier.processor, bool(generation_config.do_sample)
         )
+        keep = {"scores"} if self.recorder.keep_scores else set()
+        keep |= {"logits"} if self.recorder.wants_raw_logits else set()
+        self.trees = plan.tree_round(self.target, self.model_drafter, self.verifier.processor, keep)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
 
@@ -142,10 +145,17 @@ class SpeculativeDecoder:
         compilations = self._compilations()
         refeeds = self.target.refeed_passes
         self.timer.start()
-        proposal = self.drafter.get_candidates(self.sequences, budget)
-        self.timer.mark()
-        verdict, scores, raw_logits = self.verify(proposal)
-        num_accepted = self.commit(proposal, verdict, scores, raw_logits)
+        if self.trees is not None and budget.lookahead > 0:  # a tree of the room's depth (K: the tree's depth)
+            shape, tree = self.trees.draft(self.sequences, budget.lookahead)
+            self.timer.mark()
+            proposal, verdict, scores, raw_logits = self.trees.verify(self.sequences, shape, tree)
+            drafted = shape.num_nodes
+        else:
+            proposal = self.drafter.get_candidates(self.sequences, budget)
+            self.timer.mark()
+            verdict, scores, raw_logits = self.verify(proposal)
+            drafted = proposal.tokens.shape[1]
+        num_accepted = self.commit(proposal, verdict, scores, raw_logits, drafted)
         self.timer.mark()
         if self.stats.rounds == 1 and self.sequences.num_active:
             self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
@@ -181,10 +191,16 @@ class SpeculativeDecoder:
         return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 
     def commit(
-        self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None, raw_logits: torch.Tensor | None
+        self,
+        proposal: Proposal,
+        verdict: Verdict,
+        scores: torch.Tensor | None,
+        raw_logits: torch.Tensor | None,
+        drafted: int,
     ) -> list[int]:
         """Write the recovered/bonus token, then the round's four steps: read it (its one host sync), stop rows where
-        `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows).
+        `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows). `drafted`: the
+        draft tokens each row was offered (a tree's nodes; a chain's K).
 
         Returns:
             Per row active in this round, the number of draft tokens it accepted.
@@ -194,7 +210,7 @@ class SpeculativeDecoder:
         callers = self.sequences.rows.callers()
         stops, counts = self.stop(read, callers, scores, raw_logits)
         self.emit(read, counts)
-        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts)
+        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts, drafted)
         self.shrink(counts, [stop is not None for stop in stops])
         return read.num_accepted
 

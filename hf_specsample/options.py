@@ -4,10 +4,10 @@
 - `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`).
 - `DraftForm`: the form a draft model runs in (`draft_form=`, `prepare_draft(form=)`).
 - `Verification`: how a draft block is verified (`verification=`).
-- `DraftShape`: whether a round drafts one chain or a tree of candidates (`draft_shape=`).
+- `DraftShape`: whether a round drafts one chain or a tree of candidates (`draft_shape=`); `TreeShape`, an explicit
+  tree (its nodes' parents and ranks; the words of trees are in `draft_tree`).
 
 All enums are `str` enums: the plain strings compare equal, and an invalid one is refused with the choices.
-Beside them, only `draft_tree.TreeShape` (an explicit tree, a value too) is imported.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
-
-from .draft_tree import TreeShape
 
 DEFAULT_MAX_LOOKAHEAD = 8  # adaptive K never exceeds this; larger K rarely pays on CPU
 
@@ -69,6 +68,93 @@ class Verification(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree: node i's parent (-1: the root) and its rank among the parent's children.
+
+    Attributes:
+        parents: per node, the parent node's index (-1: the root), in level order (a parent before its children).
+        ranks: per node, which of the draft's choices at the parent it takes (0: the most likely); distinct among
+            siblings.
+    """
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != len(self.ranks) or not self.parents:
+            raise ValueError("a tree shape needs one parent and one rank per node, and at least one node")
+        seen: set[tuple[int, int]] = set()
+        for node, (parent, rank) in enumerate(zip(self.parents, self.ranks)):
+            if not -1 <= parent < node:
+                raise ValueError(f"node {node}'s parent {parent} must be -1 (the root) or an earlier node")
+            if rank < 0 or (parent, rank) in seen:
+                raise ValueError(f"node {node}: rank {rank} under parent {parent} is negative or taken twice")
+            seen.add((parent, rank))
+
+    @classmethod
+    def from_paths(cls, paths: list[tuple[int, ...]]) -> TreeShape:
+        """The shape holding each path of ranks from the root (`(0, 1)`: the first choice's second choice), and
+        every prefix of one; nodes sorted by depth, then by path."""
+        nodes = sorted({path[:depth] for path in paths for depth in range(1, len(path) + 1)}, key=lambda p: (len(p), p))
+        index = {path: node for node, path in enumerate(nodes)}
+        return cls(tuple(index[path[:-1]] if len(path) > 1 else -1 for path in nodes), tuple(p[-1] for p in nodes))
+
+    @classmethod
+    def chain(cls, lookahead: int) -> TreeShape:
+        """`lookahead` tokens in one chain: the draft's first choice at each depth."""
+        return cls(tuple(range(-1, lookahead - 1)), (0,) * lookahead)
+
+    @classmethod
+    def default(cls) -> TreeShape:
+        """16 nodes: a first-choice spine of depth 8, second and third choices at the first levels."""
+        spine = (0,) * 8
+        return cls.from_paths([spine, (1, 0), (2,), (0, 1, 0), (0, 2), (0, 0, 1), (0, 0, 0, 1)])
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def max_rank(self) -> int:
+        """The most choices any node takes at its parent, less one (top-(max_rank + 1) is drafted)."""
+        return max(self.ranks)
+
+    @property
+    def is_chain(self) -> bool:
+        return self == TreeShape.chain(self.num_nodes)
+
+    def truncated(self, depth: int) -> TreeShape:
+        """The nodes at depth <= `depth` (>= 1), renumbered in the same order."""
+        kept = [node for node, node_depth in enumerate(self.depths) if node_depth <= depth]
+        if len(kept) == self.num_nodes:
+            return self
+        index = {node: new for new, node in enumerate(kept)}
+        return TreeShape(tuple(index.get(self.parents[node], -1) for node in kept), tuple(self.ranks[n] for n in kept))
+
+    def describe(self) -> str:
+        """In words, for `SpeculativeStats.shape`."""
+        if self.is_chain:
+            return f"a chain of {self.num_nodes}"
+        return f"a tree of {self.num_nodes} nodes, depth {self.max_depth}, up to {self.max_rank + 1} choices a node"
+
+    def levels(self) -> list[list[int]]:
+        """The nodes at each depth, depth 1 first."""
+        depths = self.depths
+        return [[node for node, depth in enumerate(depths) if depth == level] for level in range(1, self.max_depth + 1)]
 
 
 class DraftShape(str, enum.Enum):

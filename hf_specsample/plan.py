@@ -21,7 +21,7 @@ Glossary: `docs/ARCHITECTURE.md` ("Words").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -29,6 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from . import distributed, transformers_api, validation
 from .cache import row_ops, static_addresses
+from .cache.cached_model import CachedModel
 from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
 from .cache.runner import RunnerBackend, RunnerPlan
@@ -38,7 +39,7 @@ from .kernels.routing import KernelRouting
 from .kernels.small_rows import MAX_ROWS, best_path
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
-from .options import DraftForm, LinearKernel, NamedDraft, SpeculativeConfig
+from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
 from .prepare.implicit import draft_for_call
 from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from .prepare.vocabulary import special_token_ids
@@ -48,8 +49,10 @@ from .proposers.draft_model import DraftModelProposer, DraftVocabulary
 from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
 from .round_costs import weight_bytes_ratio
 from .sequences import Sequences
+from .shape_choice import ShapeChoice, choose_shape
 from .stats import SpeculativeStats
 from .verify.processing import PositionwiseProcessor, check_supported
+from .verify.tree_round import TreeRound
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
@@ -103,6 +106,7 @@ class CallPlan:
             `SpeculativeStats.graphs`.
         pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
             not handed go back to `cache.static_addresses.POOL` for the next call.
+        shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shape_choice.choose_shape`).
     """
 
     inputs: CallInputs
@@ -118,6 +122,7 @@ class CallPlan:
     kernel_description: str
     graphs: str = ""
     pooled: bool = False
+    shape: ShapeChoice = ShapeChoice(None, "chain")
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -131,7 +136,7 @@ class CallPlan:
     def new_stats(self) -> SpeculativeStats:
         """The call's statistics, with what the plan decided already filled in."""
         stats = SpeculativeStats.for_batch(self.inputs.batch_size)
-        stats.linear_kernel, stats.graphs = self.kernel_description, self.graphs
+        stats.linear_kernel, stats.graphs, stats.shape = self.kernel_description, self.graphs, self.shape.reason
         stats.draft_form = self.draft.description if self.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         if self.draft is not None and self.draft.shared is not None:
             stats.shared_vocabulary = self.draft.shared.size
@@ -149,6 +154,16 @@ class CallPlan:
         if self.max_ngram is None:
             return model, model
         return model, LookupThenModelProposer(model, PromptLookupProposer(self.max_ngram))
+
+    def tree_round(
+        self, target: CachedModel, drafter: DraftModelProposer | None, processor: PositionwiseProcessor, keep: set[str]
+    ) -> TreeRound | None:
+        """The call's tree rounds (None: it drafts chains; `TreeRound.for_call`)."""
+        if self.shape.tree is None:
+            return None
+        assert drafter is not None  # trees are drafted by a draft model (`validation.tree_problems`)
+        do_sample = bool(self.inputs.generation_config.do_sample)
+        return TreeRound.for_call(self.shape.tree, drafter, target, processor, do_sample, self.generator, keep)
 
     def give_back_caches(self, caches: list[tuple[PreTrainedModel, Any]]) -> None:
         """After a `pooled` call: its own static caches, as (model, cache), kept for the next call
@@ -181,7 +196,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     spec = resolve_draft(inputs.draft_model)
     target = ModelFacts.of(inputs.model)
     draft = ModelFacts.of(spec.model) if spec.model is not None else None
-    tokenizers = _refuse(inputs, spec, target, draft)
+    tokenizers, shape = _refuse(inputs, spec, target, draft)
     generator = inputs.generator
     if target.tensor_parallel and inputs.generation_config.do_sample:  # every rank draws alike (`distributed`);
         # a greedy call draws nothing, not even the shared generator's seed
@@ -207,6 +222,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel routings and AUTO's
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
+    if shape.tree is not None:  # every round drafts the tree, cut to the room left: its depth is K
+        config = replace(config, num_lookahead=shape.tree.max_depth)
     lookahead = RoundLookahead.for_call(
         config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
         prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
@@ -224,15 +241,15 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     return CallPlan(
         inputs, target, cache, forwards, draft_plan, max_ngram, generator, clock_free, lookahead, keep_cache,
-        kernel_description, graphs.reason, pooled,
+        kernel_description, graphs.reason, pooled, shape,
     )  # fmt: skip
 
 
 def _refuse(
     inputs: CallInputs, spec: DraftSpec, target: ModelFacts, draft: ModelFacts | None
-) -> tuple[Any, Any] | None:
+) -> tuple[tuple[Any, Any] | None, ShapeChoice]:
     """Every refusal that needs no forward, in order; returns the (target, draft) tokenizers where the draft reads
-    another tokenizer's ids (a `PreparedDraft` may hold them), else None."""
+    another tokenizer's ids (a `PreparedDraft` may hold them, else None), and the rounds' shape."""
     config, generation_config = inputs.config, inputs.generation_config
     tokenizers = check_draft(spec, target, draft, inputs.tokenizers)  # the models and the ids the draft reads
     validation.check_hybrid_draft(draft, tokenizers is not None)
@@ -251,7 +268,13 @@ def _refuse(
         )
     if config.compile_draft and spec.kind is not DraftKind.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
-    return tokenizers
+    problems = validation.tree_problems(
+        target, draft if draft is not None or spec.kind is DraftKind.PROMPT_LOOKUP else target,
+        lookup=spec.kind is DraftKind.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
+        other_tokenizer=tokenizers is not None, config=config,
+        static_cache=row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs)),
+    )  # fmt: skip
+    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, config.num_lookahead)
 
 
 def _draft_plan(

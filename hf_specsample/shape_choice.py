@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .draft_tree import TreeShape
-from .options import DraftShape
+from .options import DraftShape, TreeShape
 
 
 class ShapeChoice(NamedTuple):
@@ -40,8 +39,9 @@ def choose_shape(
     if asked is DraftShape.AUTO:  # trees are chosen once their acceptance and costs are measured per call (issue 45)
         return ShapeChoice(None, "chain (draft_shape='auto' drafts chains)")
     if problems:
+        named = repr(str(asked)) if isinstance(asked, DraftShape) else "a TreeShape"
         raise ValueError(
-            f"draft_shape={asked!r} drafts a tree of candidates, which this call cannot run: {'; '.join(problems)}. "
+            f"draft_shape={named} drafts a tree of candidates, which this call cannot run: {'; '.join(problems)}. "
             "Use draft_shape='chain' (or 'auto', which falls back to chains)."
         )
     tree = TreeShape.default() if asked is DraftShape.TREE else asked

@@ -58,21 +58,28 @@ class SpeculativeStats:
         )
 
     def record_round(
-        self, callers: Sequence[int], lookahead: int, num_accepted: Sequence[int], counts: Sequence[int]
+        self,
+        callers: Sequence[int],
+        lookahead: int,
+        num_accepted: Sequence[int],
+        counts: Sequence[int],
+        drafted: int | None = None,
     ) -> None:
         """Count one round.
 
         Args:
             callers: per row active in the round, its caller row (`RowBook.callers`).
-            lookahead: draft tokens proposed to every row.
+            lookahead: the most draft tokens a row could accept (a chain's K, a tree's depth): fewer is a rejection.
             num_accepted: per active row, draft tokens accepted.
             counts: per active row, tokens committed (after stopping).
+            drafted: draft tokens proposed to every row (a tree's nodes; None: `lookahead`).
         """
+        drafted = lookahead if drafted is None else drafted
         self.rounds += 1
-        self.lookahead_per_round.append(lookahead)
+        self.lookahead_per_round.append(drafted)
         self.accepted_depth_per_round.append(sum(num_accepted) / len(num_accepted) if num_accepted else 0.0)
         for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
-            self.row_draft_tokens[row] += lookahead
+            self.row_draft_tokens[row] += drafted
             self.row_accepted_tokens[row] += accepted
             self.row_rejections[row] += int(accepted < lookahead)
             self.row_new_tokens[row] += count

@@ -11,7 +11,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
 from . import transformers_api
-from .cache import row_ops
+from .cache import row_ops, tree_forward
 from .model_facts import ModelFacts, Role, unsupported_layers
 from .options import NamedDraft, SpeculativeConfig
 
@@ -260,3 +260,38 @@ def check_draft_compiles(draft: ModelFacts) -> None:
             f"compile_draft=True cannot compile this draft: {draft.compile_problem}. Leave compile_draft=False for "
             "this draft (its steps then run eagerly), or pass a draft whose forward compiles."
         )
+
+
+def tree_problems(
+    target: ModelFacts,
+    draft: ModelFacts | None,
+    *,
+    lookup: bool,
+    other_tokenizer: bool,
+    static_cache: bool,
+    config: SpeculativeConfig,
+) -> list[str]:
+    """Why this call cannot draft trees (`shape_choice.choose_shape`), each in a phrase; empty where it can.
+
+    Args:
+        target, draft: the models' facts (draft None: no draft model).
+        lookup: n-gram lookups draft (`draft_model="prompt_lookup"` or `prompt_lookup_num_tokens=`).
+        other_tokenizer: the draft reads another tokenizer's ids.
+        static_cache: the target's cache is static (the caller's, `cache_implementation="static"`, `compile=True`).
+    """
+    problems = []
+    if draft is None or lookup:
+        problems.append("n-gram lookups propose chains (trees need a draft model)")
+    if other_tokenizer:
+        problems.append("a draft with another tokenizer drafts chains (its tokens do not map one to one)")
+    if static_cache or config.compile:
+        problems.append("static caches and compile=True run chains")
+    if config.compile_draft:
+        problems.append("compile_draft=True compiles the draft's single-token steps, which a tree does not take")
+    if target.tensor_parallel:
+        problems.append("a tensor-parallel target verifies chains")
+    for role, facts in (("target", target), ("draft", draft)):
+        problem = tree_forward.tree_problem(facts) if facts is not None else None
+        if problem is not None:
+            problems.append(f"the {role} {problem}")
+    return problems

@@ -42,6 +42,7 @@ LAYERS = [
             "verify.round_verifier",
             "verify.tree_rule",
             "verify.tree_verifier",
+            "verify.tree_round",
             "verify.stopping",
             "proposers.base",
             "proposers.cross_tokenizer",

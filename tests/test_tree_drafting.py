@@ -8,8 +8,8 @@ from test_tree_forward import accept, committed_tokens, new_cache, padded_batch,
 from tiny import PAD, prepared_processors
 
 from hf_specsample.cache.forwards import Forwards
-from hf_specsample.draft_tree import TreeShape
 from hf_specsample.model_facts import ModelFacts
+from hf_specsample.options import TreeShape
 from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
 from hf_specsample.verify.processing import PositionwiseProcessor
 

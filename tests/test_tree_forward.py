@@ -9,8 +9,9 @@ from tiny import ARCHITECTURES, PAD, tiny_arch
 from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.tree_forward import feed_tree, tree_problem
-from hf_specsample.draft_tree import DraftTree, TreeShape
+from hf_specsample.draft_tree import DraftTree
 from hf_specsample.model_facts import ModelFacts
+from hf_specsample.options import TreeShape
 from hf_specsample.sequences import Sequences
 
 VOCAB = 32

@@ -9,7 +9,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-from hf_specsample.draft_tree import DraftTree, TreeShape
+from hf_specsample.draft_tree import DraftTree
+from hf_specsample.options import TreeShape
 from hf_specsample.verify.processing import probabilities
 from hf_specsample.verify.rejection import NonFinite, first_argmax, sample_uniform
 from hf_specsample.verify.tree_rule import tree_accept, tree_greedy_accept

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..draft_tree import TreeShape
+from ..options import TreeShape
 from ..verify.processing import PositionwiseProcessor, RunKind
 from ..verify.rejection import first_argmax
 

@@ -119,7 +119,7 @@ class TreeVerifier:
                 verdict = tree_greedy_accept(part, first_argmax(scores), max_depth)
             parts.append(verdict)
             if self.keep_scores:
-                kept.append(_along_path(scores, verdict.path))
+                kept.append(along_path(scores, verdict.path))
         verdict = parts[0] if len(parts) == 1 else TreeVerdict(*(torch.cat(field) for field in zip(*parts)))
         if self.tensor_parallel:
             verdict = distributed.broadcast_tree_verdict(verdict)
@@ -194,7 +194,7 @@ def _position_prefixes(tokens: torch.Tensor, lengths: Sequence[int], tree: Draft
     return prefixes.reshape(rows * (nodes + 1), width)
 
 
-def _along_path(scores: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+def along_path(scores: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
     """`(rows, max_depth + 1, vocab)` the scores at the root, then at each accepted node (the root's after the path).
 
     Args:

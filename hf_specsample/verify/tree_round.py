@@ -1,0 +1,97 @@
+"""A round that drafts a tree (`SpeculativeConfig.draft_shape`): the draft's tree, the target's one forward over its
+root and every node, the tree rule's verdict, and both caches cut down to the accepted path.
+
+It hands the loop what a chain's round hands it: a `Proposal` whose tokens are the accepted path (written into the
+buffer after each row's committed tokens, as a chain's drafts are) and a `Verdict` (the accepted count and the
+target's draw where the walk ended). Committing, stopping, streaming, recording and rolling back are then the
+chain's (`decoding.SpeculativeDecoder.commit`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import tree_forward
+from ..cache.cached_model import CachedModel
+from ..draft_tree import DraftTree, TreeShape
+from ..proposers.base import Proposal
+from ..proposers.draft_model import DraftModelProposer
+from ..sequences import Sequences
+from .processing import PositionwiseProcessor
+from .rejection import Verdict
+from .tree_verifier import TreeVerifier, along_path
+
+
+class TreeRound:
+    """Draft, verify and compact one tree per active row (module docstring)."""
+
+    def __init__(
+        self,
+        shape: TreeShape,
+        drafter: DraftModelProposer,
+        target: CachedModel,
+        verifier: TreeVerifier,
+        keep_raw_logits: bool,
+    ):
+        """
+        Args:
+            shape: the call's tree (`shape_choice.choose_shape`); a round near `max_length` drafts it cut to the
+                room left (`TreeShape.truncated`).
+            drafter: the draft model's proposer (trees are drafted by a draft model only).
+            target: the target and its cache.
+            verifier: the call's tree verifier (processors at every node with its own path).
+            keep_raw_logits: the recorder keeps raw logits (`output_logits=True`): hand back those along the path.
+        """
+        self.shape, self.drafter, self.target, self.verifier = shape, drafter, target, verifier
+        self.keep_raw_logits = keep_raw_logits
+
+    @classmethod
+    def for_call(
+        cls,
+        shape: TreeShape,
+        drafter: DraftModelProposer,
+        target: CachedModel,
+        processor: PositionwiseProcessor,
+        do_sample: bool,
+        generator: torch.Generator | None,
+        keep: set[str],
+    ) -> TreeRound:
+        """A call's tree rounds, verified with the chain's processors (`processor`).
+
+        Args:
+            keep: what the recorder keeps: "scores" (`output_scores`), "logits" (`output_logits`).
+        """
+        verifier = TreeVerifier(processor, do_sample, generator, "scores" in keep)
+        return cls(shape, drafter, target, verifier, "logits" in keep)
+
+    def draft(self, sequences: Sequences, depth: int) -> tuple[TreeShape, DraftTree]:
+        """The round's shape (the call's, cut at `depth`, the room the round has) and each row's tree."""
+        shape = self.shape.truncated(depth)
+        return shape, self.drafter.draft_tree(sequences, shape).tree
+
+    def verify(
+        self, sequences: Sequences, shape: TreeShape, tree: DraftTree
+    ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None]:
+        """The target's forward over the root and the nodes, the verdict, the path written into the buffer, and both
+        caches compacted to it.
+
+        Returns:
+            A `Proposal` of `(batch, D)` accepted tokens (D: the shape's depth; past a row's accepted count, its next
+            token), the `Verdict`, and the `(batch, D + 1, vocab)` processed scores and raw logits at the root and
+            along the accepted path where the recorder keeps them (else None).
+        """
+        lengths = sequences.lengths
+        logits, in_target = tree_forward.feed_tree(self.target, sequences, tree, shape)  # (batch, N + 1, vocab)
+        verdict, scores = self.verifier(sequences.tokens, lengths, logits, sequences.rows.active, tree, shape)
+        raw = along_path(logits, verdict.path) if self.keep_raw_logits else None
+        del logits
+        for depth in range(verdict.accepted_tokens.shape[1]):  # the path into the buffer, as a chain's drafts
+            sequences.write(depth, verdict.accepted_tokens[:, depth])
+        # The round's second host read (the loop's `read_round` is the first): the compactions need each row's path
+        # on the host before rows stop and caches roll back. A NaN/inf verdict is raised by that read.
+        path = verdict.path.cpu()
+        counts = (path >= 0).sum(dim=1).tolist()
+        in_target.compact(path, counts)
+        self.drafter.compact_tree(path, counts)
+        proposal = Proposal(tokens=verdict.accepted_tokens, probs=None, model_steps=shape.max_depth)
+        return proposal, Verdict(verdict.num_accepted, verdict.next_tokens), scores, raw

@@ -1,0 +1,182 @@
+"""Draft trees end to end (`SpeculativeConfig(draft_shape="tree")`): exactly the target's output.
+
+- greedy: token for token plain `generate()`'s on every architecture the greedy matrix covers that trees serve, one
+  row and a ragged left-padded batch, EOS inside an accepted path, and `scores` / `logits` as plain's;
+- sampling: the exact distribution of 3-token continuations (every processor) against 10,000 samples, chi-square,
+  and a wrong tree rule fails the same test (power);
+- the choice: refusals before any forward where a tree cannot run, "auto" drafting chains, the stats.
+"""
+
+import pytest
+import torch
+from exact import chisquare_pvalue, continuations, exact_distribution
+from test_architectures import PROMPTS as ARCH_PROMPTS
+from test_architectures import batch
+from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, prepared_processors, tiny_arch, tiny_lm
+
+from hf_specsample import SpeculativeConfig, TreeShape
+from hf_specsample.cache.tree_forward import tree_problem
+from hf_specsample.model_facts import ModelFacts
+from hf_specsample.verify import tree_rule
+
+TREE = SpeculativeConfig(draft_shape="tree", draft_form="as_given")
+SMALL = SpeculativeConfig(draft_shape=TreeShape.from_paths([(0, 0, 0), (1, 0), (2,), (0, 1)]), draft_form="as_given")
+VOCAB = 48
+NEW_TOKENS = 14
+
+
+def greedy(model, ids, mask=None, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, max_new_tokens=NEW_TOKENS, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {"close": perturbed_copy(target, seed=1, scale=0.3), "far": tiny_lm(seed=2)}
+
+
+@pytest.fixture(scope="module")
+def greedy_models():
+    """A target with peaked distributions over 64 tokens and two drafts (as `test_greedy.py`'s)."""
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
+    far = tiny_lm(seed=2, vocab_size=64, layers=1, hidden=32, init_range=0.3)
+    return target, {"close": perturbed_copy(target, seed=1, scale=0.1), "far": far}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_greedy_identity_on_every_architecture(name):
+    """Plain greedy's tokens on every architecture trees serve; refused before any forward on the others."""
+    target = tiny_arch(name, seed=0, vocab_size=VOCAB)
+    draft = arch_draft(target, seed=1)
+    problem = tree_problem(ModelFacts.of(target))
+    if problem is not None:
+        ids, mask = batch(ARCH_PROMPTS)
+        with pytest.raises(ValueError, match="draft_shape='tree'.*chains there"):
+            greedy(target, ids, mask, draft_model=draft, speculative_config=TREE)
+        return
+    for config in (TREE, SMALL):
+        for rows in ([ARCH_PROMPTS[0]], ARCH_PROMPTS):
+            ids, mask = batch(rows)
+            expected = greedy(target, ids, mask)
+            got = greedy(target, ids, mask, draft_model=draft, speculative_config=config)
+            assert torch.equal(got, expected), (name, config.draft_shape, len(rows))
+
+
+def test_greedy_with_eos_inside_the_path_and_scores(greedy_models):
+    target, drafts = greedy_models
+    prompt = torch.tensor([[1, 17, 42, 5, 9]])
+    free_run = greedy(target, prompt)[0, prompt.shape[1] :].tolist()
+    eos = free_run[6]
+    kwargs = dict(eos_token_id=eos, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = greedy(target, prompt, **kwargs)
+    assert expected.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS, "EOS must end generation early"
+    for draft in (drafts["close"], target):
+        got = greedy(target, prompt, draft_model=draft, speculative_config=TREE, **kwargs)
+        assert torch.equal(got.sequences, expected.sequences)
+        for name in ("scores", "logits"):
+            assert len(getattr(got, name)) == len(getattr(expected, name))
+            for mine, plain in zip(getattr(got, name), getattr(expected, name)):
+                torch.testing.assert_close(mine, plain, atol=1e-4, rtol=1e-4)
+        stats = got.speculative_stats
+        assert "tree of 16 nodes" in stats.shape or "tree of" in stats.shape
+        assert stats.tokens_per_target_pass > 1.0
+
+
+def test_a_tree_keeps_more_tokens_per_pass_than_a_chain(greedy_models):
+    """With the draft's top choices as siblings, a tree of the chain's depth accepts at least as deep a path from
+    any prefix, and greedy rounds advance monotonically in the prefix: never fewer tokens per target pass."""
+    target, drafts = greedy_models
+    prompt = torch.tensor([[1, 17, 42, 5, 9]])
+    kwargs = dict(return_dict_in_generate=True, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    shape = TreeShape.from_paths([(0, 0, 0, 0), (1, 0, 0), (2, 0), (0, 1, 0), (0, 0, 1)])
+    tree_config = SpeculativeConfig(draft_shape=shape, draft_form="as_given")
+    chain_config = SpeculativeConfig(draft_shape="chain", draft_form="as_given", num_lookahead=4)
+    tree = target.generate(prompt, draft_model=drafts["far"], speculative_config=tree_config, **kwargs)
+    chain = target.generate(prompt, draft_model=drafts["far"], speculative_config=chain_config, **kwargs)
+    assert torch.equal(tree.sequences, chain.sequences)
+    assert tree.speculative_stats.tokens_per_target_pass >= chain.speculative_stats.tokens_per_target_pass
+
+
+# --- sampling: the exact distribution -------------------------------------------------------------------------------
+
+PROMPT = torch.tensor([[1, 5, 2, 5]])
+NUM_TOKENS = 3
+SAMPLES = 10_000
+EOS = 4
+ALPHA = 1e-3
+SETTINGS = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(top_k=3),
+    "top_p": dict(top_p=0.8),
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "no_repeat_ngram": dict(no_repeat_ngram_size=2, temperature=1.3),
+    "all_with_eos": dict(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3, eos_token_id=EOS),
+}
+
+
+def exact_for(target, eos_token_ids=(), **settings):
+    processors, _ = prepared_processors(target, PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, **settings)
+    return exact_distribution(target, PROMPT, processors, NUM_TOKENS, eos_token_ids)
+
+
+def sample(target, draft, seed, config, **settings):
+    sequences = target.generate(
+        PROMPT, do_sample=True, max_new_tokens=NUM_TOKENS, pad_token_id=PAD, num_return_sequences=SAMPLES,
+        draft_model=draft, speculative_config=config, generator=torch.Generator().manual_seed(seed), **settings,
+    )  # fmt: skip
+    eos = (settings["eos_token_id"],) if "eos_token_id" in settings else ()
+    return continuations(sequences, PROMPT.shape[1], eos), eos
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+def test_tree_samples_follow_target(target, drafts, setting, draft_kind):
+    settings = SETTINGS[setting]
+    samples, eos = sample(target, drafts[draft_kind], 21, TREE, **settings)
+    assert chisquare_pvalue(exact_for(target, eos, **settings), samples) > ALPHA
+
+
+def test_a_wrong_tree_rule_fails_the_same_test(target, drafts, monkeypatch):
+    """Power: a rule that, where the target's draw at the root matched no child, emits the draft's second choice
+    instead of that draw (a plausible bug: trusting the tree's siblings) must fail the same test."""
+    right = tree_rule.tree_accept
+
+    def second_choice_on_rejection(tree, target_probs, draws):
+        verdict = right(tree, target_probs, draws)
+        rejected = verdict.num_accepted == 0
+        next_tokens = torch.where(rejected, tree.tokens[:, 1], verdict.next_tokens)  # node 1: the root's rank 1
+        accepted_tokens = verdict.accepted_tokens.clone()
+        accepted_tokens[rejected] = next_tokens[rejected, None]  # padded with the next token (`TreeVerdict`)
+        return verdict._replace(next_tokens=next_tokens, accepted_tokens=accepted_tokens)
+
+    monkeypatch.setattr("hf_specsample.verify.tree_verifier.tree_accept", second_choice_on_rejection)
+    samples, _ = sample(target, drafts["far"], 21, TREE, temperature=0.7)
+    assert chisquare_pvalue(exact_for(target, temperature=0.7), samples) < ALPHA
+
+
+# --- the choice -----------------------------------------------------------------------------------------------------
+
+
+def test_trees_are_refused_where_they_cannot_run(target, drafts):
+    prompt = torch.tensor([[1, 5, 2, 5]])
+    asks = [
+        dict(draft_model="prompt_lookup"),
+        dict(draft_model=drafts["close"], prompt_lookup_num_tokens=3),
+        dict(draft_model=drafts["close"], speculative_config=SpeculativeConfig(draft_shape="tree", compile=True)),
+    ]
+    for ask in asks:
+        ask.setdefault("speculative_config", SpeculativeConfig(draft_shape="tree"))
+        with pytest.raises(ValueError, match="draft_shape='chain'"):
+            target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, **ask)
+
+
+def test_auto_drafts_chains_and_says_so(target, drafts):
+    out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.speculative_stats.shape.startswith("chain")
