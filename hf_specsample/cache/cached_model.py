@@ -149,7 +149,8 @@ class CachedModel:
             num_logits: how many trailing positions to return logits for (<= width).
 
         Returns:
-            `(batch, num_logits, vocab)` float32 logits on the device of `columns.input_ids`.
+            `(batch, num_logits, vocab)` float32 logits on the device of `columns.input_ids` (an empty stand-in where
+            `head.deferred` defers them: `head.take` gives them, `cache.output_head.HeadLogits`).
         """
         width = columns.input_ids.shape[1]
         assert width >= num_logits, "every row must feed at least num_logits positions"
