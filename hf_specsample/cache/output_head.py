@@ -130,28 +130,10 @@ class OutputHead:
         if not (self.wanted and undo is not None and self.usable):
             with routed():
                 return run().logits
-        captured: list[torch.Tensor | None] = []
         probe = self.tail is None  # the call's first deferral: the model's head computes one row's last position
-
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if captured or hidden is None or hidden.dim() != 3 or hidden.shape[0] != rows:
-                captured.append(None)  # a second call, or another layout: the forward runs again on full logits
-                return None
-            captured.append(hidden)
-            return (hidden[:1, -1:] if probe else hidden[:, :0],) + args[1:]
-
-        handle = self.module.register_forward_pre_hook(hook)
-        try:
-            with routed():
-                logits = run().logits
-        except Exception:
-            if not captured:  # raised before the head: the model's own error
-                raise
-            logits = None  # raised after it, on the slice it was handed: the forward runs again on full logits
-        finally:
-            handle.remove()
+        captured, logits = self._captured_run(run, routed, rows, probe)
         if not captured:  # the head was not called: the model made its logits otherwise, in full
+            assert logits is not None  # a forward that raised before its head raised its own error
             return logits
         hidden = captured[0] if len(captured) == 1 else None
         if hidden is not None and logits is not None and probe:
@@ -172,6 +154,33 @@ class OutputHead:
         last = hidden[:, -num_logits:].contiguous()  # a copy where the forward's hidden states are wider: freed
         self.made = HeadLogits(last, head, vocab=logits.shape[-1], device=device)
         return logits.new_empty((rows, num_logits, 0))
+
+    def _captured_run(
+        self, run: Callable[[], Any], routed: Routed, rows: int, probe: bool
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """`run()` with the head's input captured and the head handed a slice of it (`probe`: one row's last
+        position, else nothing): the inputs the head was called with (None for one not captured: a second call,
+        another layout), and the forward's logits (None where it raised after its head, on the slice)."""
+        captured: list[torch.Tensor | None] = []
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if captured or hidden is None or hidden.dim() != 3 or hidden.shape[0] != rows:
+                captured.append(None)  # the forward runs again on full logits
+                return None
+            captured.append(hidden)
+            return (hidden[:1, -1:] if probe else hidden[:, :0],) + args[1:]
+
+        handle = self.module.register_forward_pre_hook(hook)
+        try:
+            with routed():
+                return captured, run().logits
+        except Exception:
+            if not captured:  # raised before the head: the model's own error
+                raise
+            return captured, None
+        finally:
+            handle.remove()
 
     def _matching_tail(self, probe: torch.Tensor, logits: torch.Tensor, routed: Routed) -> Tail | None:
         """The first `Tail` whose head gives the model's `logits` for `probe` bit for bit (float32, as the loop
