@@ -183,10 +183,13 @@ class SpeculativeDecoder:
         lookahead = proposal.tokens.shape[1]
         lengths = self.sequences.lengths
         upto = [length + lookahead for length in lengths]
-        raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
+        # Logits verified in several row chunks are made chunk by chunk (`cache.output_head`), unless recorded.
+        chunked = len(self.verifier.chunks(len(lengths), lookahead + 1, self.plan.target.logit_width)) > 1
+        with self.target.head.deferred(chunked and not self.recorder.wants_raw_logits):
+            raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
         verdict, scores = self.verifier(
-            self.sequences.tokens, lengths, raw_logits, self.sequences.rows.active, proposal.tokens, proposal.probs,
-            proposal.point_mass,
+            self.sequences.tokens, lengths, self.target.head.take(raw_logits), self.sequences.rows.active,
+            proposal.tokens, proposal.probs, proposal.point_mass,
         )  # fmt: skip
         return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 

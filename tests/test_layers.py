@@ -29,6 +29,7 @@ LAYERS = [
             "cache.runner",
             "cache.forwards",
             "cache.step_warm_up",
+            "cache.output_head",
             "cache.cached_model",
             "cache.tree_forward",
         ],

@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
 from hf_specsample import SpeculativeConfig
+from hf_specsample.cache.output_head import HeadLogits
 from hf_specsample.verify import rejection, round_verifier
 from hf_specsample.verify.processing import PositionwiseProcessor
 from hf_specsample.verify.rejection import (
@@ -121,9 +122,16 @@ def draft(target):
 
 @pytest.fixture
 def tiny_chunks(monkeypatch):
-    """Rows verified `rows` at a time (ragged last chunks; the draft samples `rows` x K + 1 rows a chunk)."""
+    """Rows verified `rows` at a time (ragged last chunks; the draft samples `rows` x K + 1 rows a chunk), their
+    logits made chunk by chunk from the target's hidden states (`cache.output_head.HeadLogits`)."""
 
     chunk_counts = []  # per verified round, its chunks
+    made = []  # per chunk whose logits the target's head made when read
+    read = HeadLogits.__getitem__
+
+    def counted_read(self, rows):
+        made.append(rows)
+        return read(self, rows)
 
     def counted(*args):
         chunks = row_chunks(*args)
@@ -133,10 +141,12 @@ def tiny_chunks(monkeypatch):
     def force(vocab: int, rows: int = 7):
         monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", rows * (LOOKAHEAD + 1) * vocab + 1)
         monkeypatch.setattr(round_verifier, "row_chunks", counted)
+        monkeypatch.setattr(HeadLogits, "__getitem__", counted_read)
 
     force.chunk_counts = chunk_counts
     yield force
     assert chunk_counts and max(chunk_counts) > 1  # the rounds did come in chunks
+    assert made  # and the chunks' logits were made when read
 
 
 @pytest.mark.parametrize("verification", ["token", "block"])

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -49,6 +50,7 @@ from . import linear_states, row_ops
 from .checkpoints import StateCheckpoints
 from .compiled import contiguous_attention, fresh_input, positions_to_keep
 from .forwards import Forwards
+from .output_head import OutputHead
 from .runner import runner_for
 from .step_warm_up import warm_step
 
@@ -121,6 +123,8 @@ class CachedModel:
         self.forward_passes = 0
         self._cache_name = facts.cache_name or transformers_api.CACHE
         self.runner_plan = forwards.runner if self.capacity is not None and self.states is None else None
+        eager = compiled is None and step is None and self.runner_plan is None and self.states is None
+        self.head = OutputHead(model, usable=eager and not facts.tensor_parallel)  # deferred verification logits
 
     @property
     def slots(self) -> int:
@@ -145,7 +149,8 @@ class CachedModel:
             num_logits: how many trailing positions to return logits for (<= width).
 
         Returns:
-            `(batch, num_logits, vocab)` float32 logits on the device of `columns.input_ids`.
+            `(batch, num_logits, vocab)` float32 logits on the device of `columns.input_ids` (an empty stand-in where
+            `head.deferred` defers them: `head.take` gives them, `cache.output_head.HeadLogits`).
         """
         width = columns.input_ids.shape[1]
         assert width >= num_logits, "every row must feed at least num_logits positions"
@@ -278,8 +283,10 @@ class CachedModel:
         elif self.wide is not None and rows * width >= self.wide.from_rows:
             logits = self.wide.model(input_ids=input_ids, **kwargs).logits
         else:
-            with self.kernel.applied(rows * width) if self.kernel is not None else contextlib.nullcontext():
-                logits = self.model(input_ids=input_ids, **kwargs).logits
+            routed = partial(self.kernel.applied, rows * width) if self.kernel is not None else contextlib.nullcontext
+            undo = partial(row_ops.crop, cache, width, total=slots) if cache is self.cache else None
+            run = partial(self.model, input_ids=input_ids, **kwargs)
+            logits = self.head.forward(run, routed, rows, num_logits, columns.input_ids.device, undo)
         if padded:
             row_ops.crop(cache, 1)
             logits = logits[:, :-1]

@@ -13,6 +13,10 @@ of at most `rejection.ROW_CHUNK_ELEMENTS` logits, and each chunk's wide tensors 
   `sample_from_weights` compute each row from its own distributions and draws), so the verdict is the one an
   unchunked call gives, draw for draw, and the generator ends where it would.
 
+The logits may come unmade (`cache.output_head.HeadLogits`: the target's hidden states and its head), where the
+rows come in several chunks: each chunk's logits are then made from its rows' hidden states when it is verified, and
+the round never holds all its logits at once.
+
 Processed scores are kept only where the caller records them (`output_scores=True`).
 """
 
@@ -24,6 +28,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import distributed
+from ..cache.output_head import HeadLogits
 from ..options import Verification
 from . import rejection
 from .processing import PositionwiseProcessor, probabilities
@@ -90,11 +95,16 @@ class RoundVerifier:
         rule = block_accept if verification is Verification.BLOCK else speculative_accept
         return cls(processor, do_sample, rule, generator, keep_scores, tensor_parallel=tensor_parallel)
 
+    def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
+        """The row chunks a round of `(batch, positions, vocab)` logits is verified in."""
+        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
+        return row_chunks(batch, positions * vocab, limit)
+
     def __call__(
         self,
         tokens: torch.Tensor,
         lengths: Sequence[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | HeadLogits,
         callers: Sequence[int],
         draft_tokens: torch.Tensor,
         draft_probs: torch.Tensor | None,
@@ -105,7 +115,8 @@ class RoundVerifier:
         Args:
             tokens: `(batch, capacity)` the buffer (prefixes, drafts written after them).
             lengths: per row, the prefix length of position 0.
-            logits: `(batch, K + 1, vocab)` the target's raw logits (not modified).
+            logits: `(batch, K + 1, vocab)` the target's raw logits (not modified), or `HeadLogits` that make them
+                row chunk by row chunk.
             callers: per row, its caller row (`RowBook.active`).
             draft_tokens: `(batch, K)` long; draft_probs: `(batch, K, vocab)` or None (every token a point mass);
                 point_mass: `(batch, K)` bool or None (see `verify.rejection.speculative_accept`).
@@ -115,8 +126,7 @@ class RoundVerifier:
             `(batch, K + 1, vocab)` processed scores where kept, else None.
         """
         batch, positions, vocab = logits.shape
-        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
-        chunks = row_chunks(batch, positions * vocab, limit)
+        chunks = self.chunks(batch, positions, vocab)
         draws: dict[str, torch.Tensor] = {}
         if self.do_sample and len(chunks) > 1:
             # the draws of the whole round first, in the unchunked rule's order (acceptance, then the next token)
@@ -124,7 +134,7 @@ class RoundVerifier:
             draws["sample_draws"] = sample_uniform((batch,), logits.device, self.generator)  # (batch, 1)
         parts: list[Verdict] = []
         kept: list[torch.Tensor] = []
-        for rows in chunks:
+        for rows in chunks:  # a chunk's logits, where made here (`HeadLogits`), are freed with its scores
             scores = self.processor(tokens[rows], lengths[rows], logits[rows], callers[rows])
             if self.keep_scores:
                 kept.append(scores)
