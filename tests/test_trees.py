@@ -180,3 +180,30 @@ def test_auto_drafts_chains_and_says_so(target, drafts):
     out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
                           return_dict_in_generate=True)  # fmt: skip
     assert out.speculative_stats.shape.startswith("chain")
+
+
+def test_rows_in_chunks_verify_as_one_chunk(target, drafts, monkeypatch):
+    """Many rows: verified row chunk by row chunk, their logits made from the hidden states when read
+    (`cache.output_head`): the tokens are those of one chunk, greedy and seeded sampling alike."""
+    from hf_specsample.cache.output_head import HeadLogits
+    from hf_specsample.verify import rejection
+
+    prompt = PROMPT.expand(12, -1)
+    kwargs = dict(max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["far"], speculative_config=TREE)
+    sampled = dict(do_sample=True, temperature=1.2, top_p=0.9)
+    whole = [
+        target.generate(prompt, do_sample=False, **kwargs),
+        target.generate(prompt, generator=torch.Generator().manual_seed(3), **sampled, **kwargs),
+    ]
+    made = []
+    read = HeadLogits.__getitem__
+    monkeypatch.setattr(HeadLogits, "__getitem__", lambda self, rows: made.append(rows) or read(self, rows))
+    nodes = TreeShape.default().truncated(5).num_nodes  # the room of 6 new tokens
+    monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", 5 * (nodes + 1) * target.config.vocab_size + 1)
+    chunked = [
+        target.generate(prompt, do_sample=False, **kwargs),
+        target.generate(prompt, generator=torch.Generator().manual_seed(3), **sampled, **kwargs),
+    ]
+    assert made and any(rows.stop - rows.start < 12 for rows in made)  # chunks of at most 5 rows, made when read
+    for one, several in zip(whole, chunked):
+        assert torch.equal(one, several)

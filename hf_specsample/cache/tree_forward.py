@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .. import transformers_api
-from ..draft_tree import DraftTree, TreeShape
+from ..draft_tree import DraftTree
 from ..model_facts import ModelFacts
+from ..options import TreeShape
 from ..sequences import Columns, Sequences
 from . import row_ops
 from .cached_model import CachedModel
@@ -240,9 +242,10 @@ def _forward(
     }
     if facts.takes_logits_to_keep:
         kwargs["logits_to_keep"] = positions_to_keep(width, num_logits, device, compiled=False)
-    kernel = model.kernel.applied(rows * width) if model.kernel is not None else contextlib.nullcontext()
-    with kernel:
-        logits = model.model(input_ids=ids, **kwargs).logits
+    routed = partial(model.kernel.applied, rows * width) if model.kernel is not None else contextlib.nullcontext
+    undo = partial(row_ops.crop, model.cache, width, total=model.slots)  # a deferral the head cannot prove reruns
+    run = partial(model.model, input_ids=ids, **kwargs)
+    logits = model.head.forward(run, routed, rows, num_logits, input_ids.device, undo)  # deferred where asked
     model.forward_passes += 1
     return logits[:, -num_logits:].to(device=input_ids.device, dtype=torch.float32)
 

@@ -17,8 +17,9 @@ from transformers import Cache, DynamicCache
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
 from ..cache.tree_forward import CachedTree
-from ..draft_tree import DraftTree, TreeShape
+from ..draft_tree import DraftTree
 from ..model_facts import ModelFacts
+from ..options import TreeShape
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
 from ..verify.rejection import first_argmax, sample_from_weights

@@ -13,7 +13,8 @@ import torch
 
 from ..cache import tree_forward
 from ..cache.cached_model import CachedModel
-from ..draft_tree import DraftTree, TreeShape
+from ..draft_tree import DraftTree
+from ..options import TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
 from ..sequences import Sequences
@@ -81,10 +82,14 @@ class TreeRound:
             along the accepted path where the recorder keeps them (else None).
         """
         lengths = sequences.lengths
-        logits, in_target = tree_forward.feed_tree(self.target, sequences, tree, shape)  # (batch, N + 1, vocab)
-        verdict, scores = self.verifier(sequences.tokens, lengths, logits, sequences.rows.active, tree, shape)
+        # Logits verified in several row chunks are made chunk by chunk (`cache.output_head`), unless recorded.
+        chunks = self.verifier.chunks(len(lengths), shape.num_nodes + 1, self.target.facts.logit_width)
+        with self.target.head.deferred(len(chunks) > 1 and not self.keep_raw_logits):
+            logits, in_target = tree_forward.feed_tree(self.target, sequences, tree, shape)  # (batch, N + 1, vocab)
+        made = self.target.head.take(logits)
+        verdict, scores = self.verifier(sequences.tokens, lengths, made, sequences.rows.active, tree, shape)
         raw = along_path(logits, verdict.path) if self.keep_raw_logits else None
-        del logits
+        del logits, made
         for depth in range(verdict.accepted_tokens.shape[1]):  # the path into the buffer, as a chain's drafts
             sequences.write(depth, verdict.accepted_tokens[:, depth])
         # The round's second host read (the loop's `read_round` is the first): the compactions need each row's path

@@ -22,7 +22,9 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import distributed
-from ..draft_tree import DraftTree, TreeShape
+from ..cache.output_head import HeadLogits
+from ..draft_tree import DraftTree
+from ..options import TreeShape
 from . import rejection
 from .processing import PositionwiseProcessor, RunKind, probabilities
 from .rejection import first_argmax, row_chunks, sample_uniform
@@ -73,11 +75,16 @@ class TreeVerifier:
         processor = PositionwiseProcessor(processors, batch_size, fast_processors)
         return cls(processor, do_sample, generator, keep_scores, tensor_parallel=tensor_parallel)
 
+    def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
+        """The row chunks a round of `(batch, N + 1, vocab)` logits is verified in."""
+        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
+        return row_chunks(batch, positions * vocab, limit)
+
     def __call__(
         self,
         tokens: torch.Tensor,
         lengths: Sequence[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | HeadLogits,
         callers: Sequence[int],
         tree: DraftTree,
         shape: TreeShape | None = None,
@@ -101,8 +108,7 @@ class TreeVerifier:
         """
         batch, positions, vocab = logits.shape
         depths, max_depth = _host_depths(tree, shape, batch)
-        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
-        chunks = row_chunks(batch, positions * vocab, limit)
+        chunks = self.chunks(batch, positions, vocab)
         # the whole round's draws first, in one call: one per depth level per row
         draws = sample_uniform((batch, max_depth + 1), logits.device, self.generator) if self.do_sample else None
         parts: list[TreeVerdict] = []
