@@ -321,6 +321,12 @@ def static_cache_size(inputs: CallInputs, largest: int) -> int:
     return max(int(generation_config.max_length) + largest, generation_config.max_cache_len or 0)
 
 
+def makes_target_cache(config: object) -> bool:
+    """Whether a call given no cache makes its target's itself (`_target_cache`), so that `generate()` need build
+    none: under `SpeculativeConfig(compile=True)`, a static cache at the call's final size (or a kept one)."""
+    return isinstance(config, SpeculativeConfig) and config.compile
+
+
 def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> Any:
     """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
     (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
@@ -402,7 +408,7 @@ def _target_cache(
     # code is not recompiled for a new size) or `max_cache_len` asks for.
     sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
-    pooled = fresh and config.compile
+    pooled = fresh and makes_target_cache(config)
     if pooled:
         cache = _static_cache(inputs, target.model, largest)
     else:
