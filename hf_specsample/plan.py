@@ -339,15 +339,9 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
     """The tokens both tokenizers share: the prepared draft's where it holds these very tokenizers' (built by
     `prepare_draft`), else looked up (`proposers.cross_tokenizer.shared_vocabulary`, cached per tokenizer pair)."""
     if prepared.shared_vocabulary is not None and same_tokenizers(tokenizers, prepared.tokenizers):
-        shared = prepared.shared_vocabulary
-    else:
-        shared = shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
-    if shared.size == 0:
-        raise ValueError(
-            "The draft's tokenizer shares no token with the target's, so it can propose nothing. Use a draft whose "
-            "vocabulary overlaps the target's."
-        )
-    return shared
+        return prepared.shared_vocabulary
+    # not empty: `validation.check_tokenizers` refused a pair that shares no token, before any forward
+    return shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
 
 
 def _target_forwards(
