@@ -262,13 +262,12 @@ class SpeculativeDecoder:
     def caller_view(self, length: int, ends: dict[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """What plain `generate()` passes its stopping criteria once rows hold `length` columns: `(batch, length)`
         ids in the caller's row order (`Sequences.caller_prefixes`; `ends`: active rows stopped within the round,
-        padded past their end, their scores blanked) and the scores so far (`verify.stopping`)."""
+        padded past their end, their scores shown blanked) and the scores so far (`verify.stopping`). Reads only:
+        the recorder drops the stopped rows' steps in `stop`, once the round's stops are known."""
         seqs = self.sequences
-        for row, end in ends.items():
-            self.recorder.blank(seqs.rows.caller(row), end - seqs.prompt_length)
-        return seqs.caller_prefixes(length, self.pad_token_id, ends), self.recorder.scores_so_far(
-            length - seqs.prompt_length
-        )
+        ended = {seqs.rows.caller(row): end - seqs.prompt_length for row, end in ends.items()}
+        scores = self.recorder.scores_so_far(length - seqs.prompt_length, ended)
+        return seqs.caller_prefixes(length, self.pad_token_id, ends), scores
 
     def keep_finished_caches(self, done: list[bool]) -> None:
         """Set aside the target cache of each row that stops this round, for the cache `generate()` returns."""

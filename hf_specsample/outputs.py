@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -34,8 +34,9 @@ class OutputRecorder:
 
     Each kept step is one `(batch, vocab)` tensor, `-inf` in rows that hold no token at that step (finished, or not
     there yet), so the steps so far are at hand as plain `generate()` holds them (its stopping criteria read them).
-    A round records its candidate tokens before the stopping criteria run, `blank` clears a row's candidates past
-    its stop before the next criterion call, and `keep` drops what no row reaches.
+    A round records its candidate tokens before the stopping criteria run (`scores_so_far` shows them the scores,
+    a row's candidates past a stop within the round blanked in copies), and `keep` drops the candidates past each
+    row's stop once the round's stops are known, and the steps no row reaches.
     """
 
     def __init__(self, generation_config: GenerationConfig, batch_size: int):
@@ -87,17 +88,24 @@ class OutputRecorder:
         longest = max(self.recorded, default=0)
         del self.scores[longest:], self.logits[longest:]
 
-    def blank(self, caller: int, first_step: int) -> None:
-        """`-inf` again in `caller`'s row from `first_step` on (a row that stopped within the round: before the next
-        criterion call, so that no step a criterion was handed changes after the call)."""
-        for kept in (self.scores, self.logits):
-            for step in range(first_step, len(kept)):
-                kept[step][caller] = float("-inf")
-
-    def scores_so_far(self, steps: int) -> tuple[torch.Tensor, ...] | None:
+    def scores_so_far(self, steps: int, ended: Mapping[int, int]) -> tuple[torch.Tensor, ...] | None:
         """What plain `generate()` passes its stopping criteria as `scores` after `steps` new tokens: its processed
-        scores per step, `(batch, vocab)` each, where they are returned, else None."""
-        return tuple(self.scores[:steps]) if self.keep_scores else None
+        scores per step, `(batch, vocab)` each, where they are returned, else None.
+
+        Args:
+            ended: caller row -> its first step past a stop within this round (a row that stopped earlier in the
+                round): shown `-inf` from that step on, as `keep` will leave them, in copies of the steps concerned.
+                The recorder itself is left as it is (`keep` drops those steps once the round's stops are known), and
+                no step a criterion was handed changes after the call.
+        """
+        if not self.keep_scores:
+            return None
+        shown = list(self.scores[:steps])
+        for step in range(min(ended.values(), default=steps), steps):
+            blanked = [caller for caller, first_step in ended.items() if first_step <= step]
+            shown[step] = shown[step].clone()
+            shown[step][blanked] = float("-inf")
+        return tuple(shown)
 
     def build(
         self, sequences: torch.Tensor, stats: SpeculativeStats, cache

@@ -344,6 +344,12 @@ def static_cache_size(inputs: CallInputs, largest: int) -> int:
     return max(int(generation_config.max_length) + largest, generation_config.max_cache_len or 0)
 
 
+def makes_target_cache(config: object) -> bool:
+    """Whether a call given no cache makes its target's itself (`_target_cache`), so that `generate()` need build
+    none: under `SpeculativeConfig(compile=True)`, a static cache at the call's final size (or a kept one)."""
+    return isinstance(config, SpeculativeConfig) and config.compile
+
+
 def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> Any:
     """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
     (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
@@ -356,15 +362,9 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
     """The tokens both tokenizers share: the prepared draft's where it holds these very tokenizers' (built by
     `prepare_draft`), else looked up (`proposers.cross_tokenizer.shared_vocabulary`, cached per tokenizer pair)."""
     if prepared.shared_vocabulary is not None and same_tokenizers(tokenizers, prepared.tokenizers):
-        shared = prepared.shared_vocabulary
-    else:
-        shared = shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
-    if shared.size == 0:
-        raise ValueError(
-            "The draft's tokenizer shares no token with the target's, so it can propose nothing. Use a draft whose "
-            "vocabulary overlaps the target's."
-        )
-    return shared
+        return prepared.shared_vocabulary
+    # not empty: `validation.check_tokenizers` refused a pair that shares no token, before any forward
+    return shared_vocabulary(*tokenizers, target.logit_width, prepared.logit_width)
 
 
 def _target_forwards(
@@ -425,7 +425,7 @@ def _target_cache(
     # code is not recompiled for a new size) or `max_cache_len` asks for.
     sizes = [generation_config.max_length, generation_config.max_cache_len or 0]
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
-    pooled = fresh and config.compile
+    pooled = fresh and makes_target_cache(config)
     if pooled:
         cache = _static_cache(inputs, target.model, largest)
     else:

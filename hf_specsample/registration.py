@@ -27,6 +27,7 @@ from transformers.generation.utils import GenerationMixin
 
 from . import transformers_api
 from .decoding import speculative_generate
+from .plan import makes_target_cache
 
 _ORIGINAL_GENERATE = GenerationMixin.generate
 SPECULATIVE_ARGUMENTS = ("num_lookahead", "speculative_config", "generator")
@@ -61,6 +62,8 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
     if kwargs.get(transformers_api.CACHE) is not None:  # the caller holds this object: leave it as plain would
         kwargs["speculative_caller_cache"] = True
+    elif makes_target_cache(kwargs.get("speculative_config")):  # generate()'s own would be thrown away
+        transformers_api.leave_cache_to_call(model, kwargs)
     # transformers' prompt-lookup arguments would switch generate() to its own assisted mode (which refuses
     # num_return_sequences > 1 and batches): with draft_model= they configure our n-gram drafter instead.
     config = kwargs.get("generation_config")

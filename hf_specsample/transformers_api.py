@@ -10,6 +10,8 @@ old name broke at once. So the library spells none of them: it asks this module.
   with remote code may still take `past_key_values` on a transformers that renamed it).
 - `CALLER_CACHE_NAMES` / `take_caller_cache`: the names `generate()` accepts from a caller, and the renaming it
   does itself (with its deprecation message) for the old ones.
+- `leave_cache_to_call` / `NoCacheYet`: keeping `generate()` from building a cache that a call would throw away
+  (its cache preparation skips a call given a cache).
 - the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
 - `cache_layer_classes(config)`: the layer classes of the cache transformers builds for a config, read as its
   constructor reads them, without building one.
@@ -78,10 +80,39 @@ GENERATE_CACHE_NAMES: tuple[str, ...] = _KNOWN_CACHE_NAMES
 `cache_params` for models whose class name contains "mamba" (Mamba, Mamba2, FalconMamba)."""
 
 
+class NoCacheYet:
+    """Stands where a caller's cache goes for a call whose decoding method makes the target's cache itself
+    (`leave_cache_to_call`): `generate()` takes it for the caller's and so builds none of its own (its "user-defined
+    cache" branch), and `generate_cache` reads it as no cache. It answers the one question `generate()` asks a
+    caller's cache before decoding (its length, for position ids when there is no attention mask); a forward handed
+    it would fail loudly, never run on it."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def leave_cache_to_call(model: Any, kwargs: dict[str, Any]) -> None:
+    """Have `generate()` build no cache for a call given none, whose decoding method makes the target's own: a
+    `NoCacheYet` where the caller's cache goes. Left out where `generate()` would not take it for one: beside a
+    `cache_implementation` named anywhere (`generate()` refuses both at once), or for a model whose forward takes its
+    cache under another name (a state-space model on transformers < 5.24)."""
+    if kwargs.get(CACHE) is not None or forward_cache_name(model) != CACHE:
+        return
+    configs = (kwargs, kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    if any(_read(config, "cache_implementation") is not None for config in configs):
+        return
+    kwargs[CACHE] = NoCacheYet()
+
+
+def _read(source: Any, name: str) -> Any:
+    return source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+
+
 def generate_cache(model_kwargs: dict[str, Any]) -> Any:
     """The cache `generate()` handed a decoding method in its model kwargs (under `CACHE`, or `cache_params` where
-    transformers < 5.24 passes a Mamba model's cache under that name), or None."""
-    return next((model_kwargs[name] for name in GENERATE_CACHE_NAMES if model_kwargs.get(name) is not None), None)
+    transformers < 5.24 passes a Mamba model's cache under that name), or None (a `NoCacheYet` too)."""
+    found = (model_kwargs[name] for name in GENERATE_CACHE_NAMES if model_kwargs.get(name) is not None)
+    return next((cache for cache in found if not isinstance(cache, NoCacheYet)), None)
 
 
 def take_caller_cache(kwargs: dict[str, Any], stacklevel: int) -> bool:
@@ -203,7 +234,8 @@ def plain_decoding(
     what else a `custom_generate` callable receives): its tokens, or the error it raises."""
     if streamer is not None:
         streamer.put(input_ids.cpu())  # plain generate() hands the streamer the prompt before decoding
-    model_kwargs = {**model_kwargs, "streamer": streamer}
+    model_kwargs = {name: value for name, value in model_kwargs.items() if not isinstance(value, NoCacheYet)}
+    model_kwargs["streamer"] = streamer
     decode: Any = model._sample  # `Any`: a module's attributes read as tensors or modules to type checkers
     return decode(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
 

@@ -14,6 +14,7 @@ from . import transformers_api
 from .cache import row_ops, tree_forward
 from .model_facts import ModelFacts, Role, unsupported_layers
 from .options import NamedDraft, SpeculativeConfig
+from .proposers.cross_tokenizer import shared_vocabulary
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset(
@@ -94,7 +95,8 @@ def check_tokenizers(
         named: the draft's name where it is "auto" or "prompt_lookup" (which draft in the target's own ids).
 
     Raises:
-        ValueError: a named draft with another tokenizer, or widths of different tokenizers without tokenizers.
+        ValueError: a named draft with another tokenizer, widths of different tokenizers without tokenizers, or
+            tokenizers that share no token (`proposers.cross_tokenizer.shared_vocabulary`).
     """
     differ = tokenizers is not None and (
         len(tokenizers[0]) != len(tokenizers[1]) or _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
@@ -107,9 +109,15 @@ def check_tokenizers(
                 "`draft_tokenizer=`, or pass the draft model that tokenizer belongs to as `draft_model=`."
             )
         return False
-    if tokenizers is not None:
-        return differ
     assert draft_width is not None  # only a named draft (returned above) has no model of its own
+    if tokenizers is not None:
+        # before any forward: an implicit draft's preparation (AUTO's timed forwards) comes after these checks
+        if differ and shared_vocabulary(*tokenizers, target_width, draft_width).size == 0:
+            raise ValueError(
+                "The draft's tokenizer shares no token with the target's, so it can propose nothing. Use a draft "
+                "whose vocabulary overlaps the target's."
+            )
+        return differ
     if abs(target_width - draft_width) > max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(
             f"The draft scores {draft_width} token ids and the target {target_width}: they look like models with "

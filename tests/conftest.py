@@ -167,6 +167,20 @@ def int8_weights_steps_faster(monkeypatch):
     return _timed_forms(monkeypatch, dynamic_int8=0.002, as_given=0.003, int8_weights=0.001)
 
 
+@pytest.fixture
+def eager_compiled(monkeypatch):
+    """`CompiledForward` running the eager model (its marks, padding and warm-up as compiled code has them): a
+    `compile=True` call's caches, pool, padding and rollbacks without minutes of compiling on 2 cores."""
+    import hf_specsample.cache.compiled as compiled
+
+    def fresh(self, model):
+        self._function = compiled._trampoline
+        self._fingerprint = compiled._fingerprint(model) if self.settings.freezes else None
+        self.warmed.clear()
+
+    monkeypatch.setattr(compiled.CompiledForward, "_fresh", fresh)
+
+
 @pytest.fixture(scope="module")
 def target():
     """A tiny 64-token target (2 layers): big enough for varied greedy runs, small enough to be instant."""

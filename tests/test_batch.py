@@ -300,6 +300,27 @@ def test_custom_criteria_read_the_scores_so_far_as_plain_passes_them(target, dra
     assert calls and all(calls)
 
 
+def test_the_criteria_view_of_the_scores_reads_the_recorder_and_never_edits_it():
+    """`OutputRecorder.scores_so_far` shows a row stopped earlier in the round blanked past its stop in copies; the
+    recorder changes only when `keep` drops what the round's stops leave out, and then holds what was shown."""
+    from transformers import GenerationConfig
+
+    from hf_specsample.outputs import OutputRecorder
+
+    config = GenerationConfig(return_dict_in_generate=True, output_scores=True, output_logits=True)
+    recorder = OutputRecorder(config, batch_size=2)
+    scores = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(0))  # (rows, positions, vocab)
+    recorder.record([0, 1], [3, 3], scores, scores * 2)
+    before = [step.clone() for step in recorder.scores + recorder.logits]
+    shown = recorder.scores_so_far(3, {0: 1})  # row 0 stopped after its first new token
+    assert all(torch.equal(a, b) for a, b in zip(before, recorder.scores + recorder.logits)), "the view edited it"
+    assert torch.equal(shown[0], recorder.scores[0]) and torch.isneginf(shown[1][0]).all()
+    assert torch.isneginf(shown[2][0]).all() and torch.equal(shown[2][1], recorder.scores[2][1])
+    recorder.keep([0, 1], [3, 3], [1, 3])
+    assert all(torch.equal(a, b) for a, b in zip(shown, recorder.scores))
+    assert torch.isneginf(recorder.logits[1][0]).all() and torch.equal(recorder.logits[1][1], before[4][1])
+
+
 def test_stateful_and_cross_row_criteria_see_every_length_once_in_order(target, draft):
     """Plain decoding calls a batch's criteria once per length, in order, with every running row at that length: a
     criterion may keep state (count a token as it appears) or read other rows (stop all once any row says X). With

@@ -505,8 +505,18 @@ def test_refusals(target, drafts, tokenizers):
         refused(target, f"draft_model='{named}' drafts in the target's own token ids", **cross(tokenizers, named))
     refused(target, "made by prepare_draft\\('auto'", **cross(tokenizers, prepare_draft("auto", target)))
     no_overlap = bpe_tokenizer(["q", "r", "s", "t", "u", "v", "w", "z", "o", "p"], [])
-    refused(target, "shares no token", draft_model=drafts["far"], tokenizer=target_tokenizer,
+    # a draft no call has prepared yet, whatever ran before in this process: its implicit preparation times forwards
+    unprepared = tiny_lm(seed=3, vocab_size=len(DRAFT_TOKENS), layers=1, hidden=16, init_range=0.5)
+    refused(target, "shares no token", draft_model=unprepared, tokenizer=target_tokenizer,
             draft_tokenizer=no_overlap)  # fmt: skip
+    counter = ForwardCounter(target, unprepared)
+    try:
+        with pytest.raises(ValueError, match="shares no token"):
+            prepare_draft(unprepared, target, tokenizer=target_tokenizer, draft_tokenizer=no_overlap)
+    finally:
+        for handle in counter.handles:
+            handle.remove()
+    assert counter.calls == 0
     refused(target, "pass the target's as `tokenizer=`", draft_model=drafts["far"], draft_tokenizer=draft_tokenizer)
 
 

@@ -7,7 +7,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specsample
-from hf_specsample import SpeculativeDecoderOnlyOutput, speculative_generate
+from hf_specsample import SpeculativeConfig, SpeculativeDecoderOnlyOutput, speculative_generate
 
 VOCAB = 64
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
@@ -216,12 +216,14 @@ def outcome(call):
         return "error", (type(error), str(error))
 
 
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("mask", [False, True])
 @pytest.mark.parametrize("bos", [None, 1])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_an_empty_prompt_behaves_as_plain_generate(target, draft, mask, bos, do_sample):
+def test_an_empty_prompt_behaves_as_plain_generate(target, draft, mask, bos, do_sample, compile):
     """`input_ids` of shape (1, 0), with or without an attention mask and a BOS id: plain generate()'s tokens or its
-    error (a forward over no positions fails in the model), never a message about a cache nobody passed."""
+    error (a forward over no positions fails in the model), never a message about a cache nobody passed (under
+    compile=True, where generate() builds no cache for the call, neither)."""
     empty = torch.zeros((1, 0), dtype=torch.long)
     kwargs = dict(max_new_tokens=5, pad_token_id=PAD, bos_token_id=bos, do_sample=do_sample)
     if mask:
@@ -229,7 +231,8 @@ def test_an_empty_prompt_behaves_as_plain_generate(target, draft, mask, bos, do_
     torch.manual_seed(0)
     plain = outcome(lambda: target.generate(empty, **kwargs))
     torch.manual_seed(0)
-    speculative = outcome(lambda: target.generate(empty, draft_model=draft, num_lookahead=2, **kwargs))
+    config = SpeculativeConfig(compile=compile)
+    speculative = outcome(lambda: target.generate(empty, draft_model=draft, speculative_config=config, **kwargs))
     assert speculative == plain
 
 

@@ -5,8 +5,8 @@ import collections
 
 import pytest
 import torch
-from tiny import PAD, perturbed_copy, tiny_arch, tiny_lm
-from transformers import ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList, cache_utils
+from tiny import PAD, cache_of, perturbed_copy, tiny_arch, tiny_lm, with_cache
+from transformers import ClassifierFreeGuidanceLogitsProcessor, DynamicCache, LogitsProcessorList, cache_utils
 
 from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft, validation
 from hf_specsample.kernels.routing import KernelRouting
@@ -174,6 +174,47 @@ def test_a_call_builds_only_the_caches_it_runs_on(model, options, monkeypatch):
     out = target.generate(prompt, return_dict_in_generate=True, **kwargs)
     assert out.speculative_stats.rounds > 0
     assert len(built) == (1 if isinstance(draft, str) else 2), built
+
+
+CALL_KINDS = ["dynamic", "static", "compile", "compile-static", "caller", "caller-compile", "chat", "chat-compile",
+              "lookup-only", "lookup-only-compile"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", CALL_KINDS)
+def test_no_call_builds_a_cache_it_does_not_run_on(kind, monkeypatch, eager_compiled):
+    """Whoever makes the target's cache (generate(), the plan under compile=True, the caller, an earlier chat turn),
+    a call builds at most the two caches it runs on, and each is one a forward writes: none is built only to be
+    thrown away. Checked on the call that allocates and on the next, which may find the caches the first one kept."""
+    target = tiny_lm(seed=0, vocab_size=64)
+    lookup = kind.startswith("lookup-only")
+    draft = "prompt_lookup" if lookup else perturbed_copy(target, seed=1, scale=0.1)
+    config = SpeculativeConfig(compile="compile" in kind, **({} if lookup else dict(draft_form="as_given")))
+    options = dict(cache_implementation="static") if "static" in kind else {}
+    kwargs = dict(max_new_tokens=10, pad_token_id=PAD, num_lookahead=3, draft_model=draft, speculative_config=config,
+                  return_dict_in_generate=True, **options)  # fmt: skip
+    built = []
+    real_init = cache_utils.Cache.__init__
+
+    def counting(cache, *args, **kwargs):
+        built.append(cache)
+        real_init(cache, *args, **kwargs)
+
+    for _ in range(2):
+        prompt, caller = PROMPT % 48, {}
+        if kind.startswith("caller"):
+            caller = with_cache(DynamicCache(config=target.config))
+        elif kind.startswith("chat"):  # the second turn continues the first's conversation on its returned cache
+            first = target.generate(prompt, **kwargs)
+            prompt = torch.cat([first.sequences, torch.tensor([[11, 12, 13]])], dim=1)
+            caller = with_cache(cache_of(first))
+        built.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(cache_utils.Cache, "__init__", counting)
+            out = target.generate(prompt, **caller, **kwargs)
+        assert out.speculative_stats.rounds > 0
+        assert len(built) <= (1 if lookup else 2), [type(cache).__name__ for cache in built]
+        unwritten = [type(cache).__name__ for cache in built if cache.get_seq_length() == 0]
+        assert not unwritten, f"built and never run on: {unwritten}"
 
 
 def test_the_drafts_refusals_are_asked_in_one_place(monkeypatch):

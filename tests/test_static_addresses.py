@@ -24,18 +24,6 @@ COMPILE = SpeculativeConfig(compile=True, num_lookahead=3)
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 
 
-@pytest.fixture
-def eager_compiled(monkeypatch):
-    """`CompiledForward` running the eager model (its marks, padding and warm-up as compiled code has them)."""
-
-    def fresh(self, model):
-        self._function = compiled._trampoline
-        self._fingerprint = compiled._fingerprint(model) if self.settings.freezes else None
-        self.warmed.clear()
-
-    monkeypatch.setattr(compiled.CompiledForward, "_fresh", fresh)
-
-
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32)
