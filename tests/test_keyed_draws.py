@@ -8,7 +8,8 @@
   model, the target itself) and shapes (the default tree, a chain, a star, a tree cut by `num_lookahead=2`) give the
   same tokens, one row and ragged batches (left-padded, and a prompt ending in padding: a first round of K = 0),
   with temperature, top-p and repetition penalty;
-- the key: exactly one draw from the call's generator, none for greedy (`tests/test_seeded.py`: the global state).
+- the key: exactly one draw from the call's generator, none for greedy (`tests/test_seeded.py`: the global state);
+- a tree call's rounds that draft nothing (K = 0) draw their token with its keyed uniform (`RoundVerifier`).
 
 Exactness stays: `tests/test_trees.py`'s chi-square tests (10,000 rows, each its own caller index) run on these
 draws, and its wrong rule still fails.
@@ -22,10 +23,15 @@ import torch
 from scipy import stats
 from test_architectures import batch
 from tiny import PAD, perturbed_copy, tiny_lm
+from transformers import LogitsProcessorList
 
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.verify.keyed_draws import call_key, keyed_uniforms, mix64, positions_from
+from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
+from hf_specsample.verify.rejection import block_accept, sample_from_weights, speculative_accept
+from hf_specsample.verify.round_verifier import RoundVerifier
 
+RULES = {"token": speculative_accept, "block": block_accept}
 ALPHA = 1e-3
 MASK = (1 << 64) - 1
 
@@ -112,6 +118,26 @@ def test_a_call_draws_one_key_and_greedy_none():
         for _ in range(draws):
             call_key(expected)
         assert torch.equal(generator.get_state(), expected.get_state()), do_sample
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_a_round_of_nothing_draws_its_token_with_the_given_uniforms(rule):
+    """`RoundVerifier(next_draws=)` (a tree call's K = 0 round): the token is the inverse-CDF draw of the given
+    uniform, in one chunk or a row a chunk, and the generator is not touched."""
+    batch, vocab = 6, 9
+    generator = torch.Generator().manual_seed(1)
+    logits = 2 * torch.randn(batch, 1, vocab, generator=generator)
+    draws = keyed_uniforms(call_key(generator), torch.arange(batch), positions_from([5] * batch, 1, logits.device))
+    draws = draws[:, 0]  # (batch, 1)
+    expected = sample_from_weights(probabilities(logits[:, 0]), uniform=draws)
+    processor = PositionwiseProcessor(LogitsProcessorList([]), batch)
+    for chunk_elements in (10**9, 1):
+        used = torch.Generator().manual_seed(2)
+        verifier = RoundVerifier(processor, True, RULES[rule], used, False, chunk_elements)
+        empty = torch.zeros((batch, 0), dtype=torch.long)
+        verdict, _ = verifier(empty, [5] * batch, logits, list(range(batch)), empty, None, None, draws)
+        assert torch.equal(verdict.next_tokens, expected) and not verdict.num_accepted.any()
+        assert torch.equal(used.get_state(), torch.Generator().manual_seed(2).get_state())
 
 
 # --- end to end: the draft does not matter ---------------------------------------------------------------------------
