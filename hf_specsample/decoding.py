@@ -153,7 +153,9 @@ class SpeculativeDecoder:
         else:
             proposal = self.drafter.get_candidates(self.sequences, budget)
             self.timer.mark()
-            verdict, scores, raw_logits = self.verify(proposal)
+            # a tree call's round that drafts nothing draws its token as tree rounds do, keyed by its position
+            next_draws = self.trees.root_draws(self.sequences) if self.trees is not None else None
+            verdict, scores, raw_logits = self.verify(proposal, next_draws)
             drafted = proposal.tokens.shape[1]
         num_accepted = self.commit(proposal, verdict, scores, raw_logits, drafted)
         self.timer.mark()
@@ -171,10 +173,13 @@ class SpeculativeDecoder:
         step = self.plan.draft.forwards.step if self.plan.draft is not None else None
         return sum(compiled.compilations for compiled in (self.target.compiled, step) if compiled)
 
-    def verify(self, proposal: Proposal) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None]:
+    def verify(
+        self, proposal: Proposal, next_draws: torch.Tensor | None = None
+    ) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None]:
         """The target scores the K+1 positions after each row's committed tokens in one forward pass; the round's
         verdict follows (`verify.round_verifier.RoundVerifier`: greedy by argmax, else the configured rule on the
         proposal's distributions, its point masses as token ids, NaN/inf rows flagged; row chunk by row chunk).
+        `next_draws`: a round of K = 0's uniforms for its one token (`TreeRound.root_draws`), else None.
 
         Returns:
             The verdict, and the `(batch, K + 1, vocab)` processed scores and raw logits where the recorder keeps
@@ -189,7 +194,7 @@ class SpeculativeDecoder:
             raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
         verdict, scores = self.verifier(
             self.sequences.tokens, lengths, self.target.head.take(raw_logits), self.sequences.rows.active,
-            proposal.tokens, proposal.probs, proposal.point_mass,
+            proposal.tokens, proposal.probs, proposal.point_mass, next_draws,
         )  # fmt: skip
         return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 

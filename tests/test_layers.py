@@ -41,6 +41,7 @@ LAYERS = [
             "verify.processing",
             "verify.rejection",
             "verify.round_verifier",
+            "verify.keyed_draws",
             "verify.tree_rule",
             "verify.tree_verifier",
             "verify.tree_round",

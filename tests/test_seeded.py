@@ -40,7 +40,7 @@ def cross_target():
     return tiny_lm(seed=0, vocab_size=len(TARGET_TOKENS), layers=2, hidden=32, init_range=0.5)
 
 
-WAYS = ("model", "auto", "prompt_lookup", "other_tokenizer", "prepared", *(f"form={form}" for form in FORMS))
+WAYS = ("model", "tree", "auto", "prompt_lookup", "other_tokenizer", "prepared", *(f"form={form}" for form in FORMS))
 
 
 def new_call(way: str, request, target, tokenizers, cross_target):
@@ -59,6 +59,7 @@ def new_call(way: str, request, target, tokenizers, cross_target):
         "model": dict(draft_model=draft),
         "auto": dict(draft_model="auto"),
         "prompt_lookup": dict(draft_model="prompt_lookup"),
+        "tree": dict(draft_model=draft, speculative_config=SpeculativeConfig(draft_shape="tree")),  # keyed draws
     }.get(way, dict(draft_model=draft, speculative_config=SpeculativeConfig(draft_form=form or "auto")))
     if way == "prepared":  # prepared inside the call: preparing draws nothing either
         return target, lambda **kwargs: target.generate(

@@ -11,8 +11,9 @@ from transformers.generation import logits_process as lp
 
 from hf_specsample.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
+from hf_specsample.verify.keyed_draws import call_key, keyed_uniforms, positions_from
 from hf_specsample.verify.processing import probabilities
-from hf_specsample.verify.rejection import NonFinite, first_argmax, sample_uniform
+from hf_specsample.verify.rejection import NonFinite, first_argmax
 from hf_specsample.verify.tree_rule import tree_accept, tree_greedy_accept
 from hf_specsample.verify.tree_verifier import TreeVerifier
 
@@ -100,7 +101,8 @@ def test_processors_at_every_node_read_its_path(seed):
     verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
     assert torch.equal(logits, before)  # not modified
     assert verdict.num_accepted.max() >= 2  # kept scores along a path that the processors read
-    draws = sample_uniform((len(LENGTHS), SHAPE.max_depth + 1), logits.device, torch.Generator().manual_seed(5))
+    key = call_key(torch.Generator().manual_seed(5))  # the call's one draw; level d's uniform: (caller, length + d)
+    draws = keyed_uniforms(key, torch.tensor(CALLERS), positions_from(LENGTHS, SHAPE.max_depth + 1, logits.device))
     want = tree_accept(tree, probabilities(expected), draws)
     for got_field, want_field in zip(verdict, want):
         assert torch.equal(got_field, want_field)

@@ -184,8 +184,8 @@ class CachedTree:
         steps = torch.arange(depth)[None, :]
         keeps = steps < torch.tensor(fed)[:, None]  # (rows, D) the path slots that stay
         source = self.first_slot + torch.where(keeps, offsets, steps)  # padding moves onto itself
-        if depth and max(fed):
-            _move_slots(self.model, source, self.first_slot)
+        if depth and max(fed):  # the first max(fed) columns: slots that exist (a draft feeds no leaf)
+            _move_slots(self.model, source[:, : max(fed)], self.first_slot)
         self.model.rollback([committed + kept for committed, kept in zip(self.committed, fed)])
 
 

@@ -109,6 +109,7 @@ class RoundVerifier:
         draft_tokens: torch.Tensor,
         draft_probs: torch.Tensor | None,
         point_mass: torch.Tensor | None,
+        next_draws: torch.Tensor | None = None,
     ) -> tuple[Verdict, torch.Tensor | None]:
         """The round's verdict.
 
@@ -120,6 +121,8 @@ class RoundVerifier:
             callers: per row, its caller row (`RowBook.active`).
             draft_tokens: `(batch, K)` long; draft_probs: `(batch, K, vocab)` or None (every token a point mass);
                 point_mass: `(batch, K)` bool or None (see `verify.rejection.speculative_accept`).
+            next_draws: a round of K = 0 only: `(batch, 1)` float64 uniforms its one token is drawn with, instead of
+                the generator's (a tree call's keyed draws, `TreeRound.root_draws`); None: the generator's.
 
         Returns:
             The verdict (`num_accepted` carrying `NonFinite` codes where sampling met NaN/inf), and the
@@ -128,7 +131,11 @@ class RoundVerifier:
         batch, positions, vocab = logits.shape
         chunks = self.chunks(batch, positions, vocab)
         draws: dict[str, torch.Tensor] = {}
-        if self.do_sample and len(chunks) > 1:
+        if self.do_sample and next_draws is not None:  # the round's one draw is given
+            assert draft_tokens.shape[1] == 0, "given next-token draws serve rounds that drafted nothing"
+            draws["uniform"] = torch.zeros((batch, 0), device=logits.device)  # float32, as `uniform_like` draws
+            draws["sample_draws"] = next_draws.to(logits.device)
+        elif self.do_sample and len(chunks) > 1:
             # the draws of the whole round first, in the unchunked rule's order (acceptance, then the next token)
             draws["uniform"] = uniform_like(tuple(draft_tokens.shape), logits.device, self.generator)  # (batch, K)
             draws["sample_draws"] = sample_uniform((batch,), logits.device, self.generator)  # (batch, 1)

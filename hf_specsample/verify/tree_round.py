@@ -5,6 +5,11 @@ It hands the loop what a chain's round hands it: a `Proposal` whose tokens are t
 buffer after each row's committed tokens, as a chain's drafts are) and a `Verdict` (the accepted count and the
 target's draw where the walk ended). Committing, stopping, streaming, recording and rolling back are then the
 chain's (`decoding.SpeculativeDecoder.commit`).
+
+A sampling call's draws are keyed by (the call's key, the caller row, the buffer position), `verify.keyed_draws`:
+the tree rounds' (`TreeVerifier`) and those of the rounds of a tree call that draft nothing (the room is 0, or a
+first round whose prompt ends in padding: a chain round of K = 0, its one token drawn with `root_draws`). So every
+token of the call is the target's draw at its position with that position's uniform, whatever the draft drafted.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ..options import TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
 from ..sequences import Sequences
+from .keyed_draws import call_key, keyed_uniforms, positions_from
 from .processing import PositionwiseProcessor
 from .rejection import Verdict
 from .tree_verifier import TreeVerifier, along_path
@@ -57,13 +63,23 @@ class TreeRound:
         generator: torch.Generator | None,
         keep: set[str],
     ) -> TreeRound:
-        """A call's tree rounds, verified with the chain's processors (`processor`).
+        """A call's tree rounds, verified with the chain's processors (`processor`); a sampling call's key is drawn
+        here, once, from `generator` (else the global generator).
 
         Args:
             keep: what the recorder keeps: "scores" (`output_scores`), "logits" (`output_logits`).
         """
-        verifier = TreeVerifier(processor, do_sample, generator, "scores" in keep)
+        verifier = TreeVerifier(processor, call_key(generator) if do_sample else None, "scores" in keep)
         return cls(shape, drafter, target, verifier, "logits" in keep)
+
+    def root_draws(self, sequences: Sequences) -> torch.Tensor | None:
+        """`(batch, 1)` float64, the keyed uniforms of a round of this call that drafts nothing (K = 0): each row's
+        at its committed length, where its one token goes; None for greedy (nothing is drawn)."""
+        if self.verifier.key is None:
+            return None
+        device = sequences.tokens.device
+        rows = torch.tensor(sequences.rows.callers(), dtype=torch.long, device=device)
+        return keyed_uniforms(self.verifier.key, rows, positions_from(sequences.lengths, 1, device))[:, 0]
 
     def draft(self, sequences: Sequences, depth: int) -> tuple[TreeShape, DraftTree]:
         """The round's shape (the call's, cut at `depth`, the room the round has) and each row's tree."""

@@ -8,10 +8,15 @@ position each, whose prefixes are written into a buffer of their own, and handed
 processors per prefix, `PositionwiseProcessor` (a caller row's siblings share a prefix length: it calls a processor
 that reads the caller's whole batch once per sibling). Then the rule of `verify.tree_rule`.
 
+The draws are keyed (`verify.keyed_draws`): the uniform of depth level d of a row is the one of (the call's key, the
+row's caller index, its committed length + d), the buffer position the token drawn there is written to. Every
+token a tree commits is the target's draw at its position, so a seeded call's text depends on the key and the
+target alone, not on the draft, the tree's shape or its truncation. Greedy draws nothing, not even the key.
+
 Rows come in chunks of at most `rejection.ROW_CHUNK_ELEMENTS` logits, as in `RoundVerifier`: the round's draws are
-made first, for all rows, in one call (one uniform per depth level per row), then each chunk is processed, turned
-into probabilities and walked with its own draws; every step is row-local, so the verdict is the one an unchunked
-call gives, draw for draw. Greedy draws nothing.
+made first, for all rows (one uniform per depth level per row), then each chunk is processed, turned into
+probabilities and walked with its own draws; every step is row-local, so the verdict is the one an unchunked call
+gives, draw for draw.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from ..cache.output_head import HeadLogits
 from ..draft_tree import DraftTree
 from ..options import TreeShape
 from . import rejection
+from .keyed_draws import call_key, keyed_uniforms, positions_from
 from .processing import PositionwiseProcessor, RunKind, probabilities
-from .rejection import first_argmax, row_chunks, sample_uniform
+from .rejection import first_argmax, row_chunks
 from .tree_rule import TreeVerdict, flag_tree_nonfinite, path_tokens, tree_accept, tree_greedy_accept
 
 
@@ -37,8 +43,7 @@ class TreeVerifier:
     def __init__(
         self,
         processor: PositionwiseProcessor,
-        do_sample: bool,
-        generator: torch.Generator | None,
+        key: int | None,
         keep_scores: bool,
         chunk_elements: int | None = None,
         tensor_parallel: bool = False,
@@ -46,8 +51,8 @@ class TreeVerifier:
         """
         Args:
             processor: the call's processors, per position.
-            do_sample: judge by the tree rule's draws (else greedy: by argmax).
-            generator: the call's generator for the round's draws.
+            key: the call's key (`keyed_draws.call_key`): judge by the tree rule's keyed draws; None: greedy, by
+                argmax.
             keep_scores: return the processed scores at the root and along the accepted path (the caller records
                 them).
             chunk_elements: the most logits verified at a time (None: `rejection.ROW_CHUNK_ELEMENTS`, read at each
@@ -55,7 +60,7 @@ class TreeVerifier:
             tensor_parallel: the target is split over ranks: every rank takes rank 0's verdict
                 (`distributed.broadcast_tree_verdict`).
         """
-        self.processor, self.do_sample, self.generator = processor, do_sample, generator
+        self.processor, self.key = processor, key
         self.keep_scores, self.chunk_elements, self.tensor_parallel = keep_scores, chunk_elements, tensor_parallel
         # whether any processor reads a prefix or its length (else the positions' prefixes are never built)
         self.reads_prefixes = any(kind is not RunKind.PREFIX_FREE for kind, _ in processor.runs)
@@ -71,9 +76,11 @@ class TreeVerifier:
         keep_scores: bool,
         tensor_parallel: bool,
     ) -> TreeVerifier:
-        """A call's tree verifier: its processors per position (`PositionwiseProcessor`)."""
+        """A call's tree verifier: its processors per position (`PositionwiseProcessor`), sampling with the key drawn
+        here from `generator` (else the global generator), once; greedy draws nothing."""
         processor = PositionwiseProcessor(processors, batch_size, fast_processors)
-        return cls(processor, do_sample, generator, keep_scores, tensor_parallel=tensor_parallel)
+        key = call_key(generator) if do_sample else None
+        return cls(processor, key, keep_scores, tensor_parallel=tensor_parallel)
 
     def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
         """The row chunks a round of `(batch, N + 1, vocab)` logits is verified in."""
@@ -109,15 +116,16 @@ class TreeVerifier:
         batch, positions, vocab = logits.shape
         depths, max_depth = _host_depths(tree, shape, batch)
         chunks = self.chunks(batch, positions, vocab)
-        # the whole round's draws first, in one call: one per depth level per row
-        draws = sample_uniform((batch, max_depth + 1), logits.device, self.generator) if self.do_sample else None
+        draws = None  # the whole round's draws first: one per depth level per row, (batch, max_depth + 1, 1)
+        if self.key is not None:
+            caller_rows = torch.tensor(list(callers), dtype=torch.long, device=logits.device)
+            draws = keyed_uniforms(self.key, caller_rows, positions_from(list(lengths), max_depth + 1, logits.device))
         parts: list[TreeVerdict] = []
         kept: list[torch.Tensor] = []
         for rows in chunks:
             part = DraftTree(tree.tokens[rows], tree.parents[rows], tree.depths[rows])
             scores = self._processed(tokens[rows], lengths[rows], logits[rows], callers[rows], part, depths[rows])
-            if self.do_sample:
-                assert draws is not None
+            if draws is not None:
                 target_probs = probabilities(scores)  # (rows, N + 1, vocab)
                 verdict = flag_tree_nonfinite(tree_accept(part, target_probs, draws[rows]), target_probs)
                 del target_probs
