@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hf_specsample import DraftForm, PreparedDraft, SpeculativeConfig, frequent_tokens, prepare_draft
+from hf_specsample import DraftForm, DraftShape, PreparedDraft, SpeculativeConfig, frequent_tokens, prepare_draft
 
 
 class Choice(str, Enum):
@@ -61,6 +61,7 @@ class MethodSpec:
         fast_processors: for SPECULATIVE, False runs transformers' processors as given (None: the default).
         lookup_tokens: LOOKUP's N, or for SPECULATIVE `prompt_lookup_num_tokens=N` (None: not passed).
         drafter: for SPECULATIVE, the draft model (default) or `draft_model="prompt_lookup"`.
+        draft_shape: for SPECULATIVE, "chain" or "tree" (`SpeculativeConfig.draft_shape`; None: the default).
     """
 
     method: Method
@@ -71,6 +72,7 @@ class MethodSpec:
     fast_processors: bool | None = None
     lookup_tokens: int | None = None
     drafter: Drafter = Drafter.MODEL
+    draft_shape: str | None = None
 
     @property
     def label(self) -> str:
@@ -91,6 +93,8 @@ class MethodSpec:
             parts.append("processors plain")
         if self.lookup_tokens is not None:
             parts.append(f"lookup {self.lookup_tokens}")
+        if self.draft_shape is not None:
+            parts.append(self.draft_shape)
         return " ".join(parts) if len(parts) > 2 or self.num_lookahead else f"{self.method.value} default"
 
     @property
@@ -108,6 +112,8 @@ class MethodSpec:
             options["verification"] = self.verification
         if self.fast_processors is not None:
             options["fast_processors"] = self.fast_processors
+        if self.draft_shape is not None:
+            options["draft_shape"] = self.draft_shape
         return SpeculativeConfig(**options) if options else None
 
     @property
@@ -211,6 +217,7 @@ _NAMED_FIELDS = {  # name=value fields of an hf_specsample method -> (MethodSpec
     "processors": ("fast_processors", {"fast": True, "plain": False}.__getitem__),
     "lookup": ("lookup_tokens", int),
     "draft": ("drafter", Drafter),
+    "shape": ("draft_shape", lambda value: str(DraftShape(value))),
 }
 
 
@@ -220,8 +227,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
     After `hf_specsample`, colon-separated: K (a number, or `auto`), the draft form (`auto`, `as_given`,
     `dynamic_int8`, `int8_weights`, `int4_weights`) and the draft vocabulary size (N most frequent tokens), then any
     of the named fields `verify=token` (or `block`), `processors=plain` (or `fast`), `lookup=N`
-    (`prompt_lookup_num_tokens=N` with the model draft) and `draft=prompt_lookup`. After `lookup` (transformers'
-    prompt lookup): N.
+    (`prompt_lookup_num_tokens=N` with the model draft), `draft=prompt_lookup` and `shape=tree` (or `chain`). After
+    `lookup` (transformers' prompt lookup): N.
     """
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):

@@ -58,6 +58,11 @@ def test_parse_methods_named_lever_fields():
     assert named.drafter is Drafter.PROMPT_LOOKUP and not named.uses_draft
     assert drafts.generate_kwargs(named)["draft_model"] == "prompt_lookup"
     assert peer.label == "transformers lookup 5" and drafts.generate_kwargs(peer) == {"prompt_lookup_num_tokens": 5}
+    (tree,) = parse_methods("hf_specsample:8::shape=tree")
+    assert tree == MethodSpec(Method.SPECULATIVE, 8, draft_shape="tree") and tree.label.endswith(" tree")
+    assert tree.speculative_config == SpeculativeConfig(draft_shape="tree")
+    with pytest.raises(ValueError, match="DraftShape"):
+        parse_methods("hf_specsample:shape=bush")
     with pytest.raises(ValueError, match="unknown method fields"):
         parse_methods("hf_specsample:speed=fast")
 
