@@ -13,7 +13,7 @@ All enums are `str` enums: the plain strings compare equal, and an invalid one i
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, TypeVar
@@ -95,9 +95,10 @@ class TreeShape:
             seen.add((parent, rank))
 
     @classmethod
-    def from_paths(cls, paths: list[tuple[int, ...]]) -> TreeShape:
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeShape:
         """The shape holding each path of ranks from the root (`(0, 1)`: the first choice's second choice), and
         every prefix of one; nodes sorted by depth, then by path."""
+        paths = [tuple(path) for path in paths]  # lists of ranks too
         nodes = sorted({path[:depth] for path in paths for depth in range(1, len(path) + 1)}, key=lambda p: (len(p), p))
         index = {path: node for node, path in enumerate(nodes)}
         return cls(tuple(index[path[:-1]] if len(path) > 1 else -1 for path in nodes), tuple(p[-1] for p in nodes))
@@ -109,9 +110,10 @@ class TreeShape:
 
     @classmethod
     def default(cls) -> TreeShape:
-        """16 nodes: a first-choice spine of depth 8, second and third choices at the first levels."""
+        """15 nodes (16 positions with the root, what the CPU kernel serves in one pass): the draft's first choices
+        to depth 8, and its second choice beside each of them but the last."""
         spine = (0,) * 8
-        return cls.from_paths([spine, (1, 0), (2,), (0, 1, 0), (0, 2), (0, 0, 1), (0, 0, 0, 1)])
+        return cls.from_paths([spine] + [spine[:depth] + (1,) for depth in range(7)])
 
     @property
     def num_nodes(self) -> int:
@@ -158,11 +160,11 @@ class TreeShape:
 
 
 class DraftShape(str, enum.Enum):
-    """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `draft_tree.TreeShape` names an explicit tree."""
+    """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `TreeShape` names an explicit tree."""
 
     AUTO = "auto"  # the chain, until trees are chosen from measured acceptance and costs (`SpeculativeStats.shape`)
     CHAIN = "chain"  # K tokens in one chain, each the draft's sample (or choice); K chosen per round
-    TREE = "tree"  # `TreeShape.default()`: 16 candidates, the draft's top choices; refused where trees cannot run
+    TREE = "tree"  # `TreeShape.default()`: 15 candidates, the draft's top choices; refused where trees cannot run
 
     def __str__(self) -> str:
         return self.value
@@ -251,9 +253,10 @@ class SpeculativeConfig:
             "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
         draft_shape: "auto" (default: the chain today), "chain", "tree" or a `TreeShape`: whether a round drafts
             one chain of K tokens or a tree of candidates (a node's children are the draft's top distinct choices
-            at it; `TreeShape.default()` for "tree": 16 nodes, a first-choice spine of depth 8 with second and third
-            choices at the first levels) verified in one target forward over every node. Exact either way: at each
-            node the target draws its token and the round descends while the draw is one of the node's children.
+            at it; `TreeShape.default()` for "tree": 15 nodes, a first-choice spine of depth 8 and the second
+            choice beside each spine node but the last) verified in one target forward over every node. Exact either
+            way: at each node the target draws its token and the round descends while the draw is one of the node's
+            children. `num_lookahead` (else `max_lookahead`) cuts a tree at that depth.
             A tree is refused, before any forward, where it cannot run (recurrent or convolution layers, attention
             without a 4D mask, static caches and `compile=True`, lookup drafts and drafts with another tokenizer);
             `SpeculativeStats.shape` says which ran.
@@ -278,6 +281,11 @@ class SpeculativeConfig:
         object.__setattr__(self, "verification", parse_choice(Verification, self.verification, "verification"))
         object.__setattr__(self, "linear_kernel", parse_choice(LinearKernel, self.linear_kernel, "linear_kernel"))
         if not isinstance(self.draft_shape, TreeShape):
+            if not isinstance(self.draft_shape, str):
+                raise TypeError(
+                    f"draft_shape must be 'auto', 'chain', 'tree' or a TreeShape (e.g. TreeShape.from_paths(paths of "
+                    f"ranks)), got {self.draft_shape!r}."
+                )
             object.__setattr__(self, "draft_shape", parse_choice(DraftShape, self.draft_shape, "draft_shape"))
         for name in ("fast_processors", "compile", "compile_draft"):
             if not isinstance(getattr(self, name), bool):

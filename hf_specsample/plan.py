@@ -274,7 +274,12 @@ def _refuse(
         other_tokenizer=tokenizers is not None, config=config,
         static_cache=row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs)),
     )  # fmt: skip
-    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, config.num_lookahead)
+    depth = config.num_lookahead if config.num_lookahead is not None else config.max_lookahead
+    drafting = draft if draft is not None else target
+    vocabulary = config.draft_vocabulary
+    choices = vocabulary.numel() if isinstance(vocabulary, torch.Tensor) else vocabulary  # N: N ids at least
+    choices = min(drafting.logit_width, choices or drafting.logit_width, target.logit_width)
+    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices)
 
 
 def _draft_plan(

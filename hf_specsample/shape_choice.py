@@ -21,7 +21,8 @@ class ShapeChoice(NamedTuple):
 def choose_shape(
     asked: DraftShape | TreeShape,
     problems: list[str],
-    num_lookahead: int | None,
+    depth: int,
+    choices: int | None = None,
 ) -> ShapeChoice:
     """The call's shape.
 
@@ -29,10 +30,12 @@ def choose_shape(
         asked: `SpeculativeConfig.draft_shape` (parsed).
         problems: why a tree cannot run in this call (each a phrase: "prompt lookup proposes chains", ...); empty
             where it can.
-        num_lookahead: the caller's K: with a tree, the deepest level drafted (the tree is cut there).
+        depth: the deepest level drafted (`num_lookahead`, else `max_lookahead`): the tree is cut there.
+        choices: the most distinct tokens the draft can propose at a node (its vocabulary; None: not known).
 
     Raises:
-        ValueError: a tree asked for (`"tree"` or a `TreeShape`) where `problems` is not empty.
+        ValueError: a tree asked for (`"tree"` or a `TreeShape`) where `problems` is not empty, or whose nodes take
+            more of the draft's choices than it has.
     """
     if asked is DraftShape.CHAIN:
         return ShapeChoice(None, "chain (draft_shape='chain')")
@@ -46,6 +49,10 @@ def choose_shape(
         )
     tree = TreeShape.default() if asked is DraftShape.TREE else asked
     assert isinstance(tree, TreeShape)  # `SpeculativeConfig` parses everything else into `DraftShape`
-    if num_lookahead is not None:
-        tree = tree.truncated(num_lookahead)
+    if choices is not None and tree.max_rank >= choices:
+        raise ValueError(
+            f"draft_shape's tree takes the draft's choice of rank {tree.max_rank} at a node (the {tree.max_rank + 1}"
+            f"th most likely token), but the draft proposes from {choices} tokens. Use ranks below {choices}."
+        )
+    tree = tree.truncated(depth)
     return ShapeChoice(tree, tree.describe())

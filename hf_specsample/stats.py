@@ -27,7 +27,7 @@ class SpeculativeStats:
     row_rejections: list[int] = field(default_factory=list)  # rounds that ended with a rejected draft token
     row_new_tokens: list[int] = field(default_factory=list)  # tokens committed to each row (after stopping)
     row_target_passes: list[int] = field(default_factory=list)  # target forwards each row took part in
-    draft_form: str = ""  # what drafted: "int8", "none" (as given), with AUTO's step timings; or "prompt_lookup"
+    draft_form: str = ""  # what drafted: "as_given", "int8_weights", ... with AUTO's step timings; or "prompt_lookup"
     # A draft with another tokenizer: the number of tokens both vocabularies share (all it can propose); else None.
     shared_vocabulary: int | None = None
     # A compiled target forward (`SpeculativeConfig(compile=True)` or `compile_config=`): seconds spent compiling in

@@ -298,6 +298,8 @@ def tree_problems(
         problems.append("compile_draft=True compiles the draft's single-token steps, which a tree does not take")
     if target.tensor_parallel:
         problems.append("a tensor-parallel target verifies chains")
+    if config.lookahead_policy is not None:
+        problems.append("a lookahead_policy chooses a chain's K each round (a tree drafts its shape)")
     for role, facts in (("target", target), ("draft", draft)):
         problem = tree_forward.tree_problem(facts) if facts is not None else None
         if problem is not None:

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="target,assisted,hf_specsample,hf_specsample:4",
         help="comma list of target, assisted, lookup[:N] (transformers' prompt lookup), hf_specsample, "
         "hf_specsample:K[:quantization[:vocabulary]][:verify=token|block][:processors=plain|fast][:lookup=N]"
-        "[:draft=prompt_lookup] (default: %(default)s)",
+        "[:draft=prompt_lookup][:shape=tree|chain] (default: %(default)s)",
     )
     parser.add_argument(
         "--levers",

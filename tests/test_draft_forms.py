@@ -174,3 +174,21 @@ def test_a_gguf_loaded_draft_gets_the_int8_copy(pair, int8_steps_faster):
     assert prepared.form is DraftForm.DYNAMIC_INT8
     assert isinstance(prepared.model.model.layers[0].mlp.up_proj, INT8_LINEAR)
     assert torch.equal(greedy(target, draft_model=gguf_draft, num_lookahead=3), greedy(target))
+
+
+def test_a_linear_subclass_with_its_own_forward_is_left_as_it_is():
+    """Llama-4's router is an `nn.Linear` whose forward returns a tuple: the compact forms keep it (a replacement
+    linear would return one tensor), and `draft_model="auto"` gives plain greedy's tokens."""
+    import transformers as tf
+
+    config = tf.Llama4TextConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        no_rope_layers=[1, 0], interleave_moe_layer_step=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = tf.Llama4ForCausalLM(config).eval()
+    prompt = torch.tensor([[1, 5, 9, 13, 7]])
+    expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=8, do_sample=False, draft_model="auto"), expected)

@@ -10,8 +10,9 @@ from hf_specsample.shape_choice import choose_shape
 
 def test_the_default_tree():
     shape = TreeShape.default()
-    assert (shape.num_nodes, shape.max_depth, shape.max_rank) == (16, 8, 2)
-    assert shape.levels()[0] == [0, 1, 2] and all(len(level) == 1 for level in shape.levels()[4:])
+    assert (shape.num_nodes, shape.max_depth, shape.max_rank) == (15, 8, 1)  # 16 positions with the root
+    assert shape.levels()[:2] == [[0, 1], [2, 3]] and shape.levels()[-1] == [14]
+    assert [shape.parents[node] for node in (2, 3, 14)] == [0, 0, 12]  # second choices hang off the spine
     assert not shape.is_chain and TreeShape.chain(4).is_chain
     assert [shape.depths[node] for node in range(shape.num_nodes)] == sorted(shape.depths)  # level order
 
@@ -53,16 +54,16 @@ def test_ancestors_are_each_node_and_its_path():
 
 
 def test_the_choice():
-    assert choose_shape(DraftShape.CHAIN, [], None).tree is None
-    auto = choose_shape(DraftShape.AUTO, [], None)
+    assert choose_shape(DraftShape.CHAIN, [], 8).tree is None
+    auto = choose_shape(DraftShape.AUTO, [], 8)
     assert auto.tree is None and "chain" in auto.reason
-    assert choose_shape(DraftShape.AUTO, ["a hybrid target"], None).tree is None  # auto falls back, never refuses
-    assert choose_shape(DraftShape.TREE, [], None).tree == TreeShape.default()
+    assert choose_shape(DraftShape.AUTO, ["a hybrid target"], 8).tree is None  # auto falls back, never refuses
+    assert choose_shape(DraftShape.TREE, [], 8).tree == TreeShape.default()
     assert choose_shape(DraftShape.TREE, [], 3).tree == TreeShape.default().truncated(3)
     explicit = TreeShape.from_paths([(0, 0), (1,)])
-    assert choose_shape(explicit, [], None).tree is explicit
+    assert choose_shape(explicit, [], 8).tree is explicit
     with pytest.raises(ValueError, match="a hybrid target.*draft_shape='chain'"):
-        choose_shape(DraftShape.TREE, ["a hybrid target"], None)
+        choose_shape(DraftShape.TREE, ["a hybrid target"], 8)
 
 
 def test_the_option():
@@ -72,3 +73,15 @@ def test_the_option():
     assert SpeculativeConfig(draft_shape=shape).draft_shape is shape
     with pytest.raises(ValueError, match="draft_shape must be one of"):
         SpeculativeConfig(draft_shape="bush")
+
+
+def test_a_rank_beyond_the_drafts_choices_is_refused():
+    star = TreeShape.from_paths([[0], [1], [2]])  # lists of ranks are paths too
+    assert choose_shape(star, [], 8, choices=3).tree is star
+    with pytest.raises(ValueError, match="rank 2 .* proposes from 2 tokens"):
+        choose_shape(star, [], 8, choices=2)
+
+
+def test_a_shape_that_is_no_shape_is_refused():
+    with pytest.raises(TypeError, match="TreeShape.from_paths"):
+        SpeculativeConfig(draft_shape=[(0, 0), (1,)])

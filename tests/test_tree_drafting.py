@@ -4,7 +4,7 @@ path, processors with the path's prefix, top-k by hand); the draft's cache after
 
 import pytest
 import torch
-from test_tree_forward import accept, committed_tokens, new_cache, padded_batch, path_nodes, tiny_model
+from test_tree_forward import MIXED, accept, committed_tokens, new_cache, padded_batch, path_nodes, tiny_model
 from tiny import PAD, prepared_processors
 
 from hf_specsample.cache.forwards import Forwards
@@ -91,7 +91,7 @@ def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, proce
     )
     proposer = proposer_for(model, sequences, processors, subset, new_cache(model, cache))
     assert proposer.compact == (subset is not None and processing in ("none", "sampling"))
-    shape = TreeShape.default()
+    shape = MIXED
     endings = [[15, 1], [2, -1], [8, 13]]
     for ends in endings:
         before = proposer.forward_passes

@@ -16,6 +16,8 @@ from hf_specsample.sequences import Sequences
 
 VOCAB = 32
 ATOL = 1e-5
+# 16 nodes, depth 8, second and third choices near the root: a mixed shape (the node indices below are its own)
+MIXED = TreeShape.from_paths([(0,) * 8, (1, 0), (2,), (0, 1, 0), (0, 2), (0, 0, 1), (0, 0, 0, 1)])
 
 
 def tiny_model(attention: str, seed: int = 0):
@@ -101,7 +103,7 @@ def test_tree_logits_equal_sequential_paths_and_compaction_keeps_the_committed_p
     sequences = padded_batch(generator, rows, 8, padding)
     cached = CachedModel(ModelFacts.of(model), batch=rows, cache=new_cache(model, cache))
     assert (cached.capacity is not None) == (cache == "static")
-    shape = TreeShape.default()
+    shape = MIXED
     endings = [[15, 2, 0], [-1, 9, 13], [7, 7, 4]]  # per round, the node each row's accepted path ends at
     for ends in endings:
         tree = random_tree(shape, rows, generator)
@@ -177,7 +179,7 @@ def test_every_architecture_is_exact_or_refused(arch, attention):
     generator = torch.Generator().manual_seed(1)
     sequences = padded_batch(generator, 2, 8, [3, 0])
     cached = CachedModel(facts, batch=2)
-    shape = TreeShape.default()
+    shape = MIXED
     for ends in ([15, 2], [9, -1]):
         tree = random_tree(shape, 2, generator)
         logits, in_cache = feed_tree(cached, sequences, tree, shape)  # the static shape: host-built masks

@@ -84,7 +84,7 @@ def test_greedy_with_eos_inside_the_path_and_scores(greedy_models):
             for mine, plain in zip(getattr(got, name), getattr(expected, name)):
                 torch.testing.assert_close(mine, plain, atol=1e-4, rtol=1e-4)
         stats = got.speculative_stats
-        assert "tree of 16 nodes" in stats.shape or "tree of" in stats.shape
+        assert stats.shape == TreeShape.default().describe() == "a tree of 15 nodes, depth 8, up to 2 choices a node"
         assert stats.tokens_per_target_pass > 1.0
 
 
@@ -170,6 +170,8 @@ def test_trees_are_refused_where_they_cannot_run(target, drafts):
         dict(draft_model=drafts["close"], prompt_lookup_num_tokens=3),
         dict(draft_model=drafts["close"], speculative_config=SpeculativeConfig(draft_shape="tree", compile=True)),
     ]
+    policy = SpeculativeConfig(draft_shape="tree", lookahead_policy=lambda: None)  # a chain's K, each round
+    asks.append(dict(draft_model=drafts["close"], speculative_config=policy))
     for ask in asks:
         ask.setdefault("speculative_config", SpeculativeConfig(draft_shape="tree"))
         with pytest.raises(ValueError, match="draft_shape='chain'"):
@@ -207,3 +209,32 @@ def test_rows_in_chunks_verify_as_one_chunk(target, drafts, monkeypatch):
     assert made and any(rows.stop - rows.start < 12 for rows in made)  # chunks of at most 5 rows, made when read
     for one, several in zip(whole, chunked):
         assert torch.equal(one, several)
+
+
+def test_windows_a_model_builds_into_its_own_mask_are_refused():
+    """GPT-Neo's local layers window the mask while its cache keeps every slot: the tree's mask would drop the window
+    (greedy tokens then part from plain's), so trees are refused there; its global-only form serves them."""
+    import transformers as tf
+
+    def neo(kinds):
+        config = tf.GPTNeoConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                                 attention_types=[[kinds, 2 // len(kinds)]], max_position_embeddings=256,
+                                 bos_token_id=1, eos_token_id=None, pad_token_id=PAD)  # fmt: skip
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(config).eval()
+
+    prompt = torch.tensor([[1, 5, 9, 13, 7]])
+    local = neo(["global", "local"])
+    with pytest.raises(ValueError, match="local layers.*draft_shape='chain'"):
+        greedy(local, prompt, draft_model=local, speculative_config=TREE)
+    full = neo(["global"])
+    expected = greedy(full, prompt)
+    assert torch.equal(greedy(full, prompt, draft_model=full, speculative_config=TREE), expected)
+
+
+def test_max_lookahead_cuts_a_tree(target, drafts):
+    config = SpeculativeConfig(draft_shape="tree", max_lookahead=2, draft_form="as_given")
+    out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
+                          speculative_config=config, return_dict_in_generate=True)  # fmt: skip
+    assert out.speculative_stats.shape == TreeShape.default().truncated(2).describe()
+    assert max(out.speculative_stats.lookahead_per_round) == TreeShape.default().truncated(2).num_nodes

@@ -39,6 +39,9 @@ from . import row_ops
 from .cached_model import CachedModel
 from .compiled import positions_to_keep
 
+# Layer kinds (`config.layer_types`, GPT-Neo's `attention_layers`) whose mask is the causal one a tree's mask extends.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "global", "attention"})
+
 
 def tree_problem(facts: ModelFacts, compiled: bool = False) -> str | None:
     """Why a model's forwards cannot feed draft trees (chains run there instead), or None.
@@ -63,9 +66,17 @@ def tree_problem(facts: ModelFacts, compiled: bool = False) -> str | None:
         return f"{name}'s forward takes no position ids, which a tree's nodes need: chains there"
     if getattr(facts.model.config, "alibi", False):
         return f"{name} builds its ALiBi biases from a 2D padding mask, which a tree mask is not: chains there"
-    layers = transformers_api.cache_layer_classes(facts.model.config)
-    if any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
-        return f"{name} has sliding-window layers, which tree forwards do not serve yet: chains there"
+    config = facts.model.config
+    layers = transformers_api.cache_layer_classes(config)
+    # Windows a model builds into its own mask (local, sliding, chunked layers), whether or not its cache trims them
+    # (GPT-Neo's local layers keep a full cache): the tree's mask would replace them.
+    kinds = set(getattr(config, "layer_types", None) or ()) | set(getattr(config, "attention_layers", None) or ())
+    windowed = sorted(kinds - FULL_ATTENTION_KINDS)
+    if windowed or any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
+        kind = ", ".join(windowed) or "sliding-window"
+        return (
+            f"{name} has {kind} layers, windows its own mask builds, which tree forwards do not serve yet: chains there"
+        )
     if compiled:
         return "compiled forwards and runners do not run draft trees yet: chains there"
     return None

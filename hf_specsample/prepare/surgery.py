@@ -192,13 +192,19 @@ def _with_linears(model: PreTrainedModel, make) -> PreTrainedModel:
         for name, child in module.named_children():
             if clone._modules[name] is not child:
                 continue  # fused above
-            if isinstance(child, torch.nn.Linear) and id(child) not in kept:
+            if _plain_linear(child) and id(child) not in kept:
                 clone._modules[name] = make(child)
-            elif any(isinstance(inner, torch.nn.Linear) for inner in child.modules()):
+            elif any(_plain_linear(inner) for inner in child.modules()):
                 clone._modules[name] = replaced(child)
         return clone
 
     return replaced(model).eval()
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """An `nn.Linear` whose forward is `nn.Linear`'s: a subclass with its own (Llama-4's router returns a tuple)
+    computes something else, which a replacement linear would not."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
 def _fusable(linear, first) -> bool:
