@@ -22,7 +22,8 @@ EOS = 0
 CALLER_BATCH = 7
 CALLERS = [3, 0, 6, 1, 2]  # the rows' caller rows (a caller batch larger than the round's)
 LENGTHS = [8, 10, 9, 12, 8]
-SHAPE = TreeShape.default()
+# 16 nodes, depth 8, second and third choices near the root (the rounds below are built on its node indices)
+SHAPE = TreeShape.from_paths([(0,) * 8, (1, 0), (2,), (0, 1, 0), (0, 2), (0, 0, 1), (0, 0, 0, 1)])
 
 
 class RowBias(LogitsProcessor):
