@@ -16,6 +16,7 @@ from hf_specsample.verify.processing import PositionwiseProcessor
 from hf_specsample.verify.rejection import (
     Verdict,
     block_accept,
+    round_chunks,
     row_chunks,
     sample_from_weights,
     speculative_accept,
@@ -134,13 +135,13 @@ def tiny_chunks(monkeypatch):
         return read(self, rows)
 
     def counted(*args):
-        chunks = row_chunks(*args)
+        chunks = round_chunks(*args)
         chunk_counts.append(len(chunks))
         return chunks
 
     def force(vocab: int, rows: int = 7):
         monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", rows * (LOOKAHEAD + 1) * vocab + 1)
-        monkeypatch.setattr(round_verifier, "row_chunks", counted)
+        monkeypatch.setattr(rejection, "round_chunks", counted)
         monkeypatch.setattr(HeadLogits, "__getitem__", counted_read)
 
     force.chunk_counts = chunk_counts

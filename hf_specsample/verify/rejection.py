@@ -64,6 +64,13 @@ def row_chunks(rows: int, row_elements: int, limit: int) -> list[slice]:
     return [slice(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
 
 
+def round_chunks(batch: int, positions: int, vocab: int, chunk_elements: int | None = None) -> list[slice]:
+    """The row chunks a round's `(batch, positions, vocab)` logits are verified in: `row_chunks` of at most
+    `chunk_elements` logits (None: `ROW_CHUNK_ELEMENTS`, read at each call, so that a test can force chunks)."""
+    limit = ROW_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    return row_chunks(batch, positions * vocab, limit)
+
+
 def sample_uniform(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     """`(*shape, 1)` float64 uniforms in [0, 1), what `sample_from_weights` draws for `(*shape, vocab)` weights:
     drawn with `generator` (on its device), moved to `device`."""

@@ -38,7 +38,6 @@ from .rejection import (
     first_argmax,
     flag_nonfinite,
     greedy_accept,
-    row_chunks,
     sample_uniform,
     speculative_accept,
     uniform_like,
@@ -97,8 +96,7 @@ class RoundVerifier:
 
     def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
         """The row chunks a round of `(batch, positions, vocab)` logits is verified in."""
-        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
-        return row_chunks(batch, positions * vocab, limit)
+        return rejection.round_chunks(batch, positions, vocab, self.chunk_elements)
 
     def __call__(
         self,

@@ -33,7 +33,7 @@ from ..options import TreeShape
 from . import rejection
 from .keyed_draws import call_key, keyed_uniforms, positions_from
 from .processing import PositionwiseProcessor, RunKind, probabilities
-from .rejection import first_argmax, row_chunks
+from .rejection import first_argmax
 from .tree_rule import TreeVerdict, flag_tree_nonfinite, path_tokens, tree_accept, tree_greedy_accept
 
 
@@ -84,8 +84,7 @@ class TreeVerifier:
 
     def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
         """The row chunks a round of `(batch, N + 1, vocab)` logits is verified in."""
-        limit = rejection.ROW_CHUNK_ELEMENTS if self.chunk_elements is None else self.chunk_elements
-        return row_chunks(batch, positions * vocab, limit)
+        return rejection.round_chunks(batch, positions, vocab, self.chunk_elements)
 
     def __call__(
         self,
