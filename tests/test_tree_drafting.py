@@ -147,3 +147,25 @@ def test_a_tree_left_in_the_cache_is_never_taken_for_committed_positions():
     ):
         with pytest.raises(RuntimeError, match="compacted first"):
             call()
+
+
+def test_choices_equal_a_stable_sort_with_ties_and_masked_scores():
+    """`choices` (topk, with a slow path where the count-th score ties with the next) takes exactly what a stable
+    descending sort takes: scores drawn from 4 values (ties everywhere), every other one masked to -inf (the tail of
+    top-k/top-p), a wide row of distinct scores; a NaN row still gets distinct tokens."""
+    from hf_specsample.proposers.tree_drafting import choices
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        vocab = int(torch.randint(3, 40, (1,), generator=generator))
+        rows = int(torch.randint(1, 4, (1,), generator=generator))
+        scores = torch.randint(0, 4, (rows, vocab), generator=generator).float()
+        if trial % 3 == 0:
+            scores[:, ::2] = float("-inf")
+        for count in range(1, vocab + 1):
+            reference = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :count]
+            assert torch.equal(choices(scores, count), reference), (trial, count)
+    wide = torch.randn(2, 5000, generator=generator)
+    assert torch.equal(choices(wide, 3), torch.sort(wide, dim=-1, descending=True, stable=True).indices[:, :3])
+    wide[1, 7] = float("nan")
+    assert len(set(choices(wide, 4)[1].tolist())) == 4
