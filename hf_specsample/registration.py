@@ -8,6 +8,11 @@ transformers' own `custom_generate` callable hook to `speculative_generate`, so 
 processors and stopping criteria itself. A call that names another `custom_generate` method (a callable or a
 repository) is that method's: it goes to the original `generate()` (renamed cache aside) untouched.
 
+transformers' assisted-generation settings (`num_assistant_tokens=`, `assistant_early_exit=`, ...) are refused on a
+`draft_model=` call, before any work, with what does their job here (`validation.check_assistant_settings`):
+`draft_model=` does not read them, and ignoring them would give a caller moving from `assistant_model=` something
+other than what was asked for.
+
 Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
 parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
 `stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria, and
@@ -25,7 +30,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from . import transformers_api
+from . import transformers_api, validation
 from .decoding import speculative_generate
 from .plan import makes_target_cache
 
@@ -47,6 +52,9 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     """Rewrite `generate()` keyword arguments for the `custom_generate` hook (see the module docstring)."""
     if kwargs.get("assistant_model") is not None:
         raise ValueError("Pass either `draft_model=` (hf_specsample) or `assistant_model=` (transformers), not both.")
+    validation.check_assistant_settings(
+        kwargs, kwargs.get("generation_config"), getattr(model, "generation_config", None)
+    )
     kwargs["custom_generate"] = speculative_generate
     draft_tokenizer, assistant_tokenizer = kwargs.pop("draft_tokenizer", None), kwargs.pop("assistant_tokenizer", None)
     if draft_tokenizer is not None and assistant_tokenizer is not None and draft_tokenizer is not assistant_tokenizer:

@@ -12,7 +12,8 @@ old name broke at once. So the library spells none of them: it asks this module.
   does itself (with its deprecation message) for the old ones.
 - `leave_cache_to_call` / `NoCacheYet`: keeping `generate()` from building a cache that a call would throw away
   (its cache preparation skips a call given a cache).
-- the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`.
+- the private hooks the loop relies on: `valid_auto_compile`, `default_compile_config`, `pad_token_id`,
+  `generation_defaults`.
 - `cache_layer_classes(config)`: the layer classes of the cache transformers builds for a config, read as its
   constructor reads them, without building one.
 - `additive_attention_mask`, `FOUR_D_MASK_ATTENTION`, `attention_implementation`: a draft tree's 4D mask, as the
@@ -216,6 +217,12 @@ def default_compile_config(model: PreTrainedModel):
     return model._default_compile_config()
 
 
+def generation_defaults() -> dict[str, Any]:
+    """The values `generate()` gives a generation config's unset (None) fields when neither the call nor the model's
+    own config sets them (e.g. `num_assistant_tokens=20`)."""
+    return dict(GenerationConfig._get_default_generation_params())
+
+
 def pad_token_id(generation_config: GenerationConfig) -> Any:
     """The pad token `generate()` resolved for this call (a tensor, an int or None)."""
     return generation_config._pad_token_tensor
@@ -269,6 +276,7 @@ _REQUIRED_HOOKS = (
     (generation_utils.GenerationMixin, "_sample"),
     (generation_utils.GenerationMixin, "_valid_auto_compile_criteria"),
     (PreTrainedModel, "_default_compile_config"),
+    (GenerationConfig, "_get_default_generation_params"),
     (cache_utils, "get_layer_types_and_kwargs"),
     (cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING"),
     (cache_utils, "STATIC_LAYER_TYPE_MAPPING"),

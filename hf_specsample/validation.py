@@ -158,6 +158,62 @@ def check_generation_config(config: GenerationConfig) -> None:
         )
 
 
+_ADAPTIVE_K = (
+    "K adapts by default: it is chosen before every round from measured acceptance and costs, up to "
+    "`SpeculativeConfig(max_lookahead=...)` (`num_lookahead=N` fixes it). Drop it."
+)
+_OTHER_TOKENIZER = (
+    "a draft with another tokenizer (`draft_tokenizer=` with `tokenizer=`) re-reads the committed text in its own ids "
+    "every round and drafts over the tokens both vocabularies share, with no window to set. Drop it."
+)
+# transformers' assisted-generation settings (`assistant_model=`), which `draft_model=` would otherwise ignore
+# silently, each with what does its job here ({value}: the caller's). Plain generate() ignores them too without an
+# assistant, but a caller moving from `assistant_model=` to `draft_model=` expects them to act.
+ASSISTANT_SETTINGS = {
+    "num_assistant_tokens": "pass `num_lookahead={value}` for {value} draft tokens every round (without it, K is "
+    "chosen before every round from measured acceptance and costs).",
+    "num_assistant_tokens_schedule": _ADAPTIVE_K,
+    "assistant_confidence_threshold": _ADAPTIVE_K,
+    "assistant_early_exit": "for a draft made from the target itself, pass `draft_model='auto'` (an int8 copy of the "
+    "target on the CPU, a view skipping the middle fifth of its layers elsewhere; "
+    "`hf_specsample.prepare.self_draft.layer_skip_draft(target, keep=range({value}))` builds a chosen layer subset).",
+    "assistant_lookbehind": _OTHER_TOKENIZER,
+    "target_lookbehind": _OTHER_TOKENIZER,
+    "assistant_ensemble_weight": "hf_specsample samples exactly from the target's distribution and offers no mixture "
+    "with the draft's. Drop it, or use `assistant_model=` for that biased verification.",
+    "speculation_type": "`draft_model=` names the draft (a model, 'auto' or 'prompt_lookup'). Drop it, or use "
+    "`assistant_model=` for transformers' speculation types.",
+}
+
+
+def check_assistant_settings(
+    kwargs: dict[str, Any], generation_config: GenerationConfig | None, model_config: GenerationConfig | None
+) -> None:
+    """Refuse transformers' assisted-generation settings (`ASSISTANT_SETTINGS`) on a `draft_model=` call.
+
+    A setting counts when the call passes it as a keyword argument (not None), or when the `generation_config=` it
+    passes holds a value that is neither transformers' default for it (`num_assistant_tokens=20`, ...) nor the
+    model's own `generation_config`'s: a config copied from the model's, or a model whose checkpoint sets one, passes.
+
+    Args:
+        kwargs: the call's keyword arguments to `generate()`.
+        generation_config: the call's `generation_config=` (None: none passed).
+        model_config: the model's own `generation_config` (None: it has none).
+    """
+    defaults = transformers_api.generation_defaults()
+    for name, instead in ASSISTANT_SETTINGS.items():
+        value = kwargs.get(name)
+        if value is None and generation_config is not None:
+            value = getattr(generation_config, name, None)
+            if value == defaults.get(name) or value == getattr(model_config, name, None):
+                value = None
+        if value is not None:
+            raise ValueError(
+                f"`{name}={value!r}` is a setting of transformers' assisted generation (`assistant_model=`), which "
+                f"`draft_model=` does not read: {instead.format(value=value)}"
+            )
+
+
 def check_prompt_lookup(num_tokens: Any, max_ngram: Any) -> None:
     """`prompt_lookup_num_tokens` / `max_matching_ngram_size` (None: unset) must be positive ints."""
     for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):

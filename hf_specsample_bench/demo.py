@@ -21,7 +21,7 @@ import time
 import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
-from hf_specsample import LinearKernel, SpeculativeConfig
+from hf_specsample import LinearKernel, SpeculativeConfig, SpeculativeStats
 from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.model_facts import ModelFacts, Role
 from hf_specsample.transformers_api import cache_kwargs, output_cache
@@ -36,13 +36,23 @@ from .prompts import PromptSet, load_prompts
 COMPILE_ABOVE = 1.5
 
 
-def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, object]:
+def timed(target, inputs: dict, **kwargs) -> tuple[torch.Tensor, float, SpeculativeStats | None]:
     """(new tokens, seconds, speculative stats or None) of one generate() call."""
     start = time.perf_counter()
     output = target.generate(**inputs, return_dict_in_generate=True, **kwargs)
     seconds = time.perf_counter() - start
     new_tokens = output.sequences[0, inputs["input_ids"].shape[1] :]
     return new_tokens, seconds, getattr(output, "speculative_stats", None)
+
+
+def shape_summary(stats: SpeculativeStats) -> str:
+    """Which draft shape the speculative run drafted and what it kept, in one line: its tokens per target pass are
+    the new tokens over every target forward, the prompt's included (as docs/benchmarks.md reads them)."""
+    per_pass = stats.new_tokens / max(stats.target_forward_passes, 1)
+    return (
+        f"draft shape: {stats.shape}; {per_pass:.2f} tokens per target pass ({stats.new_tokens} tokens, "
+        f"{stats.target_forward_passes} target passes), acceptance {stats.acceptance_rate:.0%}"
+    )
 
 
 def compare(
@@ -83,8 +93,9 @@ def compare(
         f"--- generate(draft_model=...): {len(spec_tokens)} tokens in {spec_seconds:.1f} s ({spec_rate:.2f} tokens/s)"
     )
     print(tokenizer.decode(spec_tokens, skip_special_tokens=True))
-    print(f"--- speedup {spec_rate / plain_rate:.2f}x plain, {spec_rate / kernel_rate:.2f}x plain with the kernel; "
-          f"{stats}")  # fmt: skip
+    assert stats is not None  # a draft_model= call's output carries them
+    print(f"--- {shape_summary(stats)}")
+    print(f"--- speedup {spec_rate / plain_rate:.2f}x plain, {spec_rate / kernel_rate:.2f}x plain with the kernel")
     if mode is Mode.GREEDY:
         same = torch.equal(plain_tokens, spec_tokens)
         print(
@@ -100,7 +111,7 @@ def eager_verification_cost(
     `repeats`, interleaved), with the linear kernel the library's default picks for it: about 1 where verification
     is memory-bound, about 3 where it is compute-bound."""
     ids = input_ids[:, :prefix]
-    times = {1: [], 3: []}
+    times: dict[int, list[float]] = {1: [], 3: []}
     with torch.no_grad():
         cache = output_cache(target(ids, use_cache=True))
         for _ in range(repeats):
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = target.generate(**inputs, max_new_tokens=8, min_new_tokens=8, return_dict_in_generate=True, **draft)
     compiled = (warm.speculative_stats.compile_seconds or 0.0) + (warm.speculative_stats.draft_compile_seconds or 0.0)
     print(f"\nwarm-up {time.perf_counter() - start:.0f} s" + (f" (compiling {compiled:.0f} s)" if compiled else ""))
+    print(f"draft: {warm.speculative_stats.draft_form}")  # the form chosen on this first call, and why
     target.generate(**inputs, max_new_tokens=2)
     (greedy, greedy_kernel), (sampling, sampling_kernel) = [
         compare(target, draft, tokenizer, inputs, mode, args.max_new_tokens, args.num_lookahead, kernel)

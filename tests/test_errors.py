@@ -1,11 +1,14 @@
 """Bad input fails before any forward pass, with a message that says what to do instead."""
 
+import copy
+
 import pytest
 import torch
 from tiny import PAD, char_tokenizer, tiny_lm
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    GenerationConfig,
     JambaConfig,
     JambaForCausalLM,
     LogitsProcessorList,
@@ -252,3 +255,47 @@ def test_draft_vocabulary_of_non_integer_ids_or_too_wide():
 def test_draft_vocabulary_wider_than_the_models(target, draft):
     config = SpeculativeConfig(draft_vocabulary=1000)
     assert_fails_before_work(target, draft, match="draft_vocabulary=1000 exceeds the 32 ids", speculative_config=config)
+
+
+@pytest.mark.parametrize(
+    ("setting", "instead"),
+    [
+        ({"num_assistant_tokens": 5}, r"num_lookahead=5"),
+        ({"num_assistant_tokens_schedule": "heuristic"}, r"K adapts by default.*max_lookahead"),
+        ({"assistant_confidence_threshold": 0.2}, r"K adapts by default.*max_lookahead"),
+        ({"assistant_early_exit": 1}, r"draft_model='auto'"),
+        ({"assistant_lookbehind": 4}, r"draft_tokenizer="),
+        ({"target_lookbehind": 4}, r"draft_tokenizer="),
+        ({"assistant_ensemble_weight": 0.5}, r"exactly from the target's distribution"),
+        ({"speculation_type": "dflash"}, r"names the draft"),
+    ],
+)
+def test_assistant_settings(target, draft, setting, instead):
+    """transformers' assisted-generation settings are not read by `draft_model=`: refused, naming what does their job
+    here, whether passed as arguments or set on a passed `generation_config=`."""
+    (name,) = setting
+    match = f"`{name}=.*assisted generation.*{instead}"
+    assert_fails_before_work(target, draft, match=match, **setting)
+    config = copy.deepcopy(target.generation_config)
+    config.update(**setting)
+    assert_fails_before_work(target, draft, match=match, generation_config=config)
+
+
+def test_assistant_settings_left_at_their_defaults(draft):
+    """Values the call did not set are not refused: transformers' defaults (`num_assistant_tokens=20`, ...) on a
+    passed config, and whatever the model's own generation config holds (a checkpoint may set them)."""
+    target = tiny_lm(seed=0, vocab_size=32)
+    expected = target.generate(PROMPT, max_new_tokens=5, pad_token_id=PAD)
+    defaults = GenerationConfig._get_default_generation_params()
+    with_defaults = GenerationConfig(**defaults, max_new_tokens=5, pad_token_id=PAD)
+    assert with_defaults.num_assistant_tokens == 20
+    out = target.generate(PROMPT, generation_config=with_defaults, draft_model=draft)
+    assert torch.equal(out, expected)
+    target.generation_config.num_assistant_tokens = 5
+    target.generation_config.assistant_confidence_threshold = 0.2
+    out = target.generate(PROMPT, max_new_tokens=5, pad_token_id=PAD, draft_model=draft)
+    assert torch.equal(out, expected)
+    config = copy.deepcopy(target.generation_config)
+    config.update(max_new_tokens=5, pad_token_id=PAD)
+    out = target.generate(PROMPT, generation_config=config, draft_model=draft)
+    assert torch.equal(out, expected)

