@@ -119,7 +119,7 @@ class PreparedDraft:
         source = "the target" if self.self_draft_of is not None else "the draft as given"
         wide = (f"forwards of {self.wide.from_rows}+ positions on {source}" if self.wide is not None else "") + (
             f" (timed over {prompts})" if prompts else ""
-        )
+        ).strip()
         parts = [
             f"timed per step: {timed}" if timed else "",
             wide,
