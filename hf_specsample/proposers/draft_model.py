@@ -213,7 +213,7 @@ class DraftModelProposer(Proposer):
                 logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
                 self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree, shape)
             else:
-                assert self.tree_in_cache is not None  # made by the first level
+                assert isinstance(self.tree_in_cache, CachedTree)  # made by the first level
                 logits = self.tree_in_cache.feed(parents)  # (rows, P, width)
             full = self._spread(self._columns(logits))
             scores = processed_at_parents(self.processor, tokens, lengths, shape, tree.tokens, parents, full, callers)

@@ -76,7 +76,8 @@ class DynamicPool:
             frontier = self.frontier()
             parent_nodes = torch.arange(frontier[0], frontier[-1] + 1, device=scores.device).expand(rows, -1)
             parent_values = self.values[:, frontier[0] : frontier[-1] + 1]
-        values = torch.nan_to_num(parent_values[:, :, None] + log_probs, nan=float("-inf")).reshape(rows, -1)
+        values = (parent_values[:, :, None] + log_probs).reshape(rows, -1)
+        values = values.masked_fill(values.isnan(), float("-inf"))
         order = torch.sort(values, dim=1, descending=True, stable=True).indices  # (rows, F * expand) best first
         tokens = index.reshape(rows, -1) if tokens_of is None else tokens_of[index.reshape(rows, -1)]
         start = self.starts[self.levels]
