@@ -28,6 +28,8 @@ from hf_specsample.proposers.dynamic_tree import DynamicPool
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=DynamicTree(nodes=6, depth=3, expand=2), draft_form="as_given")
+# fewer nodes than drafted at the sampling tests' depth (2, their room): which nodes are kept matters
+NARROW = SpeculativeConfig(draft_shape=DynamicTree(nodes=4, expand=3), draft_form="as_given")
 VOCAB = 32
 
 
@@ -325,25 +327,39 @@ def drafts(target):
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("draft_kind", ["close", "far"])
-def test_dynamic_tree_samples_follow_target(target, drafts, setting, draft_kind):
+@pytest.mark.parametrize("draft_kind, config", [("close", DYNAMIC), ("far", DYNAMIC), ("far", NARROW)])
+def test_dynamic_tree_samples_follow_target(target, drafts, setting, draft_kind, config):
     settings = SETTINGS[setting]
-    samples, eos = sample(target, drafts[draft_kind], 21, DYNAMIC, **settings)
+    samples, eos = sample(target, drafts[draft_kind], 21, config, **settings)
     assert chisquare_pvalue(exact_for(target, eos, **settings), samples) > ALPHA
 
 
-def test_rows_verified_with_one_rows_structure_fail_the_same_test(target, drafts, monkeypatch):
-    """Power: verifying every row's tree with row 0's parents and depths (treating the per-row trees as one shape, a
-    plausible bug) makes the target's logits at a node those of another path: the same test must fail."""
+def test_nodes_kept_by_their_own_probability_fail_the_same_test(target, drafts, monkeypatch):
+    """Power: keeping the nodes of the best last-step log-probability instead of the best cumulative one (a plausible
+    bug) keeps nodes whose parent was pruned: they hang off the root at their own depth, so the target's logits after
+    them are those of another position, and the same test must fail. (A tree that is merely worse, such as one chosen
+    by the target's probabilities or drafted without the processors' path, stays exact: every emitted token is the
+    target's draw at its node, whichever tree holds it.)"""
+    add_level = DynamicPool.add_level
+
+    def own_log_probability(self, scores, tokens_of=None):
+        add_level(self, scores, tokens_of)
+        start = self.starts[self.levels - 1]
+        block = slice(start, start + (scores.shape[1] * self.spec.expand))
+        parents = self.tree.parents[:, block]
+        parent_values = torch.where(parents >= 0, self.values.gather(1, parents.clamp(min=0)), 0.0)
+        self.own = getattr(self, "own", torch.zeros_like(self.values))
+        self.own[:, block] = self.values[:, block] - parent_values
+
     kept_of = DynamicPool.kept
 
-    def one_structure(self):
-        tree, kept = kept_of(self)
-        rows = tree.tokens.shape[0]
-        return DraftTree(tree.tokens, tree.parents[:1].expand(rows, -1), tree.depths[:1].expand(rows, -1)), kept
+    def kept_by_own(self):
+        self.values = self.own
+        return kept_of(self)
 
-    monkeypatch.setattr(DynamicPool, "kept", one_structure)
-    samples, _ = sample(target, drafts["far"], 21, DYNAMIC, temperature=0.7)
+    monkeypatch.setattr(DynamicPool, "add_level", own_log_probability)
+    monkeypatch.setattr(DynamicPool, "kept", kept_by_own)
+    samples, _ = sample(target, drafts["far"], 21, NARROW, temperature=0.7)
     assert chisquare_pvalue(exact_for(target, temperature=0.7), samples) < ALPHA
 
 
