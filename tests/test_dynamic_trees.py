@@ -16,15 +16,19 @@ import torch
 from exact import chisquare_pvalue
 from test_architectures import PROMPTS as ARCH_PROMPTS
 from test_architectures import batch
-from test_tree_forward import committed_tokens, new_cache, padded_batch
+from test_tree_forward import committed_tokens, new_cache, padded_batch, tiny_model
 from test_trees import ALPHA, SETTINGS, exact_for, greedy, sample
 from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, prepared_processors, tiny_arch, tiny_lm
 
-from hf_specsample import DynamicTree, SpeculativeConfig
+from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
+from hf_specsample.cache.forwards import Forwards
 from hf_specsample.cache.tree_forward import tree_problem
 from hf_specsample.draft_tree import DraftTree
 from hf_specsample.model_facts import ModelFacts
+from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
 from hf_specsample.proposers.dynamic_tree import DynamicPool
+from hf_specsample.shape_choice import choose_shape
+from hf_specsample.verify.processing import PositionwiseProcessor
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=DynamicTree(nodes=6, depth=3, expand=2), draft_form="as_given")
@@ -137,10 +141,6 @@ PROCESSORS = {
 
 
 def proposer_for(model, sequences, processors, cache=None):
-    from hf_specsample.cache.forwards import Forwards
-    from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
-    from hf_specsample.verify.processing import PositionwiseProcessor
-
     return DraftModelProposer(
         ModelFacts.of(model), Forwards(), DraftVocabulary(None, None, VOCAB), sequences,
         PositionwiseProcessor(processors, sequences.num_active), do_sample=False, cache=cache,
@@ -170,8 +170,6 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(processing, p
     compaction keeps exactly the path's fed nodes, and every drafted node of every round has the reference's value
     along its path and is among its parent's reference top choices, so each round's cache (the root's logits, the
     frontier's) equals a recompute over the committed prefix."""
-    from test_tree_forward import tiny_model
-
     model = tiny_model(attention, seed=3)
     generator = torch.Generator().manual_seed(7)
     sequences = padded_batch(generator, len(padding), 7, padding)
@@ -384,6 +382,21 @@ def test_dynamic_trees_are_refused_where_trees_cannot_run(target, drafts):
         )
     with pytest.raises(ValueError, match="positive int"):
         DynamicTree(nodes=0)
+
+
+def test_the_choice_and_the_option():
+    assert SpeculativeConfig(draft_shape="dynamic").draft_shape is DraftShape.DYNAMIC
+    explicit = DynamicTree(nodes=7, depth=3, expand=2)
+    assert SpeculativeConfig(draft_shape=explicit).draft_shape is explicit
+    assert choose_shape(DraftShape.DYNAMIC, [], 8).tree == DynamicTree()
+    assert choose_shape(DraftShape.DYNAMIC, [], 3).tree == DynamicTree(depth=3)
+    assert choose_shape(explicit, [], 8).tree is explicit
+    assert choose_shape(explicit, [], 8).reason == "dynamic tree: 7 nodes, depth 3, expand 2"
+    assert DynamicTree(nodes=40, depth=2).num_nodes == 4 + 16  # no more than drafted
+    with pytest.raises(ValueError, match="a hybrid target.*draft_shape='chain'"):
+        choose_shape(DraftShape.DYNAMIC, ["a hybrid target"], 8)
+    with pytest.raises(TypeError, match="DynamicTree"):
+        SpeculativeConfig(draft_shape=[(0, 0), (1,)])
 
 
 def test_max_lookahead_cuts_a_dynamic_tree(target, drafts):

@@ -111,15 +111,17 @@ class CachedTree:
         self.model, self.tree, self.first_slot, self.committed = model, tree, first_slot, list(committed)
         self.node_slots = [-1] * tree.num_nodes
         rows = len(self.committed)
-        if shape is not None:
-            host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
-        else:
-            host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
         if grows:  # each node its own only ancestor until `set_parents`
             self.ancestors = torch.eye(tree.num_nodes, dtype=torch.bool).expand(rows, -1, -1).clone()
+            depths = tree.depths.cpu()
         else:
+            if shape is not None:
+                host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
+            else:
+                host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
             self.ancestors = host_tree.ancestors()  # (rows, N, N)
-        self.node_positions = root_positions[:, None] + host_tree.depths  # (rows, N)
+            depths = host_tree.depths
+        self.node_positions = root_positions[:, None] + depths  # (rows, N)
 
     def set_parents(self, nodes: Sequence[int], parents: torch.Tensor) -> None:
         """Set the parents of `nodes` (not fed yet) of a growing tree, each parent's own set already.
