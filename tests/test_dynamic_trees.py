@@ -140,19 +140,25 @@ PROCESSORS = {
 }
 
 
-def proposer_for(model, sequences, processors, cache=None):
+SUBSET = torch.arange(8, VOCAB)  # a draft vocabulary of the ids 8.. (an FR-Spec subset), logit column i for id i
+
+
+def proposer_for(model, sequences, processors, cache=None, subset=None):
     return DraftModelProposer(
-        ModelFacts.of(model), Forwards(), DraftVocabulary(None, None, VOCAB), sequences,
+        ModelFacts.of(model), Forwards(), DraftVocabulary(subset, subset, VOCAB), sequences,
         PositionwiseProcessor(processors, sequences.num_active), do_sample=False, cache=cache,
     )  # fmt: skip
 
 
 @torch.no_grad()
-def reference_log_probs(model, processors, sequences, row, path) -> torch.Tensor:
+def reference_log_probs(model, processors, sequences, row, path, subset=None) -> torch.Tensor:
     """`(vocab,)` the log-softmax of the draft's processed scores after row `row`'s committed tokens and `path` (a
-    plain forward of the real tokens, the processors as plain `generate()` calls them)."""
+    plain forward of the real tokens, the processors as plain `generate()` calls them; with a `subset`, the draft's
+    logits stand for those ids only)."""
     length = sequences.lengths[row]
     logits = model(input_ids=torch.tensor([committed_tokens(sequences, row) + path])).logits[:, -1].float()
+    if subset is not None:
+        logits = torch.full_like(logits, float("-inf")).index_copy_(1, subset, logits[:, subset])
     ids = torch.cat([sequences.tokens[row, :length], torch.tensor(path, dtype=torch.long)])
     batch_ids = ids.new_zeros((sequences.num_active, ids.numel()))
     batch_scores = logits.new_zeros((sequences.num_active, VOCAB))
@@ -164,8 +170,11 @@ def reference_log_probs(model, processors, sequences, row, path) -> torch.Tensor
 @pytest.mark.parametrize("padding", [[0], [3, 0]], ids=["one_row", "two_rows"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("subset", [None, SUBSET], ids=["full_vocabulary", "subset"])
 @torch.no_grad()
-def test_dynamic_drafts_equal_the_slow_reference_round_after_round(processing, padding, cache, attention, monkeypatch):
+def test_dynamic_drafts_equal_the_slow_reference_round_after_round(
+    processing, padding, cache, attention, subset, monkeypatch
+):
     """Four rounds, each followed by a ragged accepted path (`ENDINGS`), compaction and the loop's rollback: the
     compaction keeps exactly the path's fed nodes, and every drafted node of every round has the reference's value
     along its path and is among its parent's reference top choices, so each round's cache (the root's logits, the
@@ -176,7 +185,8 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(processing, p
     processors, _ = prepared_processors(
         model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **PROCESSORS[processing]
     )
-    proposer = proposer_for(model, sequences, processors, new_cache(model, cache))
+    proposer = proposer_for(model, sequences, processors, new_cache(model, cache), subset)
+    assert proposer.compact == (subset is not None and processing in ("none", "sampling"))
     pools = []
     kept_of = DynamicPool.kept
     monkeypatch.setattr(DynamicPool, "kept", lambda self: pools.append(self) or kept_of(self))
@@ -190,7 +200,7 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(processing, p
             parents, tokens = pool.tree.parents[row].tolist(), pool.tree.tokens[row].tolist()
             for parent in [-1, *sorted(set(parents) - {-1})]:
                 path = [tokens[node] for node in path_of(parents, parent)] if parent >= 0 else []
-                reference = reference_log_probs(model, processors, sequences, row, path)
+                reference = reference_log_probs(model, processors, sequences, row, path, subset)
                 base = pool.values[row, parent].item() if parent >= 0 else 0.0
                 children = [node for node in range(spec.drafted) if parents[node] == parent]
                 best = torch.sort(reference, descending=True, stable=True)
