@@ -98,7 +98,9 @@ class TreeRound:
             along the accepted path where the recorder keeps them (else None).
         """
         lengths = sequences.lengths
-        static = shape if isinstance(shape, TreeShape) else None  # None: each row's parents and depths, off `tree`
+        # None (a dynamic tree): each row's parents and depths are read off `tree` for the mask and the processors'
+        # prefixes, on an accelerator two small device reads (syncs) a round besides the path's
+        static = shape if isinstance(shape, TreeShape) else None
         # Logits verified in several row chunks are made chunk by chunk (`cache.output_head`), unless recorded.
         chunks = self.verifier.chunks(len(lengths), tree.num_nodes + 1, self.target.facts.logit_width)
         with self.target.head.deferred(len(chunks) > 1 and not self.keep_raw_logits):
