@@ -16,7 +16,16 @@ check_installed()  # before anything else: an unsupported transformers is refuse
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
 from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
-from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig, TreeShape, Verification
+from .options import (
+    DraftForm,
+    DraftShape,
+    DynamicTree,
+    LinearKernel,
+    NamedDraft,
+    SpeculativeConfig,
+    TreeShape,
+    Verification,
+)
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
@@ -31,6 +40,7 @@ __all__ = [
     "DEFAULT_MAX_LOOKAHEAD",
     "DraftForm",
     "DraftShape",
+    "DynamicTree",
     "FixedLookahead",
     "NamedDraft",
     "frequent_tokens",

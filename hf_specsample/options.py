@@ -5,7 +5,8 @@
 - `DraftForm`: the form a draft model runs in (`draft_form=`, `prepare_draft(form=)`).
 - `Verification`: how a draft block is verified (`verification=`).
 - `DraftShape`: whether a round drafts one chain or a tree of candidates (`draft_shape=`); `TreeShape`, an explicit
-  tree (its nodes' parents and ranks; the words of trees are in `draft_tree`).
+  tree (its nodes' parents and ranks; the words of trees are in `draft_tree`); `DynamicTree`, a tree each row grows
+  per round from the draft's probabilities (EAGLE-2).
 
 All enums are `str` enums: the plain strings compare equal, and an invalid one is refused with the choices.
 """
@@ -159,12 +160,69 @@ class TreeShape:
         return [[node for node, depth in enumerate(depths) if depth == level] for level in range(1, self.max_depth + 1)]
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree each row grows per round from its draft's probabilities (EAGLE-2, arXiv 2406.16858).
+
+    A node's value is its cumulative draft log-probability: the sum, along its path, of the log-softmax of the
+    draft's processed scores at each parent. Level 1 is the draft's top-`expand` tokens at the root; each later level
+    is one draft forward over the `expand` best nodes of the level before (the frontier), each expanded into its
+    top-`expand` children. After `depth` levels (as many draft forwards as a chain of K = `depth`) the best `nodes`
+    of everything drafted are kept and verified. Which nodes are kept reads the draft only, so the tree rule stays
+    exact.
+
+    Attributes:
+        nodes: the nodes verified (15: 16 target positions with the root, what the CPU kernel serves in one pass).
+        depth: the levels drafted (8, as the static default's; `num_lookahead`, else `max_lookahead`, cuts it).
+        expand: the frontier's width, and the children drafted at each frontier node (4: EAGLE-2's top-k on
+            chat models with ~60 nodes; fewer nodes are better served by a narrow frontier).
+    """
+
+    nodes: int = 15
+    depth: int = 8
+    expand: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "depth", "expand"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DynamicTree's {name} must be a positive int, got {value!r}.")
+
+    @property
+    def drafted(self) -> int:
+        """The nodes drafted per row: `expand` at the root, `expand` ** 2 at each later level."""
+        return self.expand + (self.depth - 1) * self.expand**2
+
+    @property
+    def num_nodes(self) -> int:
+        """The nodes kept (no more than were drafted)."""
+        return min(self.nodes, self.drafted)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_rank(self) -> int:
+        """The most choices a node takes at its parent, less one (as `TreeShape.max_rank`)."""
+        return self.expand - 1
+
+    def truncated(self, depth: int) -> DynamicTree:
+        """At most `depth` (>= 1) levels."""
+        return self if depth >= self.depth else replace(self, depth=depth)
+
+    def describe(self) -> str:
+        """In words, for `SpeculativeStats.shape`."""
+        return f"dynamic tree: {self.num_nodes} nodes, depth {self.depth}, expand {self.expand}"
+
+
 class DraftShape(str, enum.Enum):
     """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `TreeShape` names an explicit tree."""
 
     AUTO = "auto"  # the chain, until trees are chosen from measured acceptance and costs (`SpeculativeStats.shape`)
     CHAIN = "chain"  # K tokens in one chain, each the draft's sample (or choice); K chosen per round
     TREE = "tree"  # `TreeShape.default()`: 15 candidates, the draft's top choices; refused where trees cannot run
+    DYNAMIC = "dynamic"  # `DynamicTree()`: 15 candidates each row chooses per round; refused where trees cannot run
 
     def __str__(self) -> str:
         return self.value
@@ -251,12 +309,15 @@ class SpeculativeConfig:
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
             other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
             "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
-        draft_shape: "auto" (default: the chain today), "chain", "tree" or a `TreeShape`: whether a round drafts
+        draft_shape: "auto" (default: the chain today), "chain", "tree", "dynamic", a `TreeShape` or a
+            `DynamicTree`: whether a round drafts
             one chain of K tokens or a tree of candidates (a node's children are the draft's top distinct choices
             at it; `TreeShape.default()` for "tree": 15 nodes, a first-choice spine of depth 8 and the second
             choice beside each spine node but the last) verified in one target forward over every node. Exact either
             way: at each node the target draws its token and the round descends while the draw is one of the node's
-            children. `num_lookahead` (else `max_lookahead`) cuts a tree at that depth.
+            children. `num_lookahead` (else `max_lookahead`) cuts a tree at that depth. "dynamic"
+            (`DynamicTree()`) grows each row's tree per round: the 15 nodes of highest cumulative draft probability
+            among those drafted by expanding the 4 best nodes of each level, 8 levels deep (EAGLE-2).
             A tree is refused, before any forward, where it cannot run (recurrent or convolution layers, attention
             without a 4D mask, static caches and `compile=True`, lookup drafts and drafts with another tokenizer);
             `SpeculativeStats.shape` says which ran.
@@ -272,7 +333,7 @@ class SpeculativeConfig:
     compile: bool = False
     compile_draft: bool = False
     linear_kernel: LinearKernel | str = LinearKernel.AUTO
-    draft_shape: DraftShape | str | TreeShape = DraftShape.AUTO
+    draft_shape: DraftShape | str | TreeShape | DynamicTree = DraftShape.AUTO
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
@@ -280,11 +341,12 @@ class SpeculativeConfig:
         object.__setattr__(self, "draft_form", parse_choice(DraftForm, self.draft_form, "draft_form"))
         object.__setattr__(self, "verification", parse_choice(Verification, self.verification, "verification"))
         object.__setattr__(self, "linear_kernel", parse_choice(LinearKernel, self.linear_kernel, "linear_kernel"))
-        if not isinstance(self.draft_shape, TreeShape):
+        if not isinstance(self.draft_shape, (TreeShape, DynamicTree)):
             if not isinstance(self.draft_shape, str):
                 raise TypeError(
-                    f"draft_shape must be 'auto', 'chain', 'tree' or a TreeShape (e.g. TreeShape.from_paths(paths of "
-                    f"ranks)), got {self.draft_shape!r}."
+                    "draft_shape must be 'auto', 'chain', 'tree', 'dynamic', a TreeShape (e.g. TreeShape.from_paths("
+                    "paths of ranks)) or a DynamicTree (e.g. DynamicTree(nodes=15, expand=4)), "
+                    f"got {self.draft_shape!r}."
                 )
             object.__setattr__(self, "draft_shape", parse_choice(DraftShape, self.draft_shape, "draft_shape"))
         for name in ("fast_processors", "compile", "compile_draft"):

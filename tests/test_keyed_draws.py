@@ -25,7 +25,7 @@ from test_architectures import batch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import LogitsProcessorList
 
-from hf_specsample import SpeculativeConfig, TreeShape
+from hf_specsample import DynamicTree, SpeculativeConfig, TreeShape
 from hf_specsample.verify.keyed_draws import call_key, keyed_uniforms, mix64, positions_from
 from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import block_accept, sample_from_weights, speculative_accept
@@ -144,7 +144,14 @@ def test_a_round_of_nothing_draws_its_token_with_the_given_uniforms(rule):
 
 SETTINGS = dict(do_sample=True, temperature=0.8, top_p=0.9, repetition_penalty=1.3, max_new_tokens=16)
 STAR = TreeShape.from_paths([(0,), (1,), (2,), (3,)])
-SHAPES = {"default": ("tree", None), "chain": (TreeShape.chain(3), None), "star": (STAR, None), "cut": ("tree", 2)}
+SHAPES = {
+    "default": ("tree", None),
+    "chain": (TreeShape.chain(3), None),
+    "star": (STAR, None),
+    "cut": ("tree", 2),
+    "dynamic": ("dynamic", None),
+    "narrow dynamic": (DynamicTree(nodes=4, expand=3), 3),
+}
 ROWS = [[1, 5, 9, 13, 17, 21, 25], [1, 7, 3], [1, 30, 31, 32, 33]]
 INPUTS = {
     "one row": batch(ROWS[:1]),

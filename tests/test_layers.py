@@ -49,6 +49,7 @@ LAYERS = [
             "proposers.base",
             "proposers.cross_tokenizer",
             "proposers.tree_drafting",
+            "proposers.dynamic_tree",
             "proposers.draft_model",
             "proposers.prompt_lookup",
             "distributed",

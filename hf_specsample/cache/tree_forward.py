@@ -95,7 +95,7 @@ class CachedTree:
 
     def __init__(
         self, model: CachedModel, tree: DraftTree, committed: Sequence[int], root_positions: torch.Tensor,
-        first_slot: int, shape: TreeShape | None = None,
+        first_slot: int, shape: TreeShape | None = None, grows: bool = False,
     ):  # fmt: skip
         """
         Args:
@@ -104,26 +104,52 @@ class CachedTree:
             first_slot: where the first node goes: the cache's slot count once the root is fed.
             shape: the static shape of `tree`, if it has one: its parents and depths are then read on the host
                 (None: read off `tree`, a device read where it lives on an accelerator).
+            grows: `tree`'s parents are chosen while it is drafted (a dynamic tree): they are set node by node with
+                `set_parents` before a node is fed (its depths are read now).
         """
         assert model.states is None, "tree forwards need an attention cache"
         self.model, self.tree, self.first_slot, self.committed = model, tree, first_slot, list(committed)
         self.node_slots = [-1] * tree.num_nodes
         rows = len(self.committed)
-        if shape is not None:
-            host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
+        if grows:  # each node its own only ancestor until `set_parents`
+            self.ancestors = torch.eye(tree.num_nodes, dtype=torch.bool).expand(rows, -1, -1).clone()
+            depths = tree.depths.cpu()
         else:
-            host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
-        self.ancestors = host_tree.ancestors()  # (rows, N, N)
-        self.node_positions = root_positions[:, None] + host_tree.depths  # (rows, N)
+            if shape is not None:
+                host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
+            else:
+                host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
+            self.ancestors = host_tree.ancestors()  # (rows, N, N)
+            depths = host_tree.depths
+        self.node_positions = root_positions[:, None] + depths  # (rows, N)
+
+    def set_parents(self, nodes: Sequence[int], parents: torch.Tensor) -> None:
+        """Set the parents of `nodes` (not fed yet) of a growing tree, each parent's own set already.
+
+        Args:
+            parents: `(rows, len(nodes))` long on the CPU, each row's parent of each node (-1: the root).
+        """
+        assert all(self.node_slots[node] < 0 for node in nodes), "a fed node's parent is fixed"
+        rows = torch.arange(parents.shape[0])
+        for lane, node in enumerate(nodes):
+            parent = parents[:, lane]
+            inherited = self.ancestors[rows, parent.clamp(min=0)] & (parent >= 0)[:, None]  # (rows, N)
+            self.ancestors[:, node] = inherited
+            self.ancestors[:, node, node] = True
 
     @classmethod
     def after_root(
-        cls, model: CachedModel, sequences: Sequences, tree: DraftTree, shape: TreeShape | None = None
+        cls,
+        model: CachedModel,
+        sequences: Sequences,
+        tree: DraftTree,
+        shape: TreeShape | None = None,
+        grows: bool = False,
     ) -> CachedTree:
-        """The tree (of `shape`, if static) of a model that has fed every row's committed tokens, the root included
-        (a draft after its first level's forward)."""
+        """The tree (of `shape`, if static; `grows`: its parents set as it is drafted) of a model that has fed every
+        row's committed tokens, the root included (a draft after its first level's forward)."""
         assert model.fed == sequences.lengths, "the root must be fed before the nodes"
-        return cls(model, tree, sequences.lengths, _root_positions(sequences), model.slots, shape)
+        return cls(model, tree, sequences.lengths, _root_positions(sequences), model.slots, shape, grows)
 
     def feed(self, nodes: Sequence[int], prefix: Columns | None = None) -> torch.Tensor:
         """Feed `nodes` (none fed yet, every ancestor fed already or now, in this order), after `prefix`.

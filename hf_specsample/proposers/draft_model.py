@@ -19,12 +19,13 @@ from ..cache.forwards import Forwards
 from ..cache.tree_forward import CachedTree
 from ..draft_tree import DraftTree
 from ..model_facts import ModelFacts
-from ..options import TreeShape
+from ..options import DynamicTree, TreeShape
 from ..sequences import Sequences
 from ..verify.processing import PositionwiseProcessor, probabilities
 from ..verify.rejection import first_argmax, sample_from_weights
 from .base import DraftBudget, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
+from .dynamic_tree import DynamicPool, KeptNodes, processed_at_frontier
 from .tree_drafting import children_by_parent, choices, parents_of_levels, processed_at_parents
 
 
@@ -111,7 +112,7 @@ class DraftModelProposer(Proposer):
         self.columns = None if vocabulary.columns is None else vocabulary.columns.to(device)  # (subset,)
         self.vocab_size = vocabulary.target_width
         self.compact = vocabulary.ids is not None and processor.vocabulary_free
-        self.tree_in_cache: CachedTree | None = None  # the last drafted tree, until `compact_tree`
+        self.tree_in_cache: CachedTree | KeptNodes | None = None  # the last drafted tree, until `compact_tree`
 
     @property
     def forward_passes(self) -> int:
@@ -184,8 +185,9 @@ class DraftModelProposer(Proposer):
             model_steps=num_tokens,
         )
 
-    def draft_tree(self, sequences: Sequences, shape: TreeShape) -> TreeProposal:
-        """Draft a tree of `shape` after every active row's committed tokens, one draft forward per level.
+    def draft_tree(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> TreeProposal:
+        """Draft a tree of `shape` (static, or each row's own: `draft_dynamic_tree`) after every active row's
+        committed tokens, one draft forward per level.
 
         The first forward feeds the committed positions the draft has not fed (the root at least) and gives the
         root's children; each later one feeds the parents of the next level's nodes with the tree mask
@@ -199,6 +201,8 @@ class DraftModelProposer(Proposer):
         """
         if self.inputs is not None:
             raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
+        if isinstance(shape, DynamicTree):
+            return self.draft_dynamic_tree(sequences, shape)
         self._no_tree_left()
         tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
         tree = DraftTree.of_shape(shape, tokens.new_zeros((sequences.num_active, shape.num_nodes)))
@@ -209,7 +213,7 @@ class DraftModelProposer(Proposer):
                 logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
                 self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree, shape)
             else:
-                assert self.tree_in_cache is not None  # made by the first level
+                assert isinstance(self.tree_in_cache, CachedTree)  # made by the first level
                 logits = self.tree_in_cache.feed(parents)  # (rows, P, width)
             full = self._spread(self._columns(logits))
             scores = processed_at_parents(self.processor, tokens, lengths, shape, tree.tokens, parents, full, callers)
@@ -220,6 +224,34 @@ class DraftModelProposer(Proposer):
                 for node, rank in kids:
                     tree.tokens[:, node] = chosen[:, rank]
         return TreeProposal(tree, model_steps=len(levels))
+
+    def draft_dynamic_tree(self, sequences: Sequences, spec: DynamicTree) -> TreeProposal:
+        """Draft each row's dynamic tree (`proposers.dynamic_tree`): `spec.depth` draft forwards, the first at the
+        root, each later one over the frontier's `spec.expand` nodes with the tree mask; the best `spec.num_nodes`
+        nodes are kept.
+
+        After it the draft's cache holds each row's committed tokens, the root included, then every frontier node
+        fed, in the order fed (`tree_in_cache`, over the pool's indices), until `compact_tree`. Each level after the
+        first reads its frontier's parents on the host, for the tree mask: on an accelerator, one `(rows, expand)`
+        device read (a sync) per level.
+        """
+        if self.inputs is not None:
+            raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
+        self._no_tree_left()
+        tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
+        pool = DynamicPool(spec, sequences.num_active, tokens.device)
+        tokens_of = self.vocabulary if self.compact else None
+        logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
+        cached = CachedTree.after_root(self.runner, sequences, pool.tree, grows=True)
+        pool.add_level(self.processor(tokens, lengths, self._spread(self._columns(logits)), callers), tokens_of)
+        for _ in range(1, spec.depth):
+            frontier = pool.frontier()
+            cached.set_parents(frontier, pool.tree.parents[:, frontier].cpu())  # the sync named above
+            full = self._spread(self._columns(cached.feed(frontier)))  # (rows, expand, vocab)
+            pool.add_level(processed_at_frontier(self.processor, tokens, lengths, pool, full, callers), tokens_of)
+        tree, kept = pool.kept()
+        self.tree_in_cache = KeptNodes(cached, kept)
+        return TreeProposal(tree, model_steps=spec.depth)
 
     def compact_tree(self, path: torch.Tensor, counts: Sequence[int]) -> None:
         """Keep the accepted path of the last drafted tree in the draft's cache (`CachedTree.compact`): called after

@@ -19,7 +19,7 @@ import torch
 from ..cache import tree_forward
 from ..cache.cached_model import CachedModel
 from ..draft_tree import DraftTree
-from ..options import TreeShape
+from ..options import DynamicTree, TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
 from ..sequences import Sequences
@@ -34,7 +34,7 @@ class TreeRound:
 
     def __init__(
         self,
-        shape: TreeShape,
+        shape: TreeShape | DynamicTree,
         drafter: DraftModelProposer,
         target: CachedModel,
         verifier: TreeVerifier,
@@ -42,8 +42,8 @@ class TreeRound:
     ):
         """
         Args:
-            shape: the call's tree (`shape_choice.choose_shape`); a round near `max_length` drafts it cut to the
-                room left (`TreeShape.truncated`).
+            shape: the call's tree (`shape_choice.choose_shape`): static, or dynamic (each row's own, per round); a
+                round near `max_length` drafts it cut to the room left (`truncated`).
             drafter: the draft model's proposer (trees are drafted by a draft model only).
             target: the target and its cache.
             verifier: the call's tree verifier (processors at every node with its own path).
@@ -55,7 +55,7 @@ class TreeRound:
     @classmethod
     def for_call(
         cls,
-        shape: TreeShape,
+        shape: TreeShape | DynamicTree,
         drafter: DraftModelProposer,
         target: CachedModel,
         processor: PositionwiseProcessor,
@@ -81,29 +81,32 @@ class TreeRound:
         rows = torch.tensor(sequences.rows.callers(), dtype=torch.long, device=device)
         return keyed_uniforms(self.verifier.key, rows, positions_from(sequences.lengths, 1, device))[:, 0]
 
-    def draft(self, sequences: Sequences, depth: int) -> tuple[TreeShape, DraftTree]:
+    def draft(self, sequences: Sequences, depth: int) -> tuple[TreeShape | DynamicTree, DraftTree]:
         """The round's shape (the call's, cut at `depth`, the room the round has) and each row's tree."""
         shape = self.shape.truncated(depth)
         return shape, self.drafter.draft_tree(sequences, shape).tree
 
     def verify(
-        self, sequences: Sequences, shape: TreeShape, tree: DraftTree
+        self, sequences: Sequences, shape: TreeShape | DynamicTree, tree: DraftTree
     ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None]:
         """The target's forward over the root and the nodes, the verdict, the path written into the buffer, and both
         caches compacted to it.
 
         Returns:
-            A `Proposal` of `(batch, D)` accepted tokens (D: the shape's depth; past a row's accepted count, its next
+            A `Proposal` of `(batch, D)` accepted tokens (D: the tree's depth; past a row's accepted count, its next
             token), the `Verdict`, and the `(batch, D + 1, vocab)` processed scores and raw logits at the root and
             along the accepted path where the recorder keeps them (else None).
         """
         lengths = sequences.lengths
+        # None (a dynamic tree): each row's parents and depths are read off `tree` for the mask and the processors'
+        # prefixes, on an accelerator two small device reads (syncs) a round besides the path's
+        static = shape if isinstance(shape, TreeShape) else None
         # Logits verified in several row chunks are made chunk by chunk (`cache.output_head`), unless recorded.
-        chunks = self.verifier.chunks(len(lengths), shape.num_nodes + 1, self.target.facts.logit_width)
+        chunks = self.verifier.chunks(len(lengths), tree.num_nodes + 1, self.target.facts.logit_width)
         with self.target.head.deferred(len(chunks) > 1 and not self.keep_raw_logits):
-            logits, in_target = tree_forward.feed_tree(self.target, sequences, tree, shape)  # (batch, N + 1, vocab)
+            logits, in_target = tree_forward.feed_tree(self.target, sequences, tree, static)  # (batch, N + 1, vocab)
         made = self.target.head.take(logits)
-        verdict, scores = self.verifier(sequences.tokens, lengths, made, sequences.rows.active, tree, shape)
+        verdict, scores = self.verifier(sequences.tokens, lengths, made, sequences.rows.active, tree, static)
         raw = along_path(logits, verdict.path) if self.keep_raw_logits else None
         del logits, made
         for depth in range(verdict.accepted_tokens.shape[1]):  # the path into the buffer, as a chain's drafts

@@ -1,0 +1,173 @@
+"""A dynamic draft tree (`options.DynamicTree`, EAGLE-2): each row grows its own tree per round from the draft's
+probabilities (`proposers.draft_model.DraftModelProposer.draft_tree` runs the forwards).
+
+Every node drafted goes into the round's pool, a `DraftTree` of `DynamicTree.drafted` nodes per row in blocks, one
+block per level: the root's top-`expand` children, then per later level the top-`expand` children of each of the
+level before's `expand` best nodes (its frontier). A node's value is its cumulative draft log-probability (the sum
+along its path of the log-softmax of the draft's processed scores at each parent). Each block is sorted by value,
+best first, so a level's frontier is the first `expand` nodes of its block in every row: the draft feeds the same pool
+indices in every row (each row's own nodes there, its own parents: `CachedTree.set_parents`).
+
+After the last level the best `DynamicTree.nodes` of the pool are kept (`KeptNodes`), re-indexed in level order per
+row: the tree the target verifies. A node's value is at most its parent's (log-probabilities are at most 0) and ties
+go to the lower pool index (a parent's block comes first), so the kept nodes are ancestor-closed. Nothing here reads
+the target: the tree is the draft's deterministic choice, and the tree rule stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cache.tree_forward import CachedTree
+from ..draft_tree import DraftTree
+from ..options import DynamicTree
+from ..verify.processing import PositionwiseProcessor, RunKind
+from .tree_drafting import choices
+
+
+class DynamicPool:
+    """Every node a round's dynamic tree drafted, per row (module docstring).
+
+    Attributes:
+        spec: the round's `DynamicTree` (cut to the room left).
+        tree: the pool, `(rows, drafted)` tokens, parents (per row) and depths, level order.
+        values: `(rows, drafted)` float32, each node's cumulative draft log-probability.
+        starts: per level (depth 1 first), its block's first pool index.
+        levels: the levels drafted so far.
+    """
+
+    def __init__(self, spec: DynamicTree, rows: int, device: torch.device):
+        self.spec = spec
+        expand, size = spec.expand, spec.drafted
+        self.starts = [0] + [expand + level * expand**2 for level in range(spec.depth - 1)]
+        sizes = [expand] + [expand**2] * (spec.depth - 1)
+        depths = torch.cat([torch.full((n,), level + 1, dtype=torch.long) for level, n in enumerate(sizes)])
+        self.tree = DraftTree(
+            tokens=torch.zeros((rows, size), dtype=torch.long, device=device),
+            parents=torch.full((rows, size), -1, dtype=torch.long, device=device),
+            depths=depths.to(device).expand(rows, -1),
+        )
+        self.values = torch.full((rows, size), float("-inf"), dtype=torch.float32, device=device)
+        self.levels = 0
+
+    def frontier(self) -> list[int]:
+        """The pool indices the next level expands: the first `expand` of the last block (its best, in every row)."""
+        start = self.starts[self.levels - 1]
+        return list(range(start, start + self.spec.expand))
+
+    def add_level(self, scores: torch.Tensor, tokens_of: torch.Tensor | None = None) -> None:
+        """Draft the next level from the draft's processed `scores` `(rows, F, vocab)` at the root (F = 1, level 1)
+        or at the frontier (F = `expand`, in `frontier()` order): each one's top-`expand` tokens as its children.
+
+        Args:
+            tokens_of: `(vocab,)` the token id each score column stands for (a compact vocabulary); None: itself.
+        """
+        rows, parents, vocab = scores.shape
+        expand = self.spec.expand
+        index = choices(scores.reshape(rows * parents, vocab), expand).reshape(rows, parents, expand)
+        # <= 0 (rounding aside): a child's value never exceeds its parent's; NaN (a broken draft) ranks last
+        log_probs = torch.log_softmax(scores.float(), dim=-1).gather(2, index).clamp(max=0.0)
+        if self.levels == 0:
+            parent_nodes = torch.full((rows, 1), -1, dtype=torch.long, device=scores.device)
+            parent_values = torch.zeros((rows, 1), dtype=torch.float32, device=scores.device)
+        else:
+            frontier = self.frontier()
+            parent_nodes = torch.arange(frontier[0], frontier[-1] + 1, device=scores.device).expand(rows, -1)
+            parent_values = self.values[:, frontier[0] : frontier[-1] + 1]
+        values = (parent_values[:, :, None] + log_probs).reshape(rows, -1)
+        values = values.masked_fill(values.isnan(), float("-inf"))
+        order = torch.sort(values, dim=1, descending=True, stable=True).indices  # (rows, F * expand) best first
+        tokens = index.reshape(rows, -1) if tokens_of is None else tokens_of[index.reshape(rows, -1)]
+        start = self.starts[self.levels]
+        block = slice(start, start + order.shape[1])
+        self.tree.tokens[:, block] = tokens.gather(1, order)
+        self.tree.parents[:, block] = parent_nodes.repeat_interleave(expand, dim=1).gather(1, order)
+        self.values[:, block] = values.gather(1, order)
+        self.levels += 1
+
+    def kept(self) -> tuple[DraftTree, torch.Tensor]:
+        """The best `spec.num_nodes` nodes of each row's pool, re-indexed in level order.
+
+        Returns:
+            The kept `DraftTree` `(rows, N)` (parents per row, in its own indices), and `(rows, N)` long: each kept
+            node's pool index (ascending).
+        """
+        rows, size = self.values.shape
+        count = self.spec.num_nodes
+        # ties to the lower pool index: a parent (its value >= its child's, its block earlier) always comes first
+        best = torch.sort(self.values, dim=1, descending=True, stable=True).indices[:, :count]
+        kept = best.sort(dim=1).values  # (rows, N) pool order is level order
+        new_index = torch.full((rows, size + 1), -1, dtype=torch.long, device=kept.device)  # column size: the root
+        new_index.scatter_(1, kept, torch.arange(count, device=kept.device).expand(rows, -1))
+        pool_parents = self.tree.parents.gather(1, kept)
+        parents = new_index.gather(1, torch.where(pool_parents < 0, size, pool_parents))
+        tree = DraftTree(self.tree.tokens.gather(1, kept), parents, self.tree.depths.gather(1, kept))
+        return tree, kept
+
+
+class KeptNodes:
+    """A dynamic tree's pool in the draft's cache (`CachedTree` over the pool's indices), compacted along a path of
+    the kept tree's indices."""
+
+    def __init__(self, cached: CachedTree, kept: torch.Tensor):
+        """
+        Args:
+            cached: the pool's nodes in the draft's cache (the frontier nodes it fed).
+            kept: `(rows, N)` long, each kept node's pool index (`DynamicPool.kept`).
+        """
+        self.cached, self.kept = cached, kept
+
+    def compact(self, path: torch.Tensor, counts: Sequence[int]) -> None:
+        """`CachedTree.compact` along `path` `(rows, D)` of kept-tree indices (-1 after `counts[b]`): each path node
+        as its pool index, whose slot is wherever the draft fed it (or none: a node never fed, a leaf)."""
+        kept = self.kept.cpu()  # a device read on an accelerator, beside the path's (`TreeRound.verify`)
+        path = path.cpu()
+        pool_path = torch.where(path >= 0, kept.gather(1, path.clamp(min=0)), -1)
+        self.cached.compact(pool_path, counts)
+
+
+def processed_at_frontier(
+    processor: PositionwiseProcessor,
+    tokens: torch.Tensor,
+    lengths: Sequence[int],
+    pool: DynamicPool,
+    scores: torch.Tensor,
+    callers: Sequence[int],
+) -> torch.Tensor:
+    """`scores` `(rows, F, vocab)` at the pool's frontier (`pool.frontier()`, each row's own nodes) processed with
+    each node's own prefix: the row's committed tokens, then the node's path.
+
+    Args:
+        tokens: `(rows, capacity)` the token buffer (committed tokens up to ``lengths[b]``; not written to).
+        lengths: per row, its committed length.
+        callers: each row's caller row (`RowBook.active`).
+
+    Returns:
+        `(rows, F, vocab)` processed scores.
+    """
+    rows, count, vocab = scores.shape
+    depth = pool.levels  # the frontier's depth: every frontier node sits on the last level drafted
+    prefix_lengths = [length + depth for length in lengths]
+    if not any(kind is RunKind.PREFIX for kind, _ in processor.runs):  # no processor reads a token: one call
+        flat = scores.reshape(rows * count, 1, vocab)
+        return processor(tokens, [n for n in prefix_lengths for _ in range(count)], flat).reshape(rows, count, vocab)
+    paths = frontier_paths(pool.tree, pool.frontier(), depth).to(tokens.device)  # (rows, F, depth)
+    columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(depth, device=tokens.device)
+    out = torch.empty_like(scores)
+    for lane in range(count):
+        lane_tokens = tokens.clone().scatter_(1, columns, paths[:, lane])
+        out[:, lane : lane + 1] = processor(lane_tokens, prefix_lengths, scores[:, lane : lane + 1], callers)
+    return out
+
+
+def frontier_paths(tree: DraftTree, nodes: Sequence[int], depth: int) -> torch.Tensor:
+    """`(rows, len(nodes), depth)` long: the tokens on each row's path to `nodes` (all at `depth`), depth 1 first."""
+    rows = tree.tokens.shape[0]
+    at = torch.tensor(list(nodes), dtype=torch.long, device=tree.tokens.device).expand(rows, -1)
+    steps = []
+    for _ in range(depth):  # up from the nodes, one parent a step
+        steps.append(tree.tokens.gather(1, at))
+        at = tree.parents.gather(1, at).clamp(min=0)
+    return torch.stack(steps[::-1], dim=2)
