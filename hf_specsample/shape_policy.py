@@ -52,7 +52,8 @@ class RankAcceptance:
 
     def accept(self) -> list[float]:
         """p[r] for r = 0 .. R - 1, non-increasing (a rank offered without the one before would waste a node)."""
-        out, left = [], 1.0
+        out: list[float] = []
+        left = 1.0
         for hazard in self.hazards:
             p = left * min(1.0, max(0.0, hazard.value))
             out.append(min(p, out[-1]) if out else p)

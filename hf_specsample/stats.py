@@ -93,7 +93,7 @@ class SpeculativeStats:
     def describe_auto_shapes(self) -> str:
         """`draft_shape="auto"`'s rounds in words: how many drafted trees and chains, and their most frequent size,
         e.g. "auto: a tree in 40 of 52 rounds (most often 11 nodes), a chain in 12 (most often K = 6)"."""
-        parts = []
+        parts: list[str] = []
         for shape, size in (("tree", "{} nodes"), ("chain", "K = {}")):
             sizes = [n for kind, n in zip(self.shape_per_round, self.lookahead_per_round) if kind == shape]
             if sizes:
