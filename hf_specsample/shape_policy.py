@@ -83,9 +83,12 @@ class ShapeDesigner:
         widest = costs.largest_lookahead(self.max_nodes)
         designed = best_trees(self.acceptance.accept(), widest, self.max_depth)
         draft = costs.draft_seconds()
-        best: tuple[float, TreeShape | None, int] = (1.0 / costs.verify_seconds(0), None, 0)
-        for nodes, (shape, expected) in enumerate(designed, start=1):
-            rate = expected / (draft * shape.max_depth + costs.verify_seconds(nodes))
-            if rate > best[0]:  # ties: the narrower round
-                best = (rate, None if shape.is_chain else shape, shape.max_depth)
-        return best[1], best[2]
+        best = 1.0 / costs.verify_seconds(0)  # plain decoding's rate
+        chosen = None
+        for nodes, tree in enumerate(designed, start=1):
+            rate = tree.expected / (draft * tree.depth + costs.verify_seconds(nodes))
+            if rate > best:  # ties: the narrower round
+                best, chosen = rate, tree
+        if chosen is None:
+            return None, 0
+        return (None if chosen.is_chain else chosen.shape), chosen.depth

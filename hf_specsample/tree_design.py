@@ -27,12 +27,21 @@ class DesignedTree(NamedTuple):
     """The best tree of one node budget.
 
     Attributes:
-        shape: the tree (`options.TreeShape`, level order).
+        paths: each node's path of ranks from the root, in the order taken (`TreeShape.from_paths`).
         expected: its expected count of committed tokens per row: 1 + the sum of its nodes' values.
+        depth: its deepest node's depth (the draft's forwards).
+        is_chain: every node is a first choice (`TreeShape.chain`).
     """
 
-    shape: TreeShape
+    paths: tuple[tuple[int, ...], ...]
     expected: float
+    depth: int
+    is_chain: bool
+
+    @property
+    def shape(self) -> TreeShape:
+        """The tree (made when asked: a round weighs every budget and drafts one)."""
+        return TreeShape.from_paths(self.paths)
 
 
 def best_trees(accept: Sequence[float], max_nodes: int, max_depth: int) -> list[DesignedTree]:
@@ -54,12 +63,12 @@ def best_trees(accept: Sequence[float], max_nodes: int, max_depth: int) -> list[
     heapq.heapify(frontier)
     taken: list[tuple[int, ...]] = []
     designed: list[DesignedTree] = []
-    expected = 1.0
+    expected, deepest, chain = 1.0, 0, True
     while frontier and len(taken) < max_nodes:
         negative, depth, path = heapq.heappop(frontier)
         taken.append(path)
-        expected += -negative
-        designed.append(DesignedTree(TreeShape.from_paths(taken), expected))
+        expected, deepest, chain = expected - negative, max(deepest, depth), chain and not any(path)
+        designed.append(DesignedTree(tuple(taken), expected, deepest, chain))
         if depth < max_depth:
             for rank, p in enumerate(accept):
                 heapq.heappush(frontier, (negative * p, depth + 1, path + (rank,)))

@@ -46,16 +46,18 @@ def brute_force_best(accept, nodes, max_depth):
 def test_best_first_is_the_best_tree_of_every_size(accept, max_depth):
     designed = best_trees(accept, 6, max_depth)
     assert len(designed) == 6
-    for nodes, (shape, expected) in enumerate(designed, start=1):
-        assert shape.num_nodes == nodes and shape.max_depth <= max_depth
+    for nodes, tree in enumerate(designed, start=1):
+        shape, expected = tree.shape, tree.expected
+        assert shape.num_nodes == nodes and shape.max_depth == tree.depth <= max_depth
+        assert tree.is_chain == shape.is_chain
         assert expected == pytest.approx(expected_count(shape, accept))
         assert expected == pytest.approx(brute_force_best(accept, nodes, max_depth))
 
 
 def test_one_rank_designs_chains_and_a_depth_cap_limits_them():
-    for nodes, (shape, expected) in enumerate(best_trees([0.8], 5, 8), start=1):
-        assert shape == TreeShape.chain(nodes)
-        assert expected == pytest.approx(sum(0.8**i for i in range(nodes + 1)))  # Leviathan's E(K)
+    for nodes, tree in enumerate(best_trees([0.8], 5, 8), start=1):
+        assert tree.shape == TreeShape.chain(nodes) and tree.is_chain
+        assert tree.expected == pytest.approx(sum(0.8**i for i in range(nodes + 1)))  # Leviathan's E(K)
     assert len(best_trees([0.8], 5, 3)) == 3  # a chain deeper than 3 is not allowed, and there is nothing else
     spine = best_trees([0.9, 0.05], 4, 8)[-1].shape
     assert spine.is_chain  # the spine's values stay above any second choice's
