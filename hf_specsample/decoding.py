@@ -6,6 +6,7 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import torch
@@ -120,6 +121,8 @@ class SpeculativeDecoder:
             self.round(self.lookahead.budget(self.sequences.lengths))
         if self.streamer is not None:
             self.streamer.end()
+        if self.plan.shape.ranks:  # draft_shape="auto" chose round by round: say what ran
+            self.stats.shape = self.stats.describe_auto_shapes()
         self.stats.target_forward_passes = self.target.forward_passes
         self.stats.target_refeed_passes = self.target.refeed_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
@@ -145,11 +148,13 @@ class SpeculativeDecoder:
         compilations = self._compilations()
         refeeds = self.target.refeed_passes
         self.timer.start()
-        if self.trees is not None and budget.lookahead > 0:  # a tree of the room's depth (K: the tree's depth)
-            shape, tree = self.trees.draft(self.sequences, budget.lookahead)
+        ranks = None  # a static tree round's tested and accepted ranks of the draft's choices
+        is_tree = self.trees is not None and budget.tree is not None
+        if self.trees is not None and budget.tree is not None:  # a tree cut to the room (K: the tree's depth)
+            tree = self.trees.draft(self.sequences, budget.tree)
             self.timer.mark()
-            proposal, verdict, scores, raw_logits = self.trees.verify(self.sequences, shape, tree)
-            drafted = shape.num_nodes
+            proposal, verdict, scores, raw_logits, ranks = self.trees.verify(self.sequences, budget.tree, tree)
+            drafted = budget.tree.num_nodes
         else:
             proposal = self.drafter.get_candidates(self.sequences, budget)
             self.timer.mark()
@@ -157,7 +162,7 @@ class SpeculativeDecoder:
             next_draws = self.trees.root_draws(self.sequences) if self.trees is not None else None
             verdict, scores, raw_logits = self.verify(proposal, next_draws)
             drafted = proposal.tokens.shape[1]
-        num_accepted = self.commit(proposal, verdict, scores, raw_logits, drafted)
+        num_accepted = self.commit(proposal, verdict, scores, raw_logits, drafted, tree=is_tree)
         self.timer.mark()
         if self.stats.rounds == 1 and self.sequences.num_active:
             self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
@@ -165,6 +170,10 @@ class SpeculativeDecoder:
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
         lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
+        if is_tree:  # the target verified the tree's nodes; a static tree's walk tested the draft's ranks
+            record = dataclasses.replace(record, nodes=drafted)
+        if ranks is not None:
+            record = dataclasses.replace(record, rank_tested=ranks[0], rank_accepted=ranks[1])
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 
@@ -205,10 +214,11 @@ class SpeculativeDecoder:
         scores: torch.Tensor | None,
         raw_logits: torch.Tensor | None,
         drafted: int,
+        tree: bool = False,
     ) -> list[int]:
         """Write the recovered/bonus token, then the round's four steps: read it (its one host sync), stop rows where
         `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows). `drafted`: the
-        draft tokens each row was offered (a tree's nodes; a chain's K).
+        draft tokens each row was offered (a tree's nodes; a chain's K); `tree`: the round drafted a tree.
 
         Returns:
             Per row active in this round, the number of draft tokens it accepted.
@@ -218,7 +228,7 @@ class SpeculativeDecoder:
         callers = self.sequences.rows.callers()
         stops, counts = self.stop(read, callers, scores, raw_logits)
         self.emit(read, counts)
-        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts, drafted)
+        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts, drafted, tree)
         self.shrink(counts, [stop is not None for stop in stops])
         return read.num_accepted
 

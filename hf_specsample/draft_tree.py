@@ -9,6 +9,9 @@ Glossary (one word each):
 - depth: 1 for the root's children; a node sits at position root + depth.
 - path: the nodes from the root's child down to a node; the accepted path is where verification ended.
 
+`rank_observations` reads an accepted path as tests of the draft's ranks (did the target's token take rank r at a
+node offering it?), what `draft_shape="auto"` estimates its trees' acceptance from (`shape_policy`).
+
 `options.TreeShape` is a static shape (the same for every row and round, a value a user may pass); `DraftTree` is a
 round's tree with its tokens. A chain of K tokens is the tree whose node k has parent k - 1 and rank 0
 (`TreeShape.chain`).
@@ -60,3 +63,44 @@ class DraftTree:
             inherited = seen[torch.arange(rows, device=parent.device), parent.clamp(min=0)] & has_parent[:, None]
             seen[:, node] |= inherited
         return seen
+
+
+RankCounts = tuple[tuple[int, ...], tuple[int, ...]]  # per rank of the draft's choices: (tested, accepted)
+
+
+def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
+    """What one tree round says of the ranks, summed over its rows.
+
+    Args:
+        shape: the round's tree.
+        path: `(rows, max_depth)` long on the host, each row's accepted nodes from depth 1 down, -1 after the last
+            (`verify.tree_rule.TreeVerdict.path`).
+
+    Returns:
+        (tested, accepted) per rank 0 .. shape.max_rank: at each node a row's walk stood on, the ranks offered
+        there (contiguous from 0) up to the one the target's token took, or all of them where it took none (a leaf
+        tests nothing).
+    """
+    width = shape.max_rank + 1
+    children: dict[int, set[int]] = {}
+    for parent, rank in zip(shape.parents, shape.ranks):
+        children.setdefault(parent, set()).add(rank)
+    tested, accepted = [0] * width, [0] * width
+    for row in path.tolist():
+        current = -1
+        for node in [*row, -1]:
+            offered = 0
+            while offered in children.get(current, ()):
+                offered += 1
+            if offered == 0:
+                break  # a leaf (or only ranks past a gap): nothing was tested here
+            if node < 0:  # the walk ended here: none of the offered ranks was the target's token
+                tested[:offered] = [count + 1 for count in tested[:offered]]
+                break
+            rank = shape.ranks[node]
+            for below in range(min(rank + 1, offered)):
+                tested[below] += 1
+            if rank < offered:
+                accepted[rank] += 1
+            current = node
+    return tuple(tested), tuple(accepted)

@@ -25,6 +25,10 @@ about a plain round or more: a draft as large as the target, or a small one on a
 probing too; and a draft reading at least the target's weight bytes per step does not draft in the first rounds
 either. Choosing K from past rounds never biases the output: each round is exact for any K.
 
+Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"` in a greedy call that can draft
+trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shape_policy`) and
+says which it chose (`chosen_tree`), K being its depth.
+
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
 made for `generate()`, by `make_policy`), it asks the policy before every round and caps its choice (room left
 before `max_length`, the first round of a prompt ending in padding, the lookahead of a lookup round), handing the
@@ -38,9 +42,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .options import DEFAULT_MAX_LOOKAHEAD, SpeculativeConfig
+from .options import DEFAULT_MAX_LOOKAHEAD, DynamicTree, SpeculativeConfig, TreeShape
 from .proposers.base import DraftBudget
 from .round_costs import STATIC_VERIFY_SLOPE, DecayedMean, MeasuredCosts, RoundRecord, StaticCosts, expected_rate
+from .shape_policy import ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -60,6 +65,10 @@ class LookaheadPolicy(ABC):
     def observe(self, record: RoundRecord) -> None:  # noqa: B027 (optional hook)
         """Learn from a finished round."""
 
+    def chosen_tree(self) -> TreeShape | DynamicTree | None:
+        """The tree of the round `choose` just chose, K its depth (None: a chain of K)."""
+        return None
+
     @property
     def needs_timing(self) -> bool:
         """Whether `observe` uses the round's wall-clock durations (on CUDA, timing costs a sync per phase)."""
@@ -78,6 +87,17 @@ class FixedLookahead(LookaheadPolicy):
     @property
     def needs_timing(self) -> bool:
         return False
+
+
+class FixedTree(FixedLookahead):
+    """Always the same tree (`draft_shape="tree"` or a `TreeShape`): K is its depth."""
+
+    def __init__(self, tree: TreeShape | DynamicTree):
+        super().__init__(tree.max_depth)
+        self.tree = tree
+
+    def chosen_tree(self) -> TreeShape | DynamicTree | None:
+        return self.tree
 
 
 class AdaptiveLookahead(LookaheadPolicy):
@@ -100,6 +120,9 @@ class AdaptiveLookahead(LookaheadPolicy):
         # least the target's bytes per step (c >= 1) cannot pay even if every token were accepted, so the first
         # rounds decode plainly instead of drafting first_lookahead tokens; None: unknown
         draft_cost_ratio: float | None = None,
+        # `draft_shape="auto"` in a greedy call that can draft trees: each round weighs the best tree of every width
+        # against the chains (`shape_policy`); None: chains
+        trees: ShapeDesigner | None = None,
     ):
         self.max_lookahead = max_lookahead
         self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds, growth)
@@ -110,14 +133,18 @@ class AdaptiveLookahead(LookaheadPolicy):
         self._rounds_without_drafting = 0
         self._probe_interval = probe_every
         self._probed = False
+        self.trees = trees
+        self._tree: TreeShape | DynamicTree | None = None
 
     @property
     def needs_timing(self) -> bool:
         return isinstance(self.costs, MeasuredCosts)
 
     def observe(self, record: RoundRecord) -> None:
-        if record.tested:
+        if record.tested and record.nodes is None:  # a tree's ranks are the designer's
             self.alpha.add(record.accepted, record.tested)
+        if self.trees is not None:
+            self.trees.observe(record)
         self.costs.observe(record)
 
     def expected_rate(self, lookahead: int) -> float:
@@ -138,11 +165,22 @@ class AdaptiveLookahead(LookaheadPolicy):
         )
         return best - 1.0
 
+    def chosen_tree(self) -> TreeShape | DynamicTree | None:
+        return self._tree
+
+    def best_lookahead(self) -> int:
+        """The K (a tree's depth, `chosen_tree`) of the best rate at the costs measured."""
+        if self.trees is not None:
+            self._tree, depth = self.trees.best(self.costs)
+            return depth
+        # K grows by at most one beyond the K's observed: a line extrapolated from few rounds is a guess, and a
+        # guessed-cheap wide round (compute-bound verification) costs a lot and tells little about alpha.
+        return max(range(self.costs.largest_lookahead(self.max_lookahead) + 1), key=self.expected_rate)
+
     def choose(self) -> int:
+        self._tree = None
         if self.costs.ready:
-            # K grows by at most one beyond the K's observed: a line extrapolated from few rounds is a guess, and a
-            # guessed-cheap wide round (compute-bound verification) costs a lot and tells little about alpha.
-            choice = max(range(self.costs.largest_lookahead(self.max_lookahead) + 1), key=self.expected_rate)
+            choice = self.best_lookahead()
         elif self.draft_cost_ratio is None or self.draft_cost_ratio < 1:
             return self.first_lookahead  # nothing measured yet: drafting measures the costs
         else:
@@ -174,6 +212,8 @@ def make_policy(
     batch_size: int = 1,
     draft_step_seconds: float | None = None,
     lookup_only: bool = False,
+    tree: TreeShape | DynamicTree | None = None,
+    tree_ranks: int = 0,
 ) -> LookaheadPolicy:
     """A fresh policy for one generate() call (`RoundLookahead.for_call` calls it and caps its K).
 
@@ -188,17 +228,25 @@ def make_policy(
         lookup_only: drafting by prompt lookup alone (no draft step to pay per token): the wall-clock policy starts
             at `LOOKUP_FIRST_LOOKAHEAD` tokens and may double the largest K observed (`MeasuredCosts`' growth),
             instead of starting at 2 and adding one.
+        tree: every round drafts this tree (`FixedTree`); None: see `tree_ranks`.
+        tree_ranks: `draft_shape="auto"` may draft trees of up to this many of the draft's choices a node, chosen
+            round by round (`shape_policy.ShapeDesigner`); 0: chains.
     """
+    if tree is not None:
+        return FixedTree(tree)
     if config.lookahead_policy is not None:
         return config.lookahead_policy()
     if config.num_lookahead is not None:
         return FixedLookahead(config.num_lookahead)
+    trees = ShapeDesigner(tree_ranks, config.max_lookahead) if tree_ranks else None
     if clock_free:
         costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-        return AdaptiveLookahead(config.max_lookahead, costs=costs)
+        return AdaptiveLookahead(config.max_lookahead, costs=costs, trees=trees)
     if lookup_only:
         return AdaptiveLookahead(config.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0)
-    return AdaptiveLookahead(config.max_lookahead, draft_step_seconds=draft_step_seconds, draft_cost_ratio=cost_ratio)
+    return AdaptiveLookahead(
+        config.max_lookahead, draft_step_seconds=draft_step_seconds, draft_cost_ratio=cost_ratio, trees=trees
+    )
 
 
 def _most_draft_tokens(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool) -> int:
@@ -272,6 +320,8 @@ class RoundLookahead:
         lookup_only: bool,
         cost_ratio: float = 0.0,
         draft_step_seconds: float | None = None,
+        tree: TreeShape | DynamicTree | None = None,
+        tree_ranks: int = 0,
     ) -> RoundLookahead:
         """The K owner of one `generate()` call, with a fresh policy (`make_policy`).
 
@@ -288,12 +338,16 @@ class RoundLookahead:
             cost_ratio: draft/target cost of a step (`weight_bytes_ratio`); ignored by lookup alone (cost 0).
             draft_step_seconds: the draft's step time measured before the call (`PreparedDraft.
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
+            tree, tree_ranks: the rounds' trees (`make_policy`; `shape_choice.ShapeChoice`).
         """
         if lookup_only:
             config = replace(config, max_lookahead=_most_draft_tokens(config, lookup_tokens, lookup_only=True))
             policy = make_policy(config, clock_free, cost_ratio=0.0, batch_size=batch_size, lookup_only=True)
             return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
-        policy = make_policy(config, clock_free, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds)
+        policy = make_policy(
+            config, clock_free, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds, tree=tree,
+            tree_ranks=tree_ranks,
+        )  # fmt: skip
         return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
 
     @property
@@ -312,6 +366,9 @@ class RoundLookahead:
             return DraftBudget(lookahead=0, lookup_lookahead=0)
         room = self.max_length - max(lengths) - 1
         lookahead = max(0, min(self.policy.choose(), room))
+        tree = self.policy.chosen_tree() if lookahead > 0 else None
+        if tree is not None:  # trees draft with a model alone (`validation.tree_problems`)
+            return DraftBudget(lookahead=lookahead, lookup_lookahead=0, tree=tree.truncated(lookahead))
         if self.lookup_only:
             return DraftBudget(lookahead=lookahead, lookup_lookahead=lookahead)
         if self.lookup_tokens is None:

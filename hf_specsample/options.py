@@ -219,7 +219,8 @@ class DynamicTree:
 class DraftShape(str, enum.Enum):
     """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `TreeShape` names an explicit tree."""
 
-    AUTO = "auto"  # the chain, until trees are chosen from measured acceptance and costs (`SpeculativeStats.shape`)
+    # greedy: a chain or a tree each round, from measured acceptance and costs (`shape_policy`); sampling: chains
+    AUTO = "auto"
     CHAIN = "chain"  # K tokens in one chain, each the draft's sample (or choice); K chosen per round
     TREE = "tree"  # `TreeShape.default()`: 15 candidates, the draft's top choices; refused where trees cannot run
     DYNAMIC = "dynamic"  # `DynamicTree()`: 15 candidates each row chooses per round; refused where trees cannot run
@@ -309,8 +310,10 @@ class SpeculativeConfig:
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
             other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
             "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
-        draft_shape: "auto" (default: the chain today), "chain", "tree", "dynamic", a `TreeShape` or a
-            `DynamicTree`: whether a round drafts
+        draft_shape: "auto" (default: in greedy calls, a chain or the best tree each round, from the acceptance by
+            the draft's rank and the costs by width measured in the call; chains when sampling or where trees cannot
+            run, `SpeculativeStats.shape` says why), "chain", "tree", "dynamic", a `TreeShape` or a `DynamicTree`:
+            whether a round drafts
             one chain of K tokens or a tree of candidates (a node's children are the draft's top distinct choices
             at it; `TreeShape.default()` for "tree": 15 nodes, a first-choice spine of depth 8 and the second
             choice beside each spine node but the last) verified in one target forward over every node. Exact either

@@ -21,7 +21,7 @@ Glossary: `docs/ARCHITECTURE.md` ("Words").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -158,12 +158,12 @@ class CallPlan:
     def tree_round(
         self, target: CachedModel, drafter: DraftModelProposer | None, processor: PositionwiseProcessor, keep: set[str]
     ) -> TreeRound | None:
-        """The call's tree rounds (None: it drafts chains; `TreeRound.for_call`)."""
-        if self.shape.tree is None:
+        """The call's tree rounds (None: it drafts chains only; `TreeRound.for_call`)."""
+        if self.shape.tree is None and not self.shape.ranks:
             return None
         assert drafter is not None  # trees are drafted by a draft model (`validation.tree_problems`)
         do_sample = bool(self.inputs.generation_config.do_sample)
-        return TreeRound.for_call(self.shape.tree, drafter, target, processor, do_sample, self.generator, keep)
+        return TreeRound.for_call(drafter, target, processor, do_sample, self.generator, keep)
 
     def give_back_caches(self, caches: list[tuple[PreTrainedModel, Any]]) -> None:
         """After a `pooled` call: its own static caches, as (model, cache), kept for the next call
@@ -222,13 +222,12 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel routings and AUTO's
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
-    if shape.tree is not None:  # every round drafts the tree, cut to the room left: its depth is K
-        config = replace(config, num_lookahead=shape.tree.max_depth)
     lookahead = RoundLookahead.for_call(
         config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
         prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
         cost_ratio=weight_bytes_ratio(prepared.model, target.model) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
+        tree=shape.tree, tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
     )  # fmt: skip
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -279,7 +278,8 @@ def _refuse(
     vocabulary = config.draft_vocabulary
     choices = vocabulary.numel() if isinstance(vocabulary, torch.Tensor) else vocabulary  # N: N ids at least
     choices = min(drafting.logit_width, choices or drafting.logit_width, target.logit_width)
-    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices)
+    sampling, fixed = bool(generation_config.do_sample), config.num_lookahead is not None
+    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices, sampling, fixed)
 
 
 def _draft_plan(

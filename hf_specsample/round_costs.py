@@ -1,7 +1,8 @@
 """What a round costs and yields, and the cost models the adaptive lookahead learns (`lookahead.AdaptiveLookahead`).
 
 - `RoundRecord`: one round's lookahead, acceptance and durations, handed to the policy after the round.
-- `MeasuredCosts`: d (a draft step) and v(K) (the rest of a round verifying K draft tokens) on the wall clock.
+- `MeasuredCosts`: d (a draft step) and v(K) (the rest of a round verifying K draft tokens, a chain's or a tree's
+  nodes: `RoundRecord.width`) on the wall clock.
 - `StaticCosts`: the same without a clock, from weight sizes (`weight_bytes_ratio`: decoding a token reads every
   weight once), for calls whose K must repeat (a seeded call, tensor-parallel ranks).
 - `expected_tokens`, `expected_rate`: Leviathan et al.'s Theorem 3.8, a round's expected tokens and their rate, the
@@ -37,6 +38,17 @@ class RoundRecord:
     verify_seconds: float  # everything in the round but drafting (a hybrid target's re-feeds after a rejection too)
     prefill: bool = False  # the first round also encodes the prompt: its costs say nothing about later rounds
     refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
+    # A tree round (`shape_policy`): its nodes (the target verified nodes + 1 positions; `lookahead` is its depth,
+    # the draft's forwards), and per rank of the draft's choices, the nodes' ranks tested and accepted
+    # (`shape_policy.rank_observations`). None: a chain round, `lookahead` wide.
+    nodes: int | None = None
+    rank_tested: tuple[int, ...] = ()
+    rank_accepted: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Draft tokens the target verified (a chain's K, a tree's nodes): the key of v's table."""
+        return self.lookahead if self.nodes is None else self.nodes
 
     @classmethod
     def untimed(cls, lookahead: int, num_accepted: list[int], prefill: bool, refeed_forwards: int) -> RoundRecord:
@@ -98,7 +110,7 @@ class MeasuredCosts:
             return
         if record.lookahead > 0:
             self.draft_step.add(record.draft_seconds, record.lookahead)
-        self.verify.setdefault(record.lookahead, DecayedMean(0.0, 0.0, self.decay)).add(record.verify_seconds)
+        self.verify.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay)).add(record.verify_seconds)
 
     def draft_seconds(self) -> float:
         return self.draft_step.value
@@ -200,7 +212,7 @@ class StaticCosts:
 
     def observe(self, record: RoundRecord) -> None:
         if record.lookahead > 0 and not record.prefill:
-            mean = self.refeeds.setdefault(record.lookahead, DecayedMean(0.0, 0.0, self.decay))
+            mean = self.refeeds.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay))
             mean.add(record.refeed_forwards)
 
     def draft_seconds(self) -> float:

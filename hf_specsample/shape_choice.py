@@ -9,14 +9,30 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .options import DraftShape, DynamicTree, TreeShape
+from .shape_policy import AUTO_RANKS
+
+# Why a sampling call keeps chains under "auto": its chain rounds verify with the draft's probabilities (block
+# verification), a tree's rule with deterministic children does not, and measured on Qwen2.5-Coder 1.5B/0.5B at
+# T = 0.7 the chain kept more tokens per pass (6.17 against the default tree's 4.57); a choice between them by the
+# clock would also make a seeded sample depend on timing.
+SAMPLING_KEEPS_CHAINS = (
+    "chain (draft_shape='auto' samples with chains: their block verification uses the draft's probabilities and "
+    "keeps more tokens per pass than a tree's rule; draft_shape='tree' drafts trees)"
+)
 
 
 class ShapeChoice(NamedTuple):
-    """The call's shape: `tree` (a static shape, a dynamic tree; None: chains) and the words `SpeculativeStats.shape`
-    reports."""
+    """The call's shape: `tree` (a static shape, a dynamic tree; None: chains) and the words
+    `SpeculativeStats.shape` reports.
+
+    `ranks` > 0 (`draft_shape="auto"`, greedy, trees possible): each round drafts a chain or a tree of up to `ranks`
+    of the draft's choices a node, chosen by the adaptive lookahead (`shape_policy`); `reason` is then replaced by
+    what ran once the call ends (`SpeculativeStats.describe_auto_shapes`).
+    """
 
     tree: TreeShape | DynamicTree | None
     reason: str
+    ranks: int = 0
 
 
 def choose_shape(
@@ -24,6 +40,8 @@ def choose_shape(
     problems: list[str],
     depth: int,
     choices: int | None = None,
+    sampling: bool = False,
+    fixed_lookahead: bool = False,
 ) -> ShapeChoice:
     """The call's shape.
 
@@ -33,6 +51,8 @@ def choose_shape(
             where it can.
         depth: the deepest level drafted (`num_lookahead`, else `max_lookahead`): the tree is cut there.
         choices: the most distinct tokens the draft can propose at a node (its vocabulary; None: not known).
+        sampling: the call samples ("auto" keeps chains: `SAMPLING_KEEPS_CHAINS`).
+        fixed_lookahead: `num_lookahead=` fixes a chain's K ("auto" keeps chains).
 
     Raises:
         ValueError: a tree asked for (`"tree"`, `"dynamic"`, a `TreeShape` or a `DynamicTree`) where `problems`
@@ -40,8 +60,15 @@ def choose_shape(
     """
     if asked is DraftShape.CHAIN:
         return ShapeChoice(None, "chain (draft_shape='chain')")
-    if asked is DraftShape.AUTO:  # trees are chosen once their acceptance and costs are measured per call (issue 45)
-        return ShapeChoice(None, "chain (draft_shape='auto' drafts chains)")
+    if asked is DraftShape.AUTO:  # trees are chosen round by round from measured acceptance and costs (`shape_policy`)
+        if problems:
+            return ShapeChoice(None, f"chain (draft_shape='auto' falls back to chains: {'; '.join(problems)})")
+        if sampling:
+            return ShapeChoice(None, SAMPLING_KEEPS_CHAINS)
+        if fixed_lookahead:
+            return ShapeChoice(None, "chain (draft_shape='auto' with num_lookahead= drafts chains of that K)")
+        ranks = min(AUTO_RANKS, choices) if choices is not None else AUTO_RANKS
+        return ShapeChoice(None, "auto: chains or trees by measured acceptance and costs", ranks)
     if problems:
         named = repr(str(asked)) if isinstance(asked, DraftShape) else f"a {type(asked).__name__}"
         raise ValueError(

@@ -43,8 +43,10 @@ class SpeculativeStats:
     # (`graph_choice.choose_graphs`: the device, compile=True, or the capture's cost against the time it saves).
     graphs: str = ""
     # What a round drafted (`SpeculativeConfig.draft_shape`): "chain", or the tree's size and depth; and why a tree
-    # asked for or considered did not run.
+    # asked for or considered did not run; under "auto" in a greedy call, how many rounds drafted trees and chains.
     shape: str = ""
+    # Per round, "tree" or "chain" (`options.DraftShape`'s words): what it drafted (its size: `lookahead_per_round`).
+    shape_per_round: list[str] = field(default_factory=list)
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -64,6 +66,7 @@ class SpeculativeStats:
         num_accepted: Sequence[int],
         counts: Sequence[int],
         drafted: int | None = None,
+        tree: bool = False,
     ) -> None:
         """Count one round.
 
@@ -73,10 +76,12 @@ class SpeculativeStats:
             num_accepted: per active row, draft tokens accepted.
             counts: per active row, tokens committed (after stopping).
             drafted: draft tokens proposed to every row (a tree's nodes; None: `lookahead`).
+            tree: the round drafted a tree (else a chain).
         """
         drafted = lookahead if drafted is None else drafted
         self.rounds += 1
         self.lookahead_per_round.append(drafted)
+        self.shape_per_round.append("tree" if tree else "chain")
         self.accepted_depth_per_round.append(sum(num_accepted) / len(num_accepted) if num_accepted else 0.0)
         for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
             self.row_draft_tokens[row] += drafted
@@ -84,6 +89,18 @@ class SpeculativeStats:
             self.row_rejections[row] += int(accepted < lookahead)
             self.row_new_tokens[row] += count
             self.row_target_passes[row] += 1
+
+    def describe_auto_shapes(self) -> str:
+        """`draft_shape="auto"`'s rounds in words: how many drafted trees and chains, and their most frequent size,
+        e.g. "auto: a tree in 40 of 52 rounds (most often 11 nodes), a chain in 12 (most often K = 6)"."""
+        parts: list[str] = []
+        for shape, size in (("tree", "{} nodes"), ("chain", "K = {}")):
+            sizes = [n for kind, n in zip(self.shape_per_round, self.lookahead_per_round) if kind == shape]
+            if sizes:
+                common = max(sorted(set(sizes)), key=sizes.count)
+                of = f" of {self.rounds} rounds" if not parts else ""
+                parts.append(f"a {shape} in {len(sizes)}{of} (most often {size.format(common)})")
+        return "auto: " + ", ".join(parts) if parts else "auto: no round"
 
     @property
     def draft_tokens(self) -> int:

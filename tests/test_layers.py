@@ -57,7 +57,16 @@ LAYERS = [
     ),  # fmt: skip
     (
         "choosing K and refusing",
-        ["round_costs", "lookahead", "round_timer", "graph_choice", "shape_choice", "validation"],
+        [
+            "tree_design",
+            "round_costs",
+            "shape_policy",
+            "lookahead",
+            "round_timer",
+            "graph_choice",
+            "shape_choice",
+            "validation",
+        ],
     ),
     (
         "prepared drafts",

@@ -55,9 +55,13 @@ def test_ancestors_are_each_node_and_its_path():
 
 def test_the_choice():
     assert choose_shape(DraftShape.CHAIN, [], 8).tree is None
-    auto = choose_shape(DraftShape.AUTO, [], 8)
-    assert auto.tree is None and "chain" in auto.reason
-    assert choose_shape(DraftShape.AUTO, ["a hybrid target"], 8).tree is None  # auto falls back, never refuses
+    auto = choose_shape(DraftShape.AUTO, [], 8, choices=3)
+    assert auto.tree is None and auto.ranks == 3  # round by round (`shape_policy`), up to the draft's 3 choices
+    fallback = choose_shape(DraftShape.AUTO, ["a hybrid target"], 8)  # auto falls back, never refuses
+    assert fallback.tree is None and not fallback.ranks and fallback.reason.endswith("chains: a hybrid target)")
+    sampling = choose_shape(DraftShape.AUTO, [], 8, sampling=True)
+    assert sampling.tree is None and not sampling.ranks and "samples with chains" in sampling.reason
+    assert not choose_shape(DraftShape.AUTO, [], 8, fixed_lookahead=True).ranks
     assert choose_shape(DraftShape.TREE, [], 8).tree == TreeShape.default()
     assert choose_shape(DraftShape.TREE, [], 3).tree == TreeShape.default().truncated(3)
     explicit = TreeShape.from_paths([(0, 0), (1,)])

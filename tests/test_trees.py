@@ -4,7 +4,7 @@
   row and a ragged left-padded batch, EOS inside an accepted path, and `scores` / `logits` as plain's;
 - sampling: the exact distribution of 3-token continuations (every processor) against 10,000 samples, chi-square,
   and a wrong tree rule fails the same test (power);
-- the choice: refusals before any forward where a tree cannot run, "auto" drafting chains, the stats.
+- the choice: refusals before any forward where a tree cannot run, what "auto" drafted, the stats.
 """
 
 import pytest
@@ -178,10 +178,13 @@ def test_trees_are_refused_where_they_cannot_run(target, drafts):
             target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, **ask)
 
 
-def test_auto_drafts_chains_and_says_so(target, drafts):
-    out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
-                          return_dict_in_generate=True)  # fmt: skip
-    assert out.speculative_stats.shape.startswith("chain")
+def test_auto_says_what_it_drafted(target, drafts):
+    """Greedy: chains or trees round by round, counted in `shape` (`test_auto_shape.py`); sampling: chains, and why."""
+    kwargs = dict(max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"], return_dict_in_generate=True)
+    greedy_stats = target.generate(PROMPT, do_sample=False, **kwargs).speculative_stats
+    assert greedy_stats.shape.startswith("auto: a ")
+    sampled = target.generate(PROMPT, do_sample=True, **kwargs).speculative_stats
+    assert sampled.shape.startswith("chain (draft_shape='auto' samples with chains")
 
 
 def test_rows_in_chunks_verify_as_one_chunk(target, drafts, monkeypatch):

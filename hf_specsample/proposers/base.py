@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..options import DynamicTree, TreeShape
 from ..sequences import Sequences
 
 
@@ -30,10 +31,13 @@ class DraftBudget(NamedTuple):
         lookahead: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
         lookup_lookahead: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
+        tree: the tree a draft model drafts this round instead of a chain, K its depth (`verify.tree_round`); None:
+            a chain.
     """
 
     lookahead: int
     lookup_lookahead: int
+    tree: TreeShape | DynamicTree | None = None
 
 
 class Proposal(NamedTuple):

@@ -18,7 +18,7 @@ import torch
 
 from ..cache import tree_forward
 from ..cache.cached_model import CachedModel
-from ..draft_tree import DraftTree
+from ..draft_tree import DraftTree, RankCounts, rank_observations
 from ..options import DynamicTree, TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
@@ -34,7 +34,6 @@ class TreeRound:
 
     def __init__(
         self,
-        shape: TreeShape | DynamicTree,
         drafter: DraftModelProposer,
         target: CachedModel,
         verifier: TreeVerifier,
@@ -42,20 +41,17 @@ class TreeRound:
     ):
         """
         Args:
-            shape: the call's tree (`shape_choice.choose_shape`): static, or dynamic (each row's own, per round); a
-                round near `max_length` drafts it cut to the room left (`truncated`).
             drafter: the draft model's proposer (trees are drafted by a draft model only).
             target: the target and its cache.
             verifier: the call's tree verifier (processors at every node with its own path).
             keep_raw_logits: the recorder keeps raw logits (`output_logits=True`): hand back those along the path.
         """
-        self.shape, self.drafter, self.target, self.verifier = shape, drafter, target, verifier
+        self.drafter, self.target, self.verifier = drafter, target, verifier
         self.keep_raw_logits = keep_raw_logits
 
     @classmethod
     def for_call(
         cls,
-        shape: TreeShape | DynamicTree,
         drafter: DraftModelProposer,
         target: CachedModel,
         processor: PositionwiseProcessor,
@@ -70,7 +66,7 @@ class TreeRound:
             keep: what the recorder keeps: "scores" (`output_scores`), "logits" (`output_logits`).
         """
         verifier = TreeVerifier.for_call(processor, do_sample, generator, "scores" in keep)
-        return cls(shape, drafter, target, verifier, "logits" in keep)
+        return cls(drafter, target, verifier, "logits" in keep)
 
     def root_draws(self, sequences: Sequences) -> torch.Tensor | None:
         """`(batch, 1)` float64, the keyed uniforms of a round of this call that drafts nothing (K = 0): each row's
@@ -81,21 +77,22 @@ class TreeRound:
         rows = torch.tensor(sequences.rows.callers(), dtype=torch.long, device=device)
         return keyed_uniforms(self.verifier.key, rows, positions_from(sequences.lengths, 1, device))[:, 0]
 
-    def draft(self, sequences: Sequences, depth: int) -> tuple[TreeShape | DynamicTree, DraftTree]:
-        """The round's shape (the call's, cut at `depth`, the room the round has) and each row's tree."""
-        shape = self.shape.truncated(depth)
-        return shape, self.drafter.draft_tree(sequences, shape).tree
+    def draft(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> DraftTree:
+        """Each row's tree of the round's `shape` (`DraftBudget.tree`: the call's tree or auto's, cut to the room
+        the round has)."""
+        return self.drafter.draft_tree(sequences, shape).tree
 
     def verify(
         self, sequences: Sequences, shape: TreeShape | DynamicTree, tree: DraftTree
-    ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None, RankCounts | None]:
         """The target's forward over the root and the nodes, the verdict, the path written into the buffer, and both
         caches compacted to it.
 
         Returns:
             A `Proposal` of `(batch, D)` accepted tokens (D: the tree's depth; past a row's accepted count, its next
-            token), the `Verdict`, and the `(batch, D + 1, vocab)` processed scores and raw logits at the root and
-            along the accepted path where the recorder keeps them (else None).
+            token), the `Verdict`, the `(batch, D + 1, vocab)` processed scores and raw logits at the root and
+            along the accepted path where the recorder keeps them (else None), and what the rows' walks say of the
+            draft's ranks (`draft_tree.rank_observations`, for `draft_shape="auto"`'s choice).
         """
         lengths = sequences.lengths
         # None (a dynamic tree): each row's parents and depths are read off `tree` for the mask and the processors'
@@ -118,4 +115,5 @@ class TreeRound:
         in_target.compact(path, counts)
         self.drafter.compact_tree(path, counts)
         proposal = Proposal(tokens=verdict.accepted_tokens, probs=None, model_steps=shape.max_depth)
-        return proposal, Verdict(verdict.num_accepted, verdict.next_tokens), scores, raw
+        ranks = rank_observations(static, path) if static is not None else None  # auto designs static trees
+        return proposal, Verdict(verdict.num_accepted, verdict.next_tokens), scores, raw, ranks
