@@ -14,7 +14,14 @@ import sys
 import pytest
 from markdown_blocks import REPO
 
-from hf_specsample_bench import code_editing, compiled_verification, draft_weight_forms, hybrid_rollback, round_profile
+from hf_specsample_bench import (
+    code_editing,
+    compiled_verification,
+    draft_weight_forms,
+    hybrid_rollback,
+    rank_oracle,
+    round_profile,
+)
 from hf_specsample_bench.hybrids import tiny_hybrid
 
 
@@ -92,3 +99,23 @@ def test_versions_against_this_checkout_on_the_tiny_pair():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "this/base" in result.stdout
+
+
+def test_rank_oracle_walks_rounds_along_the_ranks():
+    """Rounds along a rank sequence 0 1 0 0 0: a chain of 2 commits (0, then the target's token where the draft's
+    second choice was right) and (0 0 0): 2 passes; a tree holding that second choice and first choices under it
+    keeps all 5 in one pass, as does every top-2 choice at every node; the best tree of the frequencies takes the
+    paths most often taken."""
+    ranks = [[0, 1, 0, 0, 0]]
+    assert rank_oracle.tokens_per_pass(ranks, rank_oracle.chain(2)) == 5 / 2
+    assert rank_oracle.tokens_per_pass(ranks, {(0,), (0, 1), (0, 1, 0), (0, 1, 0, 0)}) == 5 / 1
+    assert rank_oracle.coverage_tokens_per_pass(ranks, top=2, depth=5) == 5 / 1
+    assert rank_oracle.coverage_tokens_per_pass(ranks, top=1, depth=5) == 5 / 2
+    frequencies = rank_oracle.path_frequencies([[0, 1, 0, 1, 0, 1]], depth=2)
+    assert rank_oracle.best_tree(frequencies, nodes=3, depth=2) == {(0,), (1,), (0, 1)}
+
+
+def test_rank_oracle_on_the_tiny_pair(capsys):
+    rank_oracle.main(["--pair", "tiny", "--num-problems", "4", "--costs", "30", "230", "10"])
+    out = capsys.readouterr().out
+    assert "chain of 8" in out and "top 3 choices" in out

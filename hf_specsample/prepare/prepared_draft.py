@@ -119,7 +119,8 @@ class PreparedDraft:
         source = "the target" if self.self_draft_of is not None else "the draft as given"
         wide = (f"forwards of {self.wide.from_rows}+ positions on {source}" if self.wide is not None else "") + (
             f" (timed over {prompts})" if prompts else ""
-        ).strip()
+        )
+        wide = wide.strip()  # no leading space where wide forwards were timed but none chosen
         parts = [
             f"timed per step: {timed}" if timed else "",
             wide,
