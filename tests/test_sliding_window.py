@@ -110,8 +110,8 @@ def test_cache_holds_no_more_slots_than_the_longest_row(pair):
     slots = []
     original = decoding.SpeculativeDecoder.commit
 
-    def spy(self, *args):
-        accepted = original(self, *args)
+    def spy(self, *args, **kwargs):
+        accepted = original(self, *args, **kwargs)
         if self.sequences.num_active:
             slots.append((self.target.slots, max(self.sequences.lengths)))
         return accepted
