@@ -374,17 +374,9 @@ def test_nodes_kept_by_their_own_probability_fail_the_same_test(target, drafts, 
 # --- the choice -----------------------------------------------------------------------------------------------------
 
 
-def test_dynamic_trees_are_refused_where_trees_cannot_run(target, drafts):
+def test_a_dynamic_tree_wider_than_the_draft_or_empty_is_refused(target, drafts):
+    """Where trees cannot run at all: `test_trees.py::test_trees_are_refused_where_they_cannot_run[dynamic]`."""
     prompt = torch.tensor([[1, 5, 2, 5]])
-    asks = [
-        dict(draft_model="prompt_lookup"),
-        dict(draft_model=drafts["close"], prompt_lookup_num_tokens=3),
-        dict(draft_model=drafts["close"], speculative_config=SpeculativeConfig(draft_shape="dynamic", compile=True)),
-    ]
-    for ask in asks:
-        ask.setdefault("speculative_config", SpeculativeConfig(draft_shape="dynamic"))
-        with pytest.raises(ValueError, match="draft_shape='dynamic'.*draft_shape='chain'"):
-            target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, **ask)
     wide = SpeculativeConfig(draft_shape=DynamicTree(expand=1000), draft_form="as_given")
     with pytest.raises(ValueError, match="expand <="):
         target.generate(
