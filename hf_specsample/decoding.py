@@ -148,7 +148,6 @@ class SpeculativeDecoder:
         compilations = self._compilations()
         refeeds = self.target.refeed_passes
         self.timer.start()
-        ranks = None  # a static tree round's tested and accepted ranks of the draft's choices
         is_tree = self.trees is not None and budget.tree is not None
         if self.trees is not None and budget.tree is not None:  # a tree cut to the room (K: the tree's depth)
             tree = self.trees.draft(self.sequences, budget.tree)
@@ -171,9 +170,14 @@ class SpeculativeDecoder:
         lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
         if is_tree:  # the target verified the tree's nodes; a static tree's walk tested the draft's ranks
-            record = dataclasses.replace(record, nodes=drafted)
-        if ranks is not None:
-            record = dataclasses.replace(record, rank_tested=ranks[0], rank_accepted=ranks[1])
+            record = dataclasses.replace(
+                record,
+                nodes=drafted,
+                rank_tested=ranks.tested,
+                rank_accepted=ranks.accepted,
+                depth_tested=ranks.depth_tested,
+                depth_accepted=ranks.depth_accepted,
+            )
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 

@@ -18,12 +18,13 @@ A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per r
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used by every
 sampling call, whose text depends on K, and always under tensor parallelism) d and v come from the models' weight
 sizes instead of the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's,
-and with it every sample, repeats. K = 0 is plain decoding: when
-drafting does not pay (a useless draft), the policy stops drafting and probes with K = 1 now and then to notice if
-it starts paying, unless not even a draft accepted every time could pay at the measured costs (a draft step costing
-about a plain round or more: a draft as large as the target, or a small one on a launch-bound GPU), where it stops
-probing too; and a draft reading at least the target's weight bytes per step does not draft in the first rounds
-either. Choosing K from past rounds never biases the output: each round is exact for any K.
+and with it every sample, repeats. K = 0 is plain decoding: when drafting does not pay (a useless draft), the policy
+stops drafting and probes with K = 1 now and then to notice if it starts paying, unless not even a draft accepted
+every time could pay at the costs measured over a few rounds (`MeasuredCosts.settled`; a draft step costing about a
+plain round or more: a draft as large as the target, or a small one on a launch-bound GPU), where it stops probing
+too; and a draft reading at least the target's weight bytes per step does not draft in the first rounds either. A
+round's measured cost counts as at most a few times the estimate before it (`MeasuredCosts.observe`): one stalled
+round does not decide a call. Choosing K from past rounds never biases the output: each round is exact for any K.
 
 Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"` in a greedy call that can draft
 trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shape_policy`) and
@@ -189,8 +190,8 @@ class AdaptiveLookahead(LookaheadPolicy):
             self._rounds_without_drafting, self._probe_interval = 0, self.probe_every
             return choice
         gain = self.perfect_draft_gain()
-        if gain <= 0:
-            return 0  # not even a perfect draft would pay at these costs: no probes either
+        if gain <= 0 and self.costs.settled:
+            return 0  # not even a perfect draft would pay at costs measured over rounds: no probes either
         if self._rounds_without_drafting == 0 and self._probed:  # the last probe did not make drafting pay
             self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
         self._probed = False
@@ -198,7 +199,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         # A probe costs a draft forward or two (the draft catches up with the rounds it skipped) to find a gain of at
         # most `gain`: the smaller that gain, the rarer the probes (a draft costing 0.9 of a plain round can gain
         # 10% at best: a probe every ~40 rounds instead of 16).
-        interval = self._probe_interval * max(1.0, PROBE_GAIN / gain)
+        interval = self._probe_interval * (max(1.0, PROBE_GAIN / gain) if gain > 0 else 1.0)
         if self._rounds_without_drafting >= interval:  # is drafting paying again?
             self._rounds_without_drafting, self._probed = 0, True
             return 1

@@ -25,6 +25,8 @@ from .options import DEFAULT_MAX_LOOKAHEAD
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),
 # but a batch verifies batch * (K+1) tokens and turns compute-bound.
 STATIC_VERIFY_SLOPE = 0.02
+OUTLIER = 3.0  # a round's measured cost counts as at most this many times the estimate before it (`MeasuredCosts`)
+SETTLED_ROUNDS = 3  # rounds of measured draft steps before a call may stop drafting without probing again
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class RoundRecord:
     nodes: int | None = None
     rank_tested: tuple[int, ...] = ()
     rank_accepted: tuple[int, ...] = ()
+    # Per depth 1, 2, ..., the draft's first choices tested and accepted, all rows: a chain's drafts, a tree's rank-0
+    # children where a walk stood (`draft_tree.rank_observations`). Acceptance is bursty (a rejection tends to follow
+    # a rejection, and a round starts after one), so it is kept per depth (`shape_policy.RankAcceptance`).
+    depth_tested: tuple[int, ...] = ()
+    depth_accepted: tuple[int, ...] = ()
 
     @property
     def width(self) -> int:
@@ -54,7 +61,20 @@ class RoundRecord:
     def untimed(cls, lookahead: int, num_accepted: list[int], prefill: bool, refeed_forwards: int) -> RoundRecord:
         """A round of `lookahead` draft tokens per row, `num_accepted` per row, before its durations are known."""
         tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
-        return cls(lookahead, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill, refeed_forwards=refeed_forwards)
+        depths = range(1, lookahead + 1)
+        depth_tested = tuple(sum(depth <= min(a + 1, lookahead) for a in num_accepted) for depth in depths)
+        depth_accepted = tuple(sum(depth <= a for a in num_accepted) for depth in depths)
+        return cls(
+            lookahead,
+            sum(num_accepted),
+            tested,
+            0.0,
+            0.0,
+            prefill=prefill,
+            refeed_forwards=refeed_forwards,
+            depth_tested=depth_tested,
+            depth_accepted=depth_accepted,
+        )
 
 
 class DecayedMean:
@@ -95,6 +115,13 @@ class MeasuredCosts:
         prior_weight = 0.0 if draft_step_prior is None else 1.0
         self.draft_step = DecayedMean(draft_step_prior or 0.0, weight=prior_weight, decay=decay)
         self.verify: dict[int, DecayedMean] = {}  # K -> decayed mean of v(K)
+        self.drafting_rounds = 0  # rounds whose draft steps were timed
+
+    @property
+    def settled(self) -> bool:
+        """Whether the draft step's cost was measured in `SETTLED_ROUNDS` rounds or more (enough to give drafting up
+        for the rest of a call)."""
+        return self.drafting_rounds >= SETTLED_ROUNDS
 
     @property
     def ready(self) -> bool:
@@ -106,11 +133,22 @@ class MeasuredCosts:
         return 0 in self.verify and self.draft_step.count > 0
 
     def observe(self, record: RoundRecord) -> None:
+        """Learn a round's durations, each at most `OUTLIER` times the estimate before it: noise on a clock only adds
+        time (another process, a first call's lazy set-up), and one stalled round must not decide a call (a draft
+        step measured at 30 times its cost once would stop drafting for good). A cost that really rose is followed
+        within a few rounds."""
         if record.prefill:
             return
         if record.lookahead > 0:
-            self.draft_step.add(record.draft_seconds, record.lookahead)
-        self.verify.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay)).add(record.verify_seconds)
+            step = record.draft_seconds / record.lookahead
+            if self.draft_step.count > 0:
+                step = min(step, OUTLIER * self.draft_step.value)
+            self.draft_step.add(step * record.lookahead, record.lookahead)
+            self.drafting_rounds += 1
+        verify = record.verify_seconds
+        if self.verify:
+            verify = min(verify, OUTLIER * self.verify_seconds(record.width))
+        self.verify.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay)).add(verify)
 
     def draft_seconds(self) -> float:
         return self.draft_step.value
@@ -205,6 +243,7 @@ class StaticCosts:
 
     ready = True
     knows_plain_step = True
+    settled = True  # costs from weight sizes do not improve with more rounds
 
     def __init__(self, cost_ratio: float, verify_slope: float = STATIC_VERIFY_SLOPE, decay: float = 0.85):
         self.cost_ratio, self.verify_slope, self.decay = cost_ratio, verify_slope, decay

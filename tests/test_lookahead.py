@@ -8,6 +8,7 @@ from exact import sampled_pvalue
 from tiny import PAD, perturbed_copy, tiny_lm
 
 import hf_specsample.lookahead as lookahead_module
+import hf_specsample.round_costs as round_costs
 from hf_specsample import SpeculativeConfig
 from hf_specsample.lookahead import (
     AdaptiveLookahead,
@@ -19,6 +20,7 @@ from hf_specsample.lookahead import (
     make_policy,
 )
 from hf_specsample.proposers.base import DraftBudget
+from hf_specsample.round_costs import SETTLED_ROUNDS
 
 
 def feed(policy: AdaptiveLookahead, rounds: int, alpha: float, draft_step: float, verify) -> list[int]:
@@ -52,26 +54,47 @@ def test_useless_draft_costs_few_draft_steps():
     assert sum(choices) <= 8
 
 
-def test_a_draft_no_cheaper_than_a_plain_round_is_never_probed():
+def test_a_draft_no_cheaper_than_a_plain_round_is_never_probed_once_measured():
     """A draft step costing a plain round or more cannot pay even if every token were accepted: once both are
-    measured the policy stops probing (a useless draft as large as the target then costs nothing)."""
+    measured over `SETTLED_ROUNDS` rounds the policy stops probing (a useless draft as large as the target then costs
+    nothing more)."""
     policy = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_step_seconds=0.21)
     choices = feed(policy, 200, alpha=1.0, draft_step=0.21, verify=lambda k: 0.2)
     assert policy.perfect_draft_gain() < 0
-    assert choices[0] == 2 and sum(choices[1:]) == 0  # drafted before any cost was known; never after
+    assert choices[0] == 2  # drafted before any cost was known
+    probes = [i for i, k in enumerate(choices[1:], start=1) if k]
+    assert [choices[i] for i in probes] == [1] * (SETTLED_ROUNDS - 1)  # then never again (else at 84 and 180 too)
 
 
 def test_a_draft_reading_the_targets_bytes_does_not_draft_before_its_costs_are_known():
-    """With weights at least the target's (c >= 1), the first rounds decode plainly; without a timed draft step a
-    probe then measures it once, and a costly one is never probed again."""
+    """With weights at least the target's (c >= 1), the first rounds decode plainly; probes then measure the draft
+    step, and a costly one is not probed again once `SETTLED_ROUNDS` rounds measured it."""
     untimed = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=1.0)
     choices = feed(untimed, 200, alpha=0.9, draft_step=0.25, verify=lambda k: 0.2)
-    assert choices[:11] == [0] * 11 and choices.count(1) == 1 and sum(choices) == 1
+    assert choices[:11] == [0] * 11 and choices.count(1) == SETTLED_ROUNDS and sum(choices) == SETTLED_ROUNDS
     timed = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=1.0, draft_step_seconds=0.25)
-    assert sum(feed(timed, 200, alpha=0.9, draft_step=0.25, verify=lambda k: 0.2)) == 0
+    assert sum(feed(timed, 200, alpha=0.9, draft_step=0.25, verify=lambda k: 0.2)) == SETTLED_ROUNDS
     # a cheap draft in fact (weights overstate a mixture of experts' step): the probe finds it and drafting starts
     moe = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_cost_ratio=3.0)
     assert min(feed(moe, 60, alpha=0.9, draft_step=0.02, verify=lambda k: 0.2)[30:]) >= 4
+
+
+def stalled_first_round():
+    """A good cheap draft (timed at 30 ms before the call) whose first timed round stalls: draft steps at 30 times
+    their cost once (a first call's lazy set-up, another process), then as timed. The K's of 60 rounds."""
+    policy = AdaptiveLookahead(max_lookahead=8, probe_every=12, draft_step_seconds=0.03)
+    policy.costs.observe(RoundRecord(2, 2, 2, 2 * 0.9, 0.2))  # the stalled round
+    return feed(policy, 60, alpha=0.9, draft_step=0.03, verify=lambda k: 0.2)
+
+
+def test_one_stalled_round_does_not_stop_drafting(monkeypatch):
+    """Each round's cost counts as at most `OUTLIER` times the estimate, and giving drafting up for good needs costs
+    measured over `SETTLED_ROUNDS` rounds. The power check: with neither, the stalled round ends drafting for the
+    call."""
+    assert min(stalled_first_round()[10:]) >= 5  # as far as `test_good_cheap_draft_drafts_far`'s draft
+    monkeypatch.setattr(round_costs, "OUTLIER", float("inf"))
+    monkeypatch.setattr(round_costs, "SETTLED_ROUNDS", 1)
+    assert sum(stalled_first_round()) == 0
 
 
 def test_probes_are_rarer_where_a_perfect_draft_would_gain_little():

@@ -84,7 +84,7 @@ class TreeRound:
 
     def verify(
         self, sequences: Sequences, shape: TreeShape | DynamicTree, tree: DraftTree
-    ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None, RankCounts | None]:
+    ) -> tuple[Proposal, Verdict, torch.Tensor | None, torch.Tensor | None, RankCounts]:
         """The target's forward over the root and the nodes, the verdict, the path written into the buffer, and both
         caches compacted to it.
 
@@ -92,7 +92,7 @@ class TreeRound:
             A `Proposal` of `(batch, D)` accepted tokens (D: the tree's depth; past a row's accepted count, its next
             token), the `Verdict`, the `(batch, D + 1, vocab)` processed scores and raw logits at the root and
             along the accepted path where the recorder keeps them (else None), and what the rows' walks say of the
-            draft's ranks (`draft_tree.rank_observations`, for `draft_shape="auto"`'s choice).
+            draft's ranks (`draft_tree.rank_observations`, for `draft_shape="auto"`'s choice; empty for a dynamic tree).
         """
         lengths = sequences.lengths
         # None (a dynamic tree): each row's parents and depths are read off `tree` for the mask and the processors'
@@ -115,5 +115,6 @@ class TreeRound:
         in_target.compact(path, counts)
         self.drafter.compact_tree(path, counts)
         proposal = Proposal(tokens=verdict.accepted_tokens, probs=None, model_steps=shape.max_depth)
-        ranks = rank_observations(static, path) if static is not None else None  # auto designs static trees
+        # auto designs static trees; a dynamic tree's ranks are its own: none recorded
+        ranks = rank_observations(static, path) if static is not None else RankCounts((), (), (), ())
         return proposal, Verdict(verdict.num_accepted, verdict.next_tokens), scores, raw, ranks
