@@ -170,14 +170,7 @@ class SpeculativeDecoder:
         lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
         record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
         if is_tree:  # the target verified the tree's nodes; a static tree's walk tested the draft's ranks
-            record = dataclasses.replace(
-                record,
-                nodes=drafted,
-                rank_tested=ranks.tested,
-                rank_accepted=ranks.accepted,
-                depth_tested=ranks.depth_tested,
-                depth_accepted=ranks.depth_accepted,
-            )
+            record = dataclasses.replace(record, nodes=drafted, **ranks._asdict())
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 

@@ -69,8 +69,9 @@ class DraftTree:
 class RankCounts(NamedTuple):
     """What one tree round's walks tested of the draft's choices, summed over its rows (`rank_observations`)."""
 
-    tested: tuple[int, ...]  # per rank 0 .. max_rank
-    accepted: tuple[int, ...]
+    # named as `round_costs.RoundRecord`'s fields, which take them as they are (`RoundRecord(..., **counts._asdict())`)
+    rank_tested: tuple[int, ...]  # per rank 0 .. max_rank
+    rank_accepted: tuple[int, ...]
     depth_tested: tuple[int, ...]  # per depth 1 .. max_depth: a first choice (rank 0) tested there
     depth_accepted: tuple[int, ...]
 

@@ -175,18 +175,7 @@ def simulate(verify, rounds=60, draft_step=0.01, seed=0):
                         break
                     current = path[row, level] = node[(current, rank)]
             counts = rank_observations(tree, path)
-            record = RoundRecord(
-                depth,
-                0,
-                0,
-                0,
-                0,
-                nodes=width,
-                rank_tested=counts.tested,
-                rank_accepted=counts.accepted,
-                depth_tested=counts.depth_tested,
-                depth_accepted=counts.depth_accepted,
-            )
+            record = RoundRecord(depth, 0, 0, 0, 0, nodes=width, **counts._asdict())
         policy.observe(replace(record, draft_seconds=draft_step * depth, verify_seconds=verify(width)))
     return chosen
 
