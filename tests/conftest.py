@@ -198,6 +198,30 @@ def draft(target):
 
 
 @pytest.fixture(scope="module")
+def drafts(target):
+    """Two drafts for a module's own `target` (the sampling tests' 8-token `tiny_lm(seed=0)`, whose exact
+    distribution is small enough to enumerate): "close" (its weights plus 30% noise) and "far" (another random model
+    of its vocabulary)."""
+    from tiny import perturbed_copy, tiny_lm
+
+    return {
+        "close": perturbed_copy(target, seed=1, scale=0.3),
+        "far": tiny_lm(seed=2, vocab_size=target.config.vocab_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def greedy_models():
+    """A target with peaked distributions over 64 tokens and two drafts (as `test_greedy.py`'s), for modules whose
+    `target` is another model."""
+    from tiny import perturbed_copy, tiny_lm
+
+    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
+    far = tiny_lm(seed=2, vocab_size=64, layers=1, hidden=32, init_range=0.3)
+    return target, {"close": perturbed_copy(target, seed=1, scale=0.1), "far": far}
+
+
+@pytest.fixture(scope="module")
 def built():
     """The small-rows kernel, built (or loaded) once; tests that need it skip where it cannot be built here."""
     from hf_specsample.kernels import small_rows

@@ -35,6 +35,44 @@ def batch(rows: list[list[int]], side: str = "left") -> tuple[torch.Tensor, torc
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 7, 3], [1, 30, 31, 32, 33]]
 
 
+def greedy_cases():
+    """(case, ids, mask) of the greedy tests: `PROMPTS[0]` alone (no mask), then `PROMPTS` padded left and right."""
+    yield "one prompt", torch.tensor([PROMPTS[0]]), None
+    for side in ("left", "right"):
+        yield (side, *batch(PROMPTS, side))
+
+
+def assert_greedy_cases_match_plain(both, target, draft) -> dict[str, torch.Tensor]:
+    """`both(target, draft, ids, mask)` gives (plain, speculative) outputs: equal on every `greedy_cases()` case.
+    Returns the speculative outputs by case."""
+    outputs = {}
+    for case, ids, mask in greedy_cases():
+        plain, outputs[case] = both(target, draft, ids, mask)
+        assert outputs[case].tolist() == plain.tolist(), case
+    return outputs
+
+
+def eos_mid_way(target, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """An EOS that row 0 of plain greedy's run emits mid-way and the other rows at other steps, or never: row 0's
+    first new token from its fourth on that is not among its first three."""
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    new = free[:, ids.shape[1] :]
+    return next(int(token) for token in new[0, 3:].tolist() if token not in new[0, :3].tolist())
+
+
+def assert_prompt_lookup_matches_plain(target, draft, side: str) -> None:
+    """Both prompt-lookup drafters (n-grams alone; n-grams first, then `draft`) give plain greedy's tokens on `PROMPTS`
+    padded on `side`, row 0 stopping mid-way at an EOS, the other rows at other steps or never."""
+    ids, mask = batch(PROMPTS, side)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 4])
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
+    plain = target.generate(ids, **kwargs)
+    for drafter in (dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4), dict(draft_model=draft)):
+        got = target.generate(ids, **{"prompt_lookup_num_tokens": 3, **kwargs, **drafter})
+        assert got.tolist() == plain.tolist()
+
+
 def both(target, draft, ids, mask=None, **kwargs):
     """(plain, speculative) outputs of generate() with the same arguments."""
     kwargs = dict(max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, **kwargs)
@@ -77,10 +115,7 @@ def assert_same_cache(plain_cache, speculative_cache, attention_mask):
 def test_eos_in_block_outputs_cache_and_next_turn(pair):
     _, target, draft = pair
     ids, mask = batch(PROMPTS, "left")
-    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
-    new = free[:, ids.shape[1] :]
-    # An EOS that row 0 emits mid-way and the other rows at other steps, or never.
-    eos = next(int(token) for token in new[0, 3:].tolist() if token not in new[0, :3].tolist())
+    eos = eos_mid_way(target, ids, mask)
     flags = dict(eos_token_id=eos, return_dict_in_generate=True, output_scores=True, output_logits=True)
     plain, speculative = both(target, draft, ids, mask, **flags)
     assert speculative.sequences.tolist() == plain.sequences.tolist()
@@ -102,10 +137,16 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
 def test_sampling_stays_in_target_top_k(pair):
     """Every sampled token is among the target's top 3 after its own prefix (computed without any cache)."""
     _, target, draft = pair
+    assert_samples_in_top_k(target, draft)
+
+
+def assert_samples_in_top_k(target, draft, **generate_kwargs) -> None:
+    """12 rows sampled with top-k 3 after `PROMPTS[0]` (seed 0; `generate_kwargs`: more options): every token is
+    among the target's top 3 after its own prefix (computed without any cache)."""
     prompt = torch.tensor([PROMPTS[0]])
     out = target.generate(
         prompt, do_sample=True, top_k=3, max_new_tokens=NEW_TOKENS, num_return_sequences=12, pad_token_id=PAD,
-        draft_model=draft, generator=torch.Generator().manual_seed(0),
+        draft_model=draft, generator=torch.Generator().manual_seed(0), **generate_kwargs,
     )  # fmt: skip
     logits = target(input_ids=out).logits[:, prompt.shape[1] - 1 : -1]  # (rows, new, vocab)
     top = logits.topk(3, dim=-1).indices
@@ -118,11 +159,4 @@ def test_sampling_stays_in_target_top_k(pair):
 def test_greedy_prompt_lookup_ragged_batch_with_eos(pair, side):
     """Both prompt-lookup drafters (n-grams alone; n-grams first, then the model) on every architecture."""
     _, target, draft = pair
-    ids, mask = batch(PROMPTS, side)
-    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
-    eos = int(free[0, ids.shape[1] + 4])  # row 0 stops mid-way, the others at other steps or never
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain = target.generate(ids, **kwargs)
-    for drafter in (dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4), dict(draft_model=draft)):
-        got = target.generate(ids, **{"prompt_lookup_num_tokens": 3, **kwargs, **drafter})
-        assert got.tolist() == plain.tolist()
+    assert_prompt_lookup_matches_plain(target, draft, side)

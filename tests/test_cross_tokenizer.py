@@ -15,7 +15,7 @@ chi-square-tested against it, under several processors and both verification rul
 import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
-from test_architectures import assert_same_cache
+from test_architectures import assert_same_cache, batch
 from tiny import PAD, cache_of, char_tokenizer, perturbed_copy, prepared_processors, tiny_arch, tiny_lm, with_cache
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
@@ -216,12 +216,7 @@ def test_a_twin_under_other_ids_accepts_every_token(target, tokenizers, twin):
 
 def padded(side: str) -> dict:
     """PROMPTS as one batch, padded on `side`."""
-    width = max(len(prompt) for prompt in PROMPTS)
-    ids = torch.full((len(PROMPTS), width), PAD)
-    mask = torch.zeros((len(PROMPTS), width), dtype=torch.long)
-    for row, prompt in enumerate(PROMPTS):
-        span = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
-        ids[row, span], mask[row, span] = torch.tensor(prompt), 1
+    ids, mask = batch(PROMPTS, side)
     return {"input_ids": ids, "attention_mask": mask}
 
 

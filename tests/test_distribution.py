@@ -8,7 +8,7 @@ rows in one batched call (each row is an independent sample), plus one test that
 import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, perturbed_copy, prepared_processors, tiny_lm
+from tiny import PAD, prepared_processors, tiny_lm
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.kernels import small_rows
@@ -37,12 +37,8 @@ PROCESSOR_SETTINGS = {
 
 @pytest.fixture(scope="module")
 def target():
+    """The sampling tests' 8-token target (its `drafts` are `conftest.py`'s)."""
     return tiny_lm(seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafts(target):
-    return {"close": perturbed_copy(target, seed=1, scale=0.3), "far": tiny_lm(seed=2)}
 
 
 def exact_for(target, eos_token_ids=(), **settings):

@@ -14,21 +14,15 @@ round, exactly the target's output.
 import pytest
 import torch
 from exact import chisquare_pvalue
-from test_architectures import PROMPTS as ARCH_PROMPTS
 from test_architectures import batch
-from test_tree_forward import committed_tokens, new_cache, padded_batch, tiny_model
-from test_trees import ALPHA, SETTINGS, exact_for, greedy, sample
-from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, prepared_processors, tiny_arch, tiny_lm
+from test_tree_drafting import SUBSET, drafting_setup, reference_scores
+from test_trees import ALPHA, SETTINGS, assert_greedy_identity_or_refused, exact_for, greedy, sample
+from tiny import ARCHITECTURES, PAD, tiny_lm
 
 from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
-from hf_specsample.cache.forwards import Forwards
-from hf_specsample.cache.tree_forward import tree_problem
 from hf_specsample.draft_tree import DraftTree
-from hf_specsample.model_facts import ModelFacts
-from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
 from hf_specsample.proposers.dynamic_tree import DynamicPool
 from hf_specsample.shape_choice import choose_shape
-from hf_specsample.verify.processing import PositionwiseProcessor
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=DynamicTree(nodes=6, depth=3, expand=2), draft_form="as_given")
@@ -140,32 +134,6 @@ PROCESSORS = {
 }
 
 
-SUBSET = torch.arange(8, VOCAB)  # a draft vocabulary of the ids 8.. (an FR-Spec subset), logit column i for id i
-
-
-def proposer_for(model, sequences, processors, cache=None, subset=None):
-    return DraftModelProposer(
-        ModelFacts.of(model), Forwards(), DraftVocabulary(subset, subset, VOCAB), sequences,
-        PositionwiseProcessor(processors, sequences.num_active), do_sample=False, cache=cache,
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def reference_log_probs(model, processors, sequences, row, path, subset=None) -> torch.Tensor:
-    """`(vocab,)` the log-softmax of the draft's processed scores after row `row`'s committed tokens and `path` (a
-    plain forward of the real tokens, the processors as plain `generate()` calls them; with a `subset`, the draft's
-    logits stand for those ids only)."""
-    length = sequences.lengths[row]
-    logits = model(input_ids=torch.tensor([committed_tokens(sequences, row) + path])).logits[:, -1].float()
-    if subset is not None:
-        logits = torch.full_like(logits, float("-inf")).index_copy_(1, subset, logits[:, subset])
-    ids = torch.cat([sequences.tokens[row, :length], torch.tensor(path, dtype=torch.long)])
-    batch_ids = ids.new_zeros((sequences.num_active, ids.numel()))
-    batch_scores = logits.new_zeros((sequences.num_active, VOCAB))
-    batch_ids[row], batch_scores[row] = ids, logits[0]
-    return torch.log_softmax(processors(batch_ids, batch_scores)[row], dim=-1)
-
-
 @pytest.mark.parametrize("processing", list(PROCESSORS))
 @pytest.mark.parametrize("padding", [[0], [3, 0]], ids=["one_row", "two_rows"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -179,14 +147,9 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(
     compaction keeps exactly the path's fed nodes, and every drafted node of every round has the reference's value
     along its path and is among its parent's reference top choices, so each round's cache (the root's logits, the
     frontier's) equals a recompute over the committed prefix."""
-    model = tiny_model(attention, seed=3)
-    generator = torch.Generator().manual_seed(7)
-    sequences = padded_batch(generator, len(padding), 7, padding)
-    processors, _ = prepared_processors(
-        model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **PROCESSORS[processing]
+    model, generator, sequences, processors, proposer = drafting_setup(
+        attention, PROCESSORS, processing, padding, subset, cache
     )
-    proposer = proposer_for(model, sequences, processors, new_cache(model, cache), subset)
-    assert proposer.compact == (subset is not None and processing in ("none", "sampling"))
     pools = []
     kept_of = DynamicPool.kept
     monkeypatch.setattr(DynamicPool, "kept", lambda self: pools.append(self) or kept_of(self))
@@ -200,7 +163,7 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(
             parents, tokens = pool.tree.parents[row].tolist(), pool.tree.tokens[row].tolist()
             for parent in [-1, *sorted(set(parents) - {-1})]:
                 path = [tokens[node] for node in path_of(parents, parent)] if parent >= 0 else []
-                reference = reference_log_probs(model, processors, sequences, row, path, subset)
+                reference = torch.log_softmax(reference_scores(model, processors, sequences, row, path, subset), -1)
                 base = pool.values[row, parent].item() if parent >= 0 else 0.0
                 children = [node for node in range(spec.drafted) if parents[node] == parent]
                 best = torch.sort(reference, descending=True, stable=True)
@@ -260,27 +223,7 @@ def accept(sequences, tree: DraftTree, ends: list[int], generator: torch.Generat
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_identity_on_every_architecture(name):
     """Plain greedy's tokens on every architecture trees serve; refused before any forward on the others."""
-    target = tiny_arch(name, seed=0, vocab_size=48)
-    draft = arch_draft(target, seed=1)
-    if tree_problem(ModelFacts.of(target)) is not None:
-        ids, mask = batch(ARCH_PROMPTS)
-        with pytest.raises(ValueError, match="draft_shape='dynamic'.*chains there"):
-            greedy(target, ids, mask, draft_model=draft, speculative_config=DYNAMIC)
-        return
-    for config in (DYNAMIC, SMALL):
-        for rows in ([ARCH_PROMPTS[0]], ARCH_PROMPTS):
-            ids, mask = batch(rows)
-            expected = greedy(target, ids, mask)
-            got = greedy(target, ids, mask, draft_model=draft, speculative_config=config)
-            assert torch.equal(got, expected), (name, config.draft_shape, len(rows))
-
-
-@pytest.fixture(scope="module")
-def greedy_models():
-    """A target with peaked distributions over 64 tokens and two drafts (as `test_trees.py`'s)."""
-    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
-    far = tiny_lm(seed=2, vocab_size=64, layers=1, hidden=32, init_range=0.3)
-    return target, {"close": perturbed_copy(target, seed=1, scale=0.1), "far": far}
+    assert_greedy_identity_or_refused(name, "dynamic", DYNAMIC, SMALL)
 
 
 def test_a_ragged_batch_grows_different_trees_and_matches_plain(greedy_models, monkeypatch):
@@ -326,12 +269,8 @@ def test_tokens_per_target_pass_against_the_static_default(greedy_models, capsys
 
 @pytest.fixture(scope="module")
 def target():
+    """The sampling tests' 8-token target (its `drafts` and the `greedy_models` are `conftest.py`'s)."""
     return tiny_lm(seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafts(target):
-    return {"close": perturbed_copy(target, seed=1, scale=0.3), "far": tiny_lm(seed=2)}
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))

@@ -29,10 +29,25 @@ def boundary_logits(vocab: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def fast_version(warper):
+    """The sort-free function that stands for `warper` (transformers' top-p or typical warper)."""
+    return fast_typical if isinstance(warper, lp.TypicalLogitsWarper) else fast_top_p
+
+
 def assert_same(warper, scores):
     expected = warper(torch.empty((scores.shape[0], 0), dtype=torch.long), scores)
-    got = (fast_typical if isinstance(warper, lp.TypicalLogitsWarper) else fast_top_p)(warper, scores)
+    got = fast_version(warper)(warper, scores)
     assert bool(((got == expected) | (got.isnan() & expected.isnan())).all())  # bit for bit, NaN where NaN
+
+
+def assert_settled_without_sorting(monkeypatch, warper, scores):
+    """Every row of `scores` settled by the candidates: the fallback (transformers' own warper) is never called."""
+    calls = []
+    original = type(warper).__call__
+    with monkeypatch.context() as patch:
+        patch.setattr(type(warper), "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+        fast_version(warper)(warper, scores)
+    assert calls == []
 
 
 def assert_same_on_random_tied_and_boundary_rows(warper):
@@ -79,12 +94,7 @@ def test_the_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
     """Peaked rows are settled by the candidates (no fallback), and a wrong keep count is caught by the comparison."""
     warper = lp.TopPLogitsWarper(0.9)
     scores = random_logits(8, 4096, 4.0, seed=3)
-    calls = []
-    original = lp.TopPLogitsWarper.__call__
-    monkeypatch.setattr(lp.TopPLogitsWarper, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    fast_top_p(warper, scores)
-    assert calls == []  # every row settled without the full sort
-    monkeypatch.setattr(lp.TopPLogitsWarper, "__call__", original)
+    assert_settled_without_sorting(monkeypatch, warper, scores)
     counts = fast_processors.top_p_keep_counts
     monkeypatch.setattr(fast_processors, "top_p_keep_counts", lambda *a: torch.clamp(counts(*a) + 1, min=-1))
     with pytest.raises(AssertionError):
@@ -111,12 +121,7 @@ def test_typical_fast_path_is_taken_and_the_test_can_fail(monkeypatch):
     """Peaked rows are settled by the candidates, and a threshold one position off is caught by the comparison."""
     warper = lp.TypicalLogitsWarper(0.9)
     scores = random_logits(8, 4096, 8.0, seed=3)
-    calls = []
-    original = lp.TypicalLogitsWarper.__call__
-    monkeypatch.setattr(lp.TypicalLogitsWarper, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    fast_typical(warper, scores)
-    assert calls == []  # every row settled without the full sort
-    monkeypatch.setattr(lp.TypicalLogitsWarper, "__call__", original)
+    assert_settled_without_sorting(monkeypatch, warper, scores)
     thresholds = fast_processors.typical_thresholds
 
     def one_further(shifts, *rest):

@@ -17,7 +17,15 @@ rollbacks are ragged in most rounds):
 import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution, sampled_pvalue
-from test_architectures import NEW_TOKENS, PROMPTS, batch
+from test_architectures import (
+    NEW_TOKENS,
+    PROMPTS,
+    assert_greedy_cases_match_plain,
+    assert_prompt_lookup_matches_plain,
+    assert_samples_in_top_k,
+    batch,
+    eos_mid_way,
+)
 from tiny import PAD, cache_of, perturbed_copy, prepared_processors, second_turns, tiny_arch, with_cache
 
 from hf_specsample import SpeculativeConfig, transformers_api
@@ -64,12 +72,7 @@ def test_every_family_transformers_ships_is_in_the_table():
 @torch.no_grad()
 def test_greedy_single_prompt_and_ragged_batches(pair):
     _, target, draft = pair
-    plain, speculative = both(target, draft, torch.tensor([PROMPTS[0]]))
-    assert speculative.tolist() == plain.tolist()
-    for side in ("left", "right"):
-        ids, mask = batch(PROMPTS, side)
-        plain, speculative = both(target, draft, ids, mask)
-        assert speculative.tolist() == plain.tolist(), side
+    assert_greedy_cases_match_plain(both, target, draft)
 
 
 def linear_states_of(cache) -> dict:
@@ -123,9 +126,7 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
     """Rows stop at different steps inside accepted blocks; the cache plain would return; a second chat turn on it."""
     name, target, draft = pair
     ids, mask = batch(PROMPTS, "left")
-    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
-    new = free[:, ids.shape[1] :]
-    eos = next(int(token) for token in new[0, 3:].tolist() if token not in new[0, :3].tolist())
+    eos = eos_mid_way(target, ids, mask)
     plain, speculative = both(target, draft, ids, mask, eos_token_id=eos, return_dict_in_generate=True)
     assert speculative.sequences.tolist() == plain.sequences.tolist()
     assert_same_states(cache_of(plain), cache_of(speculative))
@@ -143,14 +144,7 @@ def test_eos_in_block_outputs_cache_and_next_turn(pair):
 def test_sampling_stays_in_target_top_k(pair):
     """Every sampled token is among the target's top 3 after its own prefix (computed without any cache)."""
     _, target, draft = pair
-    prompt = torch.tensor([PROMPTS[0]])
-    out = target.generate(
-        prompt, do_sample=True, top_k=3, max_new_tokens=NEW_TOKENS, num_return_sequences=12, pad_token_id=PAD,
-        draft_model=draft, num_lookahead=3, generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
-    logits = target(input_ids=out).logits[:, prompt.shape[1] - 1 : -1]  # (rows, new, vocab)
-    top = logits.topk(3, dim=-1).indices
-    assert bool((top == out[:, prompt.shape[1] :, None]).any(dim=-1).all()), "a sampled token outside the top-k"
+    assert_samples_in_top_k(target, draft, num_lookahead=3)
 
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
@@ -272,14 +266,7 @@ def test_greedy_prompt_lookup_ragged_batch_with_eos(name, side):
     """Both prompt-lookup drafters (n-grams alone; n-grams first, then the model): rows roll back by other counts."""
     target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
     draft = perturbed_copy(target, seed=1, scale=CLOSE)
-    ids, mask = batch(PROMPTS, side)
-    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
-    eos = int(free[0, ids.shape[1] + 4])
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
-    plain = target.generate(ids, **kwargs)
-    for drafter in (dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=4), dict(draft_model=draft)):
-        got = target.generate(ids, **{"prompt_lookup_num_tokens": 3, **kwargs, **drafter})
-        assert got.tolist() == plain.tolist()
+    assert_prompt_lookup_matches_plain(target, draft, side)
 
 
 @pytest.mark.parametrize("form", ["dynamic_int8", "int8_weights", "int4_weights"])

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 from exact import sampled_pvalue
-from test_architectures import NEW_TOKENS, PROMPTS, batch
+from test_architectures import NEW_TOKENS, PROMPTS, assert_greedy_cases_match_plain, batch, eos_mid_way, greedy_cases
 from tiny import ARCHITECTURES, PAD, arch_draft, cache_of, perturbed_copy, tiny_arch, tiny_lm, with_cache
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
@@ -44,17 +44,13 @@ def both(target, draft, ids, mask=None, **kwargs):
 @torch.no_grad()
 def test_greedy_single_prompt_and_ragged_batches(pair):
     _, target, draft = pair
-    plain, speculative = both(target, draft, torch.tensor([PROMPTS[0]]))
-    assert speculative.tolist() == plain.tolist()
-    for side in ("left", "right"):
-        ids, mask = batch(PROMPTS, side)
-        plain, speculative = both(target, draft, ids, mask)
-        assert speculative.tolist() == plain.tolist(), side
-        # and equal to plain dynamic-cache decoding too
-        dynamic = target.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False
-        )
-        assert speculative.tolist() == dynamic.tolist(), side
+    speculative = assert_greedy_cases_match_plain(both, target, draft)
+    for case, ids, mask in greedy_cases():
+        if mask is not None:  # the padded batches: equal to plain dynamic-cache decoding too
+            dynamic = target.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False
+            )
+            assert speculative[case].tolist() == dynamic.tolist(), case
 
 
 def visible_slots(cache, layer_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -74,9 +70,7 @@ def visible_slots(cache, layer_index: int, length: int) -> tuple[torch.Tensor, t
 def test_eos_in_block_outputs_static_cache_and_next_turn(pair):
     _, target, draft = pair
     ids, mask = batch(PROMPTS, "left")
-    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)
-    new = free[:, ids.shape[1] :]
-    eos = next(int(token) for token in new[0, 3:].tolist() if token not in new[0, :3].tolist())
+    eos = eos_mid_way(target, ids, mask)
     flags = dict(eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
     plain, speculative = both(target, draft, ids, mask, **flags)
     assert speculative.sequences.tolist() == plain.sequences.tolist()

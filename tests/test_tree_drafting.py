@@ -33,6 +33,22 @@ def proposer_for(model, sequences, processors, subset=None, cache=None) -> Draft
     )  # fmt: skip
 
 
+def drafting_setup(attention: str, settings: dict, processing: str, padding: list[int], subset, cache: str):
+    """The slow-reference tests' start: the draft (`tiny_model(attention, seed=3)`), 7-token prompts left-padded by
+    `padding` (from a generator seeded 7, returned for the test's own draws), the processors `generate()` builds for
+    `settings[processing]`, and the proposer on a `cache` ("dynamic" or "static"), which runs vocabulary-free
+    processing on a `subset` (`compact`). Returns (model, generator, sequences, processors, proposer)."""
+    model = tiny_model(attention, seed=3)
+    generator = torch.Generator().manual_seed(7)
+    sequences = padded_batch(generator, len(padding), 7, padding)
+    processors, _ = prepared_processors(
+        model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **settings[processing]
+    )
+    proposer = proposer_for(model, sequences, processors, subset, new_cache(model, cache))
+    assert proposer.compact == (subset is not None and processing in ("none", "sampling"))
+    return model, generator, sequences, processors, proposer
+
+
 @torch.no_grad()
 def reference_scores(model, processors, sequences, row, path, subset=None) -> torch.Tensor:
     """`(vocab,)` the draft's processed scores after row `row`'s committed tokens and `path`: a plain forward of the
@@ -83,14 +99,9 @@ def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, proce
     """Three rounds of drafting the default shape, each followed by a ragged accepted path (a leaf the draft never
     fed, an inner node, nothing), compaction and the loop's rollback: every round's tree is the reference's. With a
     vocabulary subset, vocabulary-free processing runs on the subset (`compact`), the rest over the spread logits."""
-    model = tiny_model(attention, seed=3)
-    generator = torch.Generator().manual_seed(7)
-    sequences = padded_batch(generator, len(padding), 7, padding)
-    processors, _ = prepared_processors(
-        model, sequences.tokens[:, :7], pad_token_id=PAD, max_new_tokens=5, **PROCESSORS[processing]
+    model, generator, sequences, processors, proposer = drafting_setup(
+        attention, PROCESSORS, processing, padding, subset, cache
     )
-    proposer = proposer_for(model, sequences, processors, subset, new_cache(model, cache))
-    assert proposer.compact == (subset is not None and processing in ("none", "sampling"))
     shape = MIXED
     endings = [[15, 1], [2, -1], [8, 13]]
     for ends in endings:

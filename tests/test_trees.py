@@ -12,7 +12,7 @@ import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
 from test_architectures import PROMPTS as ARCH_PROMPTS
 from test_architectures import batch
-from tiny import ARCHITECTURES, PAD, arch_draft, perturbed_copy, prepared_processors, tiny_arch, tiny_lm
+from tiny import ARCHITECTURES, PAD, arch_draft, prepared_processors, tiny_arch, tiny_lm
 
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.cache.tree_forward import tree_problem
@@ -33,39 +33,34 @@ def greedy(model, ids, mask=None, **kwargs):
 
 @pytest.fixture(scope="module")
 def target():
+    """The sampling tests' 8-token target (its `drafts` and the `greedy_models` are `conftest.py`'s)."""
     return tiny_lm(seed=0)
 
 
-@pytest.fixture(scope="module")
-def drafts(target):
-    return {"close": perturbed_copy(target, seed=1, scale=0.3), "far": tiny_lm(seed=2)}
-
-
-@pytest.fixture(scope="module")
-def greedy_models():
-    """A target with peaked distributions over 64 tokens and two drafts (as `test_greedy.py`'s)."""
-    target = tiny_lm(seed=0, vocab_size=64, layers=2, hidden=32, init_range=0.3)
-    far = tiny_lm(seed=2, vocab_size=64, layers=1, hidden=32, init_range=0.3)
-    return target, {"close": perturbed_copy(target, seed=1, scale=0.1), "far": far}
-
-
-@pytest.mark.parametrize("name", ARCHITECTURES)
-def test_greedy_identity_on_every_architecture(name):
-    """Plain greedy's tokens on every architecture trees serve; refused before any forward on the others."""
+def assert_greedy_identity_or_refused(name: str, shape: str, *configs: SpeculativeConfig) -> None:
+    """On architecture `name` (`tiny_arch`) with a noisy copy as draft: plain greedy's tokens for each of `configs`
+    (draft trees of one kind, `shape`), one row and a ragged left-padded batch, where trees serve the architecture;
+    refused before any forward (the first config, the message naming `draft_shape='<shape>'`) where they do not."""
     target = tiny_arch(name, seed=0, vocab_size=VOCAB)
     draft = arch_draft(target, seed=1)
     problem = tree_problem(ModelFacts.of(target))
     if problem is not None:
         ids, mask = batch(ARCH_PROMPTS)
-        with pytest.raises(ValueError, match="draft_shape='tree'.*chains there"):
-            greedy(target, ids, mask, draft_model=draft, speculative_config=TREE)
+        with pytest.raises(ValueError, match=f"draft_shape='{shape}'.*chains there"):
+            greedy(target, ids, mask, draft_model=draft, speculative_config=configs[0])
         return
-    for config in (TREE, SMALL):
+    for config in configs:
         for rows in ([ARCH_PROMPTS[0]], ARCH_PROMPTS):
             ids, mask = batch(rows)
             expected = greedy(target, ids, mask)
             got = greedy(target, ids, mask, draft_model=draft, speculative_config=config)
             assert torch.equal(got, expected), (name, config.draft_shape, len(rows))
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_greedy_identity_on_every_architecture(name):
+    """Plain greedy's tokens on every architecture trees serve; refused before any forward on the others."""
+    assert_greedy_identity_or_refused(name, "tree", TREE, SMALL)
 
 
 def test_greedy_with_eos_inside_the_path_and_scores(greedy_models):
