@@ -11,8 +11,9 @@ keeps up to date while generating:
   recurrent states after a rejection (`cache.checkpoints`: timed as part of the round, or counted by
   `StaticCosts`). It grows with K where verification is compute-bound
   (large batches, bitsandbytes 4-bit, eager bf16 on AVX2 CPUs), often convexly (compiled: flat up to a few
-  positions, then steep), so it is kept per K observed and interpolated between them; K grows by at most one
-  beyond the largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it).
+  positions, then steep), so it is fitted to every round's (K, v), recent rounds weighing most: a line, or a
+  parabola where the rounds show the curve (`MeasuredCosts.verify_seconds`); K grows by at most one beyond the
+  largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it).
 
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used by every

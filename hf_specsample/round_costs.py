@@ -26,6 +26,9 @@ from .options import DEFAULT_MAX_LOOKAHEAD
 # but a batch verifies batch * (K+1) tokens and turns compute-bound.
 STATIC_VERIFY_SLOPE = 0.02
 OUTLIER = 3.0  # a round's measured cost counts as at most this many times the estimate before it (`MeasuredCosts`)
+VERIFY_FIT_DECAY = 0.95  # per round, the weight of earlier rounds in v(K)'s fit (about 20 rounds: widths vary)
+PARABOLA_WIDTHS = 4  # distinct widths observed before v(K) may curve (a parabola), else a line
+CURVE_EVIDENCE = 3.0  # a parabola replaces the line where its residual is this many times smaller
 SETTLED_ROUNDS = 3  # rounds of measured draft steps before a call may stop drafting without probing again
 
 
@@ -93,7 +96,7 @@ class DecayedMean:
 
 
 class MeasuredCosts:
-    """Round costs from the wall clock: d per draft step, and v(K) as a line through the K's observed.
+    """Round costs from the wall clock: d per draft step, and v(K) fitted to the rounds' widths (`verify_seconds`).
 
     Args:
         decay: per round, how much earlier observations still count.
@@ -114,7 +117,9 @@ class MeasuredCosts:
         self.decay, self.growth = decay, growth
         prior_weight = 0.0 if draft_step_prior is None else 1.0
         self.draft_step = DecayedMean(draft_step_prior or 0.0, weight=prior_weight, decay=decay)
-        self.verify: dict[int, DecayedMean] = {}  # K -> decayed mean of v(K)
+        self.verify: dict[int, DecayedMean] = {}  # K -> decayed mean of v(K): the widths observed
+        # decayed sums over rounds of width^i (i = 0..4) and v * width^i (i = 0..2): `verify_seconds`' least squares
+        self._moments, self._targets, self._squares = [0.0] * 5, [0.0] * 3, 0.0
         self.drafting_rounds = 0  # rounds whose draft steps were timed
 
     @property
@@ -149,37 +154,69 @@ class MeasuredCosts:
         if self.verify:
             verify = min(verify, OUTLIER * self.verify_seconds(record.width))
         self.verify.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay)).add(verify)
+        width = record.width
+        self._moments = [VERIFY_FIT_DECAY * moment + width**power for power, moment in enumerate(self._moments)]
+        self._targets = [
+            VERIFY_FIT_DECAY * target + verify * width**power for power, target in enumerate(self._targets)
+        ]
+        self._squares = VERIFY_FIT_DECAY * self._squares + verify**2
 
     def draft_seconds(self) -> float:
         return self.draft_step.value
 
     def verify_seconds(self, lookahead: int) -> float:
-        """v(K): the decayed mean where K was observed; between observed K's, the straight line joining the nearest
-        two; outside them, the slope of the nearest segment (flat with a single K observed).
+        """v(K): a curve fitted to every round's (width, v) by least squares, each round weighted by
+        `VERIFY_FIT_DECAY` per round since: flat with one width observed, a line (never falling) with two or three, a
+        parabola with four or more where it curves upward (convex: verification turning compute-bound, compiled on
+        an AVX2 CPU 146, 162, 222, 304 ms for K = 1..4), else a line.
 
-        Not one line through every K: verification cost is convex where it turns compute-bound (compiled on an
-        AVX2 CPU: 146, 162, 222, 304 ms for K = 1..4), and a line through such points puts v(0) below the real cost
-        and makes drafting look dear.
+        Not each width's own mean: a round's v varies by 10-20% (the cache grows, rows commit different counts), so
+        two neighbouring widths measured a few times give a slope off by several times its size, and a width measured
+        once too high was never tried again (K held at 3 for a whole call where 8 paid).
         """
-        if lookahead in self.verify:
-            return max(1e-9, self.verify[lookahead].value)
-        points = sorted((k, mean.value) for k, mean in self.verify.items())
-        below = [point for point in points if point[0] < lookahead]
-        above = [point for point in points if point[0] > lookahead]
-        if below and above:
-            (k0, v0), (k1, v1) = below[-1], above[0]
-        elif above:  # below every K observed
-            (k0, v0), (k1, v1) = above[0], above[1] if len(above) > 1 else above[0]
-        else:  # above every K observed
-            (k0, v0), (k1, v1) = below[-2] if len(below) > 1 else below[-1], below[-1]
-        slope = max(0.0, (v1 - v0) / (k1 - k0)) if k1 != k0 else 0.0
-        return max(1e-9, v0 + slope * (lookahead - k0))
+        if len(self.verify) == 1:
+            return max(1e-9, next(iter(self.verify.values())).value)
+        m, t = self._moments, self._targets
+        line = _solve([[m[0], m[1]], [m[1], m[2]]], t[:2])
+        if len(self.verify) >= PARABOLA_WIDTHS and line is not None:
+            curve = _solve([[m[0], m[1], m[2]], [m[1], m[2], m[3]], [m[2], m[3], m[4]]], t)
+            # the residuals' sums of squares at the fits: sum w v^2 - coefficients . targets
+            line_residual = self._squares - line[0] * t[0] - line[1] * t[1]
+            if curve is not None and curve[2] > 0:
+                curve_residual = self._squares - sum(coefficient * sum_ for coefficient, sum_ in zip(curve, t))
+                if curve_residual * CURVE_EVIDENCE < line_residual:  # the curve explains what noise cannot
+                    a, b, c = curve
+                    return max(1e-9, a + b * lookahead + c * lookahead**2)
+        if line is None or line[1] < 0:  # never cheaper for more positions: flat at the weighted mean
+            return max(1e-9, t[0] / m[0])
+        return max(1e-9, line[0] + line[1] * lookahead)
 
     def largest_lookahead(self, max_lookahead: int) -> int:
         """The largest K worth trying now: one beyond the largest K observed, or `growth` times it (its cost is a
         guess until then)."""
         largest = max(self.verify, default=0)
         return min(max_lookahead, max(largest + 1, math.ceil(self.growth * largest)))
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """x with matrix @ x = vector (Gaussian elimination with partial pivoting), None where the matrix is singular
+    (relative to its scale): the normal equations of `MeasuredCosts.verify_seconds`' fit."""
+    n = len(vector)
+    rows = [list(row) + [value] for row, value in zip(matrix, vector)]
+    scale = max(abs(value) for row in matrix for value in row) or 1.0
+    for column in range(n):
+        pivot = max(range(column, n), key=lambda row: abs(rows[row][column]))
+        if abs(rows[pivot][column]) <= 1e-12 * scale:
+            return None
+        rows[column], rows[pivot] = rows[pivot], rows[column]
+        for row in range(column + 1, n):
+            factor = rows[row][column] / rows[column][column]
+            rows[row] = [value - factor * top for value, top in zip(rows[row], rows[column])]
+    solution = [0.0] * n
+    for row in reversed(range(n)):
+        known = sum(rows[row][column] * solution[column] for column in range(row + 1, n))
+        solution[row] = (rows[row][n] - known) / rows[row][row]
+    return solution
 
 
 def weight_bytes(model: PreTrainedModel) -> int:
