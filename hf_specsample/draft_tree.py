@@ -72,8 +72,6 @@ class RankCounts(NamedTuple):
     # named as `round_costs.RoundRecord`'s fields, which take them as they are (`RoundRecord(..., **counts._asdict())`)
     rank_tested: tuple[int, ...]  # per rank 0 .. max_rank
     rank_accepted: tuple[int, ...]
-    depth_tested: tuple[int, ...]  # per depth 1 .. max_depth: a first choice (rank 0) tested there
-    depth_accepted: tuple[int, ...]
 
 
 def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
@@ -87,23 +85,21 @@ def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
     Returns:
         Per rank 0 .. shape.max_rank, tested and accepted: at each node a row's walk stood on, the ranks offered
         there (contiguous from 0) up to the one the target's token took, or all of them where it took none (a leaf
-        tests nothing). And per depth, the first choices (rank 0) among those tests.
+        tests nothing).
     """
     width = shape.max_rank + 1
     children: dict[int, set[int]] = {}
     for parent, rank in zip(shape.parents, shape.ranks):
         children.setdefault(parent, set()).add(rank)
     tested, accepted = [0] * width, [0] * width
-    depth_tested, depth_accepted = [0] * shape.max_depth, [0] * shape.max_depth
     for row in path.tolist():
         current = -1
-        for depth, node in enumerate([*row, -1]):  # the walk stands at `depth` (0: the root) and tests below it
+        for node in [*row, -1]:
             offered = 0
             while offered in children.get(current, ()):
                 offered += 1
             if offered == 0:
                 break  # a leaf (or only ranks past a gap): nothing was tested here
-            depth_tested[depth] += 1
             if node < 0:  # the walk ended here: none of the offered ranks was the target's token
                 tested[:offered] = [count + 1 for count in tested[:offered]]
                 break
@@ -112,6 +108,5 @@ def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
                 tested[below] += 1
             if rank < offered:
                 accepted[rank] += 1
-            depth_accepted[depth] += rank == 0
             current = node
-    return RankCounts(tuple(tested), tuple(accepted), tuple(depth_tested), tuple(depth_accepted))
+    return RankCounts(tuple(tested), tuple(accepted))

@@ -49,11 +49,6 @@ class RoundRecord:
     nodes: int | None = None
     rank_tested: tuple[int, ...] = ()
     rank_accepted: tuple[int, ...] = ()
-    # Per depth 1, 2, ..., the draft's first choices tested and accepted, all rows: a chain's drafts, a tree's rank-0
-    # children where a walk stood (`draft_tree.rank_observations`). Acceptance is bursty (a rejection tends to follow
-    # a rejection, and a round starts after one), so it is kept per depth (`shape_policy.RankAcceptance`).
-    depth_tested: tuple[int, ...] = ()
-    depth_accepted: tuple[int, ...] = ()
 
     @property
     def width(self) -> int:
@@ -64,20 +59,7 @@ class RoundRecord:
     def untimed(cls, lookahead: int, num_accepted: list[int], prefill: bool, refeed_forwards: int) -> RoundRecord:
         """A round of `lookahead` draft tokens per row, `num_accepted` per row, before its durations are known."""
         tested = sum(accepted + int(accepted < lookahead) for accepted in num_accepted)
-        depths = range(1, lookahead + 1)
-        depth_tested = tuple(sum(depth <= min(a + 1, lookahead) for a in num_accepted) for depth in depths)
-        depth_accepted = tuple(sum(depth <= a for a in num_accepted) for depth in depths)
-        return cls(
-            lookahead,
-            sum(num_accepted),
-            tested,
-            0.0,
-            0.0,
-            prefill=prefill,
-            refeed_forwards=refeed_forwards,
-            depth_tested=depth_tested,
-            depth_accepted=depth_accepted,
-        )
+        return cls(lookahead, sum(num_accepted), tested, 0.0, 0.0, prefill=prefill, refeed_forwards=refeed_forwards)
 
 
 class DecayedMean:

@@ -14,14 +14,6 @@ offered: a chain round tests rank 0 at each position it reaches (Leviathan's alp
 its walk passes, the ranks offered there up to the one taken (`draft_tree.rank_observations`). Then
 p[r] = h[r] * prod over j < r of (1 - h[j]), the acceptance vector `tree_design` designs for. Hazards above rank 0
 start from a prior that lets the first wide rounds try a tree; they only move in tree rounds.
-
-Rank 0 is also kept per depth, since agreement comes in runs: a round starts where the last one was rejected (or
-committed all it drafted), and the token after a disagreement is itself often a disagreement: walking chains of 8
-along HumanEval's canonical solutions (`rank_oracle`'s teacher forcing), the demo pair's first choice is accepted at
-58% of depth-1 positions and 91-96% of deeper ones. Under one alpha for every depth (0.85 there), a round's deep
-tokens look worth less than they are and K stays near 5 where 8 pays.
-Each depth's hazard is pulled toward the pooled h[0] as if by `DEPTH_PRIOR_WEIGHT` tested tokens (a depth rarely
-reached keeps the pooled value).
 """
 
 from __future__ import annotations
@@ -33,55 +25,37 @@ from .tree_design import best_trees
 TREE_NODES = 15  # the widest tree weighed: 16 positions with the root, what the CPU kernel serves in one pass
 AUTO_RANKS = 4  # the most of the draft's choices a node of an automatic tree takes
 RANK_PRIOR = 0.3  # h[r] for r >= 1 before a tree round measures it: the draft's second choice is often right on code
-DEPTH_PRIOR_WEIGHT = 4.0  # tested tokens' worth of the pooled h[0] in each depth's own estimate
 
 
 class RankAcceptance:
-    """Decayed hazards of the target's token by the draft's rank, rank 0's also by depth (module docstring).
+    """Decayed hazards of the target's token by the draft's rank (module docstring).
 
     Args:
         ranks: R, the ranks kept (0 .. R - 1).
-        max_depth: the deepest level kept apart for rank 0.
         first_prior, prior_weight: h[0]'s prior and its weight in tested tokens (the adaptive lookahead's alpha's).
         decay: per round, how much earlier observations still count.
     """
 
-    def __init__(
-        self, ranks: int, max_depth: int, first_prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.85
-    ):
+    def __init__(self, ranks: int, first_prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.85):
         priors = [first_prior] + [RANK_PRIOR] * (ranks - 1)
         self.hazards = [DecayedMean(prior, weight=prior_weight, decay=decay) for prior in priors]
-        self.by_depth = [DecayedMean(0.0, weight=0.0, decay=decay) for _ in range(max_depth)]  # rank 0, own counts
 
     def observe(self, record: RoundRecord) -> None:
-        """A chain round's rank-0 tests (`accepted` of `tested`), or a tree round's counts per rank; either's rank-0
-        tests per depth."""
+        """A chain round's rank-0 tests (`accepted` of `tested`), or a tree round's counts per rank."""
         if record.nodes is None:
             if record.tested:
                 self.hazards[0].add(record.accepted, record.tested)
-        else:
-            for hazard, tested, hits in zip(self.hazards, record.rank_tested, record.rank_accepted):
-                if tested:
-                    hazard.add(hits, tested)
-        for depth, tested, hits in zip(self.by_depth, record.depth_tested, record.depth_accepted):
+            return
+        for hazard, tested, hits in zip(self.hazards, record.rank_tested, record.rank_accepted):
             if tested:
-                depth.add(hits, tested)
+                hazard.add(hits, tested)
 
-    def first_choice(self, depth: int) -> float:
-        """h[0] at `depth` (1: the root's children): its own counts and `DEPTH_PRIOR_WEIGHT` of the pooled h[0]."""
-        own = self.by_depth[min(depth, len(self.by_depth)) - 1]
-        return (own.total + DEPTH_PRIOR_WEIGHT * self.hazards[0].value) / (own.count + DEPTH_PRIOR_WEIGHT)
-
-    def accept(self) -> list[list[float]]:
-        """Per depth 1 .. max_depth, p[r] for r = 0 .. R - 1, non-increasing in r (a rank offered without the one
-        before would waste a node)."""
-        return [self._accept(self.first_choice(depth)) for depth in range(1, len(self.by_depth) + 1)]
-
-    def _accept(self, first: float) -> list[float]:
+    def accept(self) -> list[float]:
+        """p[r] for r = 0 .. R - 1, non-increasing (a rank offered without the one before would waste a node)."""
         out: list[float] = []
         left = 1.0
-        for hazard in [first] + [mean.value for mean in self.hazards[1:]]:
-            p = left * min(1.0, max(0.0, hazard))
+        for hazard in self.hazards:
+            p = left * min(1.0, max(0.0, hazard.value))
             out.append(min(p, out[-1]) if out else p)
             left -= p
         return out
@@ -97,7 +71,7 @@ class ShapeDesigner:
     """
 
     def __init__(self, ranks: int, max_depth: int, decay: float = 0.85):
-        self.acceptance = RankAcceptance(ranks, max_depth, decay=decay)
+        self.acceptance = RankAcceptance(ranks, decay=decay)
         self.max_depth = max_depth
         self.max_nodes = max(TREE_NODES, max_depth)
 

@@ -1,18 +1,17 @@
 """The best draft tree for an acceptance vector: Sequoia's tree design (arXiv 2402.12374), as a pure function.
 
-Model (Sequoia's, with acceptance by depth): at a node of depth d - 1, the target's token is the draft's choice of rank
-r with probability `accept[d - 1][r]` (r = 0 .. R - 1; depths past the list take its last vector), whatever the path.
-Sequoia's position-independent acceptance is the one-vector list. A node whose path takes ranks r_1 .. r_d is then
-reached by the tree rule's walk with probability accept[0][r_1] * ... * accept[d - 1][r_d] (its *value*), and a
-tree's expected count of committed tokens per row is 1 + the sum of its nodes' values (`verify.tree_rule`: 1 + the
-sum over the nodes of the target probability of the path).
+Model (Sequoia's position-independent acceptance): at any node, the target's token is the draft's choice of rank r
+with probability `p[r]` (r = 0 .. R - 1), whatever the depth and the path. A node whose path takes ranks
+r_1 .. r_d is then reached by the tree rule's walk with probability p[r_1] * ... * p[r_d] (its *value*), and a tree's
+expected count of committed tokens per row is 1 + the sum of its nodes' values (`verify.tree_rule`: 1 + the sum over
+the nodes of the target probability of the path).
 
 `best_trees` maximises that count for every node budget n at once, under a maximum depth: a node's value never exceeds
-its parent's (every probability is at most 1), so the n most valuable nodes of the infinite tree of rank paths (ties
-broken by depth, shallower first) hold every ancestor of each of them: they form a tree, and no n nodes sum to more.
-Best-first search (a heap of candidate children) finds them in order, and its first n nodes are the best tree of n
-nodes: the trees of all budgets come from one search. A chain of K (`TreeShape.chain`) is the answer where R = 1, or
-wherever the spine's values stay above every other rank's.
+its parent's (every p[r] <= 1), so the n most valuable nodes of the infinite tree of rank paths (ties broken by depth,
+shallower first) hold every ancestor of each of them: they form a tree, and no n nodes sum to more. Best-first search
+(a heap of candidate children) finds them in order, and its first n nodes are the best tree of n nodes: the trees of
+all budgets come from one search. A chain of K (`TreeShape.chain`) is the answer where R = 1, or wherever the spine's
+values stay above every other rank's.
 """
 
 from __future__ import annotations
@@ -45,22 +44,22 @@ class DesignedTree(NamedTuple):
         return TreeShape.from_paths(self.paths)
 
 
-def best_trees(accept: Sequence[Sequence[float]], max_nodes: int, max_depth: int) -> list[DesignedTree]:
+def best_trees(accept: Sequence[float], max_nodes: int, max_depth: int) -> list[DesignedTree]:
     """The best tree of each budget 1 .. `max_nodes` (fewer where a depth cap leaves fewer nodes to take).
 
     Args:
-        accept: per depth 1, 2, ... (the last vector for every deeper one), `p[r]`: the probability that the target's
-            token is the draft's choice of rank r (each in [0, 1], summing to at most 1).
+        accept: `p[r]`, the probability that the target's token is the draft's choice of rank r (each in [0, 1],
+            summing to at most 1).
         max_nodes: the largest budget (nodes, the root not counted).
         max_depth: no node deeper than this (the draft's levels are its forwards).
 
     Returns:
         Entry n - 1: the best tree of n nodes and its expected count. Each tree is the previous one plus one node.
     """
-    if max_nodes < 1 or max_depth < 1 or not accept or not accept[0]:
+    if max_nodes < 1 or max_depth < 1 or not accept:
         return []
     # heap entries: (-value, depth, rank path); the path orders ties deterministically
-    frontier: list[tuple[float, int, tuple[int, ...]]] = [(-p, 1, (rank,)) for rank, p in enumerate(accept[0])]
+    frontier: list[tuple[float, int, tuple[int, ...]]] = [(-p, 1, (rank,)) for rank, p in enumerate(accept)]
     heapq.heapify(frontier)
     taken: list[tuple[int, ...]] = []
     designed: list[DesignedTree] = []
@@ -71,18 +70,16 @@ def best_trees(accept: Sequence[Sequence[float]], max_nodes: int, max_depth: int
         expected, deepest, chain = expected - negative, max(deepest, depth), chain and not any(path)
         designed.append(DesignedTree(tuple(taken), expected, deepest, chain))
         if depth < max_depth:
-            for rank, p in enumerate(accept[min(depth, len(accept) - 1)]):
+            for rank, p in enumerate(accept):
                 heapq.heappush(frontier, (negative * p, depth + 1, path + (rank,)))
     return designed
 
 
-def expected_count(shape: TreeShape, accept: Sequence[Sequence[float]]) -> float:
-    """1 + the sum over `shape`'s nodes of the product along the node's path of `accept[depth - 1][rank]` (depths
-    past the list: its last vector; 0 for a rank beyond the vector): the expected tokens a round of this tree commits
-    per row under the module's model."""
+def expected_count(shape: TreeShape, accept: Sequence[float]) -> float:
+    """1 + the sum over `shape`'s nodes of the product of `accept[rank]` along the node's path (0 for a rank beyond
+    `accept`): the expected tokens a round of this tree commits per row under the module's model."""
     values: list[float] = []
-    for parent, rank, depth in zip(shape.parents, shape.ranks, shape.depths):
-        vector = accept[min(depth, len(accept)) - 1]
-        p = vector[rank] if rank < len(vector) else 0.0
+    for parent, rank in zip(shape.parents, shape.ranks):
+        p = accept[rank] if rank < len(accept) else 0.0
         values.append(p * (values[parent] if parent >= 0 else 1.0))
     return 1.0 + sum(values)

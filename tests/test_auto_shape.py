@@ -12,7 +12,6 @@ from tiny import PAD, perturbed_copy, tiny_lm
 
 import hf_specsample.lookahead as lookahead_module
 import hf_specsample.plan as plan_module
-import hf_specsample.shape_policy as shape_policy
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.draft_tree import rank_observations
 from hf_specsample.lookahead import AdaptiveLookahead, LookaheadPolicy
@@ -26,13 +25,13 @@ from hf_specsample.tree_design import best_trees, expected_count
 
 def brute_force_best(accept, nodes, max_depth):
     """The most expected tokens of any tree of `nodes` nodes: every parent-closed set of rank paths, grown a node at
-    a time from the empty tree. `accept`: per depth (the last for deeper ones), each vector as long."""
+    a time from the empty tree."""
     trees = {frozenset()}
     for _ in range(nodes):
         grown = set()
         for tree in trees:
             for parent in [()] + [path for path in tree if len(path) < max_depth]:
-                for rank in range(len(accept[0])):
+                for rank in range(len(accept)):
                     child = parent + (rank,)
                     if child not in tree:
                         grown.add(tree | {child})
@@ -45,7 +44,6 @@ def brute_force_best(accept, nodes, max_depth):
 )
 @pytest.mark.parametrize("max_depth", [2, 3])
 def test_best_first_is_the_best_tree_of_every_size(accept, max_depth):
-    accept = [accept]  # the same at every depth (Sequoia's model)
     designed = best_trees(accept, 6, max_depth)
     assert len(designed) == 6
     for nodes, tree in enumerate(designed, start=1):
@@ -57,11 +55,11 @@ def test_best_first_is_the_best_tree_of_every_size(accept, max_depth):
 
 
 def test_one_rank_designs_chains_and_a_depth_cap_limits_them():
-    for nodes, tree in enumerate(best_trees([[0.8]], 5, 8), start=1):
+    for nodes, tree in enumerate(best_trees([0.8], 5, 8), start=1):
         assert tree.shape == TreeShape.chain(nodes) and tree.is_chain
         assert tree.expected == pytest.approx(sum(0.8**i for i in range(nodes + 1)))  # Leviathan's E(K)
-    assert len(best_trees([[0.8]], 5, 3)) == 3  # a chain deeper than 3 is not allowed, and there is nothing else
-    spine = best_trees([[0.9, 0.05]], 4, 8)[-1].shape
+    assert len(best_trees([0.8], 5, 3)) == 3  # a chain deeper than 3 is not allowed, and there is nothing else
+    spine = best_trees([0.9, 0.05], 4, 8)[-1].shape
     assert spine.is_chain  # the spine's values stay above any second choice's
 
 
@@ -79,67 +77,17 @@ def test_rank_observations_read_each_rows_walk():
             [0, -1],  # rank 0, then neither choice at (0,)
         ]
     )
-    tested, accepted, depth_tested, depth_accepted = rank_observations(shape, path)
+    tested, accepted = rank_observations(shape, path)
     assert tested == (2 + 1 + 2 + 1 + 2, 0 + 1 + 1 + 1 + 1)
     assert accepted == (2 + 0 + 1 + 0 + 1, 0 + 1 + 1 + 0 + 0)
-    # rank 0 by depth: every row tests it at the root; rows 1, 3 and 5 stood on (0,), which offers rank 0 again
-    assert depth_tested == (5, 3) and depth_accepted == (3, 1)
 
 
 def test_rank_acceptance_from_hazards():
-    ranks = RankAcceptance(3, 2, prior_weight=1e-9, decay=1.0)
+    ranks = RankAcceptance(3, prior_weight=1e-9, decay=1.0)
     ranks.observe(RoundRecord(4, accepted=6, tested=10, draft_seconds=0, verify_seconds=0))  # a chain: rank 0 only
     ranks.observe(RoundRecord(2, 0, 0, 0, 0, nodes=3, rank_tested=(0, 4, 2), rank_accepted=(0, 2, 0)))
-    for p in ranks.accept():  # no depth measured apart: every depth takes the pooled hazards
-        assert p == pytest.approx([0.6, 0.4 * 0.5, 0.0], abs=1e-9)
-
-
-def test_best_first_designs_for_acceptance_by_depth():
-    """Depth-dependent vectors (an unsure first level, a sure spine below): best-first is still the best tree of
-    every size, and it differs from the tree for either vector alone."""
-    accept = [[0.4, 0.3, 0.2], [0.95, 0.03, 0.01]]
-    designed = best_trees(accept, 6, 3)
-    for nodes, tree in enumerate(designed, start=1):
-        assert tree.expected == pytest.approx(expected_count(tree.shape, accept))
-        assert tree.expected == pytest.approx(brute_force_best(accept, nodes, 3))
-    assert designed[-1].shape != best_trees([accept[0]], 6, 3)[-1].shape
-    assert designed[-1].shape != best_trees([accept[1]], 6, 3)[-1].shape
-
-
-def bursty_chain_rounds(policy, rounds, lookahead=8, rows=4, seed=0):
-    """Chain rounds of K = `lookahead` where a round's first draft token is accepted half the time and every later
-    one always (agreement in runs): per row, 0 or K accepted."""
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        accepted = [lookahead * (rng.random() < 0.5) for _ in range(rows)]
-        policy.observe(RoundRecord.untimed(lookahead, accepted, prefill=False, refeed_forwards=0))
-
-
-def test_first_choice_acceptance_is_kept_by_depth():
-    ranks = RankAcceptance(1, 8, decay=1.0)
-    bursty_chain_rounds(ranks, 200)
-    pooled = ranks.hazards[0].value  # accepted / tested over every depth: a row tests 1 token or accepts 8
-    assert pooled == pytest.approx(0.5 * 8 / (0.5 * 1 + 0.5 * 8), abs=0.03)
-    assert ranks.first_choice(1) == pytest.approx(0.5, abs=0.05)
-    assert all(ranks.first_choice(depth) > 0.99 for depth in range(2, 9))
-
-
-def test_acceptance_by_depth_drafts_deeper_than_one_alpha(monkeypatch):
-    """Bursty agreement at flat verification costs and a dear draft step (0.3 of a target step): by depth, a round's
-    deep tokens are worth their cost (E(K) = 1 + 0.5 K: the rate (1 + 0.5 K) / (0.3 K + 1) grows with K); one alpha
-    (0.9 here) undervalues them and chooses K = 5. The power check: the same rounds with each depth pulled all the
-    way to the pooled hazard."""
-    costs = StaticCosts(0.3, verify_slope=0.0)
-
-    def chosen(depth_weight):
-        monkeypatch.setattr(shape_policy, "DEPTH_PRIOR_WEIGHT", depth_weight)
-        designer = ShapeDesigner(1, 8)
-        bursty_chain_rounds(designer, 40)
-        return designer.best(costs)
-
-    assert chosen(shape_policy.DEPTH_PRIOR_WEIGHT) == (None, 8)
-    tree, depth = chosen(1e9)
-    assert tree is None and depth <= 5
+    p = ranks.accept()
+    assert p == pytest.approx([0.6, 0.4 * 0.5, 0.0], abs=1e-9)
 
 
 # --- the choice at measured costs -----------------------------------------------------------------------------------
@@ -174,8 +122,7 @@ def simulate(verify, rounds=60, draft_step=0.01, seed=0):
                     if (current, rank) not in node:
                         break
                     current = path[row, level] = node[(current, rank)]
-            counts = rank_observations(tree, path)
-            record = RoundRecord(depth, 0, 0, 0, 0, nodes=width, **counts._asdict())
+            record = RoundRecord(depth, 0, 0, 0, 0, nodes=width, **rank_observations(tree, path)._asdict())
         policy.observe(replace(record, draft_seconds=draft_step * depth, verify_seconds=verify(width)))
     return chosen
 

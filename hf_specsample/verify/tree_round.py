@@ -116,5 +116,5 @@ class TreeRound:
         self.drafter.compact_tree(path, counts)
         proposal = Proposal(tokens=verdict.accepted_tokens, probs=None, model_steps=shape.max_depth)
         # auto designs static trees; a dynamic tree's ranks are its own: none recorded
-        ranks = rank_observations(static, path) if static is not None else RankCounts((), (), (), ())
+        ranks = rank_observations(static, path) if static is not None else RankCounts((), ())
         return proposal, Verdict(verdict.num_accepted, verdict.next_tokens), scores, raw, ranks
