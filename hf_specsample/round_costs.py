@@ -134,7 +134,10 @@ class MeasuredCosts:
             self.drafting_rounds += 1
         verify = record.verify_seconds
         if self.verify:
-            verify = min(verify, OUTLIER * self.verify_seconds(record.width))
+            # against the fit, or the cheapest width's own mean where the fit says less: an extrapolated line can fall
+            # to nothing, and a round clipped to it would confirm it (plain decoding "free", drafting stopped for good)
+            cheapest = min(mean.value for mean in self.verify.values())
+            verify = min(verify, OUTLIER * max(self.verify_seconds(record.width), cheapest))
         self.verify.setdefault(record.width, DecayedMean(0.0, 0.0, self.decay)).add(verify)
         width = record.width
         self._moments = [VERIFY_FIT_DECAY * moment + width**power for power, moment in enumerate(self._moments)]
@@ -150,7 +153,7 @@ class MeasuredCosts:
         """v(K): a curve fitted to every round's (width, v) by least squares, each round weighted by
         `VERIFY_FIT_DECAY` per round since: flat with one width observed, a line (never falling) with two or three, a
         parabola with four or more where it curves upward (convex: verification turning compute-bound, compiled on
-        an AVX2 CPU 146, 162, 222, 304 ms for K = 1..4), else a line.
+        an AVX2 CPU 146, 162, 222, 304 ms for K = 1..4; flat left of its vertex), else a line.
 
         Not each width's own mean: a round's v varies by 10-20% (the cache grows, rows commit different counts), so
         two neighbouring widths measured a few times give a slope off by several times its size, and a width measured
@@ -168,7 +171,8 @@ class MeasuredCosts:
                 curve_residual = self._squares - sum(coefficient * sum_ for coefficient, sum_ in zip(curve, t))
                 if curve_residual * CURVE_EVIDENCE < line_residual:  # the curve explains what noise cannot
                     a, b, c = curve
-                    return max(1e-9, a + b * lookahead + c * lookahead**2)
+                    at = max(lookahead, -b / (2 * c))  # never cheaper for more positions: flat left of the vertex
+                    return max(1e-9, a + b * at + c * at**2)
         if line is None or line[1] < 0:  # never cheaper for more positions: flat at the weighted mean
             return max(1e-9, t[0] / m[0])
         return max(1e-9, line[0] + line[1] * lookahead)

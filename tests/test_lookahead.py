@@ -194,6 +194,26 @@ def test_noisy_round_costs_do_not_hold_k_down():
     assert len(held) >= 4, held
 
 
+def test_a_cost_step_does_not_stop_drafting_for_good():
+    """Verification flat to K = 3, then a step (a kernel's row limit, a compiled shape's bucket): no line fits it, and
+    the line's extrapolation put v(0) at nothing; a K = 0 round clipped to `OUTLIER` times that estimate confirmed it,
+    plain decoding looked free and drafting stopped for the rest of the call, where K = 3 is 1.7x faster."""
+    step = [0.2] * 4 + [0.5] * 5
+    assert best_lookahead(0.9, 0.02, step) == 3
+    choices = feed(AdaptiveLookahead(max_lookahead=8), 60, alpha=0.9, draft_step=0.02, verify=step.__getitem__)
+    assert choices[10:].count(0) == 0, choices
+
+
+def test_fitted_verification_cost_never_falls_with_more_positions():
+    """A parabola through a step (flat at K = 2..4, then K = 5 dear) has its vertex inside: left of it, v(K) is the
+    vertex's, not the parabola's rising branch (which put v(0) at 4x its cost and made plain decoding look dear)."""
+    costs = MeasuredCosts(0.85)
+    for k in (2, 3, 4, 4, 5):
+        costs.observe(RoundRecord(k, 0, 1, 0.02 * k, 0.2 if k < 5 else 0.5))
+    fitted = [costs.verify_seconds(k) for k in range(9)]
+    assert fitted == sorted(fitted) and fitted[0] < 0.25, fitted
+
+
 def test_linear_eager_costs_stop_drafting_quickly():
     # Eager on the same CPU: every extra position costs ~0.8 of a step, so drafting cannot pay (best K = 0).
     assert best_lookahead(0.9, 0.046, EAGER_CURVE) == 0
