@@ -171,7 +171,8 @@ class MeasuredCosts:
                 curve_residual = self._squares - sum(coefficient * sum_ for coefficient, sum_ in zip(curve, t))
                 if curve_residual * CURVE_EVIDENCE < line_residual:  # the curve explains what noise cannot
                     a, b, c = curve
-                    at = max(lookahead, -b / (2 * c))  # never cheaper for more positions: flat left of the vertex
+                    # never cheaper for more positions: flat left of the vertex (one within the widths measured)
+                    at = max(lookahead, min(-b / (2 * c), max(self.verify)))
                     return max(1e-9, a + b * at + c * at**2)
         if line is None or line[1] < 0:  # never cheaper for more positions: flat at the weighted mean
             return max(1e-9, t[0] / m[0])
