@@ -124,8 +124,9 @@ class MeasuredCosts:
         time (another process, a first call's lazy set-up), and one stalled round must not decide a call (a draft
         step measured at 30 times its cost once would stop drafting for good). A cost that really rose is followed
         within a few rounds."""
-        if record.prefill:
-            return
+        durations = (record.draft_seconds, record.verify_seconds)
+        if record.prefill or not all(math.isfinite(seconds) and seconds >= 0 for seconds in durations):
+            return  # no clock in use gives a NaN or a negative duration; one would poison every estimate after it
         if record.lookahead > 0:
             step = record.draft_seconds / record.lookahead
             if self.draft_step.count > 0:

@@ -89,6 +89,16 @@ def stalled_first_round():
     return feed(policy, 60, alpha=0.9, draft_step=0.03, verify=lambda k: 0.2)
 
 
+def test_a_round_without_a_valid_duration_teaches_nothing():
+    costs = AdaptiveLookahead().costs
+    costs.observe(RoundRecord(2, 2, 2, 0.02, 0.2))
+    costs.observe(RoundRecord(4, 4, 4, 0.04, 0.3))
+    before = (costs.draft_seconds(), [costs.verify_seconds(k) for k in range(6)])
+    for draft, verify in ((float("nan"), 0.2), (0.02, float("nan")), (-1.0, 0.2), (0.02, float("inf"))):
+        costs.observe(RoundRecord(3, 3, 3, draft, verify))
+    assert (costs.draft_seconds(), [costs.verify_seconds(k) for k in range(6)]) == before
+
+
 def test_one_stalled_round_does_not_stop_drafting(monkeypatch):
     """Each round's cost counts as at most `OUTLIER` times the estimate, and giving drafting up for good needs costs
     measured over `SETTLED_ROUNDS` rounds. The power check: with neither, the stalled round ends drafting for the
