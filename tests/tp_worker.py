@@ -1,6 +1,7 @@
 """Run by tests/test_tensor_parallel.py under torchrun: a tensor-parallel tiny target with a replicated draft."""
 
 import json
+import os
 import sys
 
 import torch
@@ -57,3 +58,4 @@ with open(f"{out_path}.{rank}", "w") as handle:
     json.dump(result, handle)
 dist.barrier()  # no rank tears gloo down while a peer still uses it (see examples/tensor_parallel.py)
 dist.destroy_process_group()
+os._exit(0)  # no interpreter teardown for gloo's threads to abort (see examples/tensor_parallel.py)
