@@ -3,7 +3,9 @@
     python -m hf_specsample_bench.versions --base 7c2921d --pair qwen-coder --num-prompts 4 --max-new-tokens 96
 
 The earlier commit's `hf_specsample/` is extracted with `git archive` into a temporary folder under another package
-name (the library imports itself only relatively), so both versions run on the same loaded models. For every
+name (the library imports itself only relatively), so both versions run on the same loaded models; where its
+small-rows kernel source differs from this checkout's, the base's kernel is built under names of its own
+(`own_kernel`), so a kernel change can be measured too. For every
 prompt and mode the calls alternate: the target alone, this checkout's default, the base's default (after one
 warm-up round of each). Every call generates exactly `--max-new-tokens` tokens (min_new_tokens = max_new_tokens).
 Both versions are called through transformers' own `generate(custom_generate=...)`, so neither's registration
@@ -45,8 +47,39 @@ def import_base(revision: str, folder: Path):
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
     (folder / "hf_specsample").rename(folder / "hf_specsample_base")
+    own_kernel(folder / "hf_specsample_base")
     sys.path.insert(0, str(folder))
     return importlib.import_module("hf_specsample_base")
+
+
+# The small-rows kernel's names that a process holds once: its operators' namespace and its extension's name.
+KERNEL_NAMES = {
+    "torch.ops.hf_specsample.": "torch.ops.hf_specsample_base.",
+    "TORCH_LIBRARY(hf_specsample,": "TORCH_LIBRARY(hf_specsample_base,",
+    "TORCH_LIBRARY_IMPL(hf_specsample,": "TORCH_LIBRARY_IMPL(hf_specsample_base,",
+    '"hf_specsample::': '"hf_specsample_base::',
+    '"hf_specsample_small_rows"': '"hf_specsample_base_small_rows"',
+}
+
+
+def own_kernel(package: Path) -> None:
+    """Where the base's kernel source differs from this checkout's, its operators get names of their own.
+
+    torch's dispatcher holds one library per namespace: a second build registering `hf_specsample` aborts the
+    process. Renamed, the base's kernel is built beside this checkout's (once per machine, torch's extension cache
+    keeps it) and a kernel change can be measured. An identical source keeps sharing this checkout's operators.
+    """
+    mine = REPO / "hf_specsample" / "kernels" / "small_rows.cpp"
+    sources = sorted(package.rglob("small_rows.cpp"))
+    if all(source.read_bytes() == mine.read_bytes() for source in sources):
+        return
+    for path in [*package.rglob("*.py"), *sources]:
+        text = path.read_text()
+        renamed = text
+        for old, new in KERNEL_NAMES.items():
+            renamed = renamed.replace(old, new)
+        if renamed != text:
+            path.write_text(renamed)
 
 
 def timed(model, inputs, **kwargs) -> float:

@@ -101,6 +101,30 @@ def test_versions_against_this_checkout_on_the_tiny_pair():
     assert "this/base" in result.stdout
 
 
+def test_a_base_with_another_kernel_source_gets_operators_of_its_own(tmp_path):
+    """Two builds registering one operator namespace abort the process: a base whose small_rows.cpp differs is renamed
+    throughout (its C++ library, its Python calls, its extension's name); an identical one is left sharing ours."""
+    from hf_specsample_bench.versions import own_kernel
+
+    mine = (REPO / "hf_specsample" / "kernels" / "small_rows.cpp").read_text()
+    wrapper = (
+        'load("hf_specsample_small_rows")\ntorch.ops.hf_specsample.paths()\nfake("hf_specsample::small_rows_linear")\n'
+    )
+    for changed in (False, True):
+        kernels = tmp_path / str(changed) / "kernels"
+        kernels.mkdir(parents=True)
+        (kernels / "small_rows.cpp").write_text(mine + ("// changed\n" if changed else ""))
+        (kernels / "small_rows.py").write_text(wrapper)
+        own_kernel(kernels.parent)
+        source, calls = (kernels / "small_rows.cpp").read_text(), (kernels / "small_rows.py").read_text()
+        assert ("TORCH_LIBRARY(hf_specsample_base," in source) is changed
+        assert ("TORCH_LIBRARY_IMPL(hf_specsample_base," in source) is changed
+        assert ("TORCH_LIBRARY(hf_specsample," in source) is not changed
+        renamed = 'load("hf_specsample_base_small_rows")\ntorch.ops.hf_specsample_base.paths()\n'
+        renamed += 'fake("hf_specsample_base::small_rows_linear")\n'
+        assert calls == (renamed if changed else wrapper)
+
+
 def test_rank_oracle_walks_rounds_along_the_ranks():
     """Rounds along a rank sequence 0 1 0 0 0: a chain of 2 commits (0, then the target's token where the draft's
     second choice was right) and (0 0 0): 2 passes; a tree holding that second choice and first choices under it

@@ -172,7 +172,8 @@ def test_sliding_window_drafts_run_compiled_past_the_window(built, monkeypatch, 
     target = tiny_arch(name, seed=0)
     draft = arch_draft(target, seed=1)
     calls = count_steps(monkeypatch)
-    config = SpeculativeConfig(compile_draft=True)
+    # the draft as given: AUTO's timed choice of a form could pick dynamic int8, whose steps run eagerly
+    config = SpeculativeConfig(compile_draft=True, draft_form="as_given")
     out = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD, draft_model=draft,
                           num_lookahead=3, speculative_config=config, return_dict_in_generate=True)  # fmt: skip
     plain = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
