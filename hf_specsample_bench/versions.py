@@ -5,14 +5,13 @@
 The earlier commit's `hf_specsample/` is extracted with `git archive` into a temporary folder under another package
 name (the library imports itself only relatively), so both versions run on the same loaded models; where its
 small-rows kernel source differs from this checkout's, the base's kernel is built under names of its own
-(`own_kernel`), so a kernel change can be measured too. For every
-prompt and mode the calls alternate: the target alone, this checkout's default, the base's default (after one
-warm-up round of each). Every call generates exactly `--max-new-tokens` tokens (min_new_tokens = max_new_tokens).
-Both versions are called through transformers' own `generate(custom_generate=...)`, so neither's registration
-wrapper is in the way. Printed: tokens/s per method, each one's speed-up over the target alone, and this/base
-(also per prompt, median). `--levers-off` adds this checkout with the levers that came after the base switched
-off (sort-free top-p, block verification), to tell the cost of a refactor from the gain of a lever. Figures are
-printed, never asserted; this CPU drifts by about 10% between calls.
+(`own_kernel`), so a kernel change can be measured too. For every prompt and mode the calls alternate: the target
+alone, this checkout's default, the base's default (after one warm-up round of each). Every call generates exactly
+`--max-new-tokens` tokens (min_new_tokens = max_new_tokens). Both versions are called through transformers' own
+`generate(custom_generate=...)`, so neither's registration wrapper is in the way. Printed: tokens/s per method, each
+one's speed-up over the target alone, and this/base (also per prompt, median). `--levers-off` adds this checkout
+with the levers that came after the base switched off (sort-free top-p, block verification), to tell the cost of a
+refactor from the gain of a lever. Figures are printed, never asserted; this CPU drifts by about 10% between calls.
 """
 
 from __future__ import annotations

@@ -168,9 +168,9 @@ constexpr int64_t kColumnChunk = 16;  // weight rows a thread takes at a time (s
 #ifdef HF_X86
 // The weight one column chunk ahead, at the same k: the rows this thread reads next (for_blocks hands a thread
 // consecutive chunks), asked into L2 while this tile is summed. Without it the loads of a few rows wait on memory
-// and the sums wait on the loads; with it a model's linears read their weights at 1.7x the rate at 5-9 rows and
-// 1.1x at one (avx512_bf16 on a Zen 4 EPYC, `python -m hf_specsample_bench.round_profile`). A prefetch never faults:
-// the last chunk's, past the weight's end, is harmless.
+// and the sums wait on the loads; with it a 1.5B model's linears read their weights at 1.5-1.8x the rate at 5-9 rows
+// and 1.1-1.25x at one (avx512_bf16 on a Zen 4 EPYC; avx512f and avx2_fma 1.2-2x: docs/benchmarks.md, 2026-11-27).
+// A prefetch never faults: the last chunk's, past the weight's end, is harmless.
 template <typename W>
 inline void prefetch_ahead(const W* row, int64_t K, int64_t k) {
   _mm_prefetch(reinterpret_cast<const char*>(row + kColumnChunk * K + k), _MM_HINT_T1);
