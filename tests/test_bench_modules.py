@@ -8,6 +8,8 @@ is what catches it.
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 
@@ -123,6 +125,37 @@ def test_a_base_with_another_kernel_source_gets_operators_of_its_own(tmp_path):
         renamed = 'load("hf_specsample_base_small_rows")\ntorch.ops.hf_specsample_base.paths()\n'
         renamed += 'fake("hf_specsample_base::small_rows_linear")\n'
         assert calls == (renamed if changed else wrapper)
+
+
+def test_the_renamed_library_names_none_of_our_operators(tmp_path):
+    """This checkout's own package, renamed as a later checkout renames it as a base (its kernel source differs): no
+    spelling of the `hf_specsample` operator namespace or extension name is left (a missed one would call or
+    register ours: a wrong kernel measured, or the process aborted), and every operator its Python calls is one its
+    C++ library defines."""
+    from hf_specsample_bench.versions import own_kernel
+
+    package = tmp_path / "hf_specsample_base"
+    shutil.copytree(REPO / "hf_specsample", package, ignore=shutil.ignore_patterns("__pycache__"))
+    source = package / "kernels" / "small_rows.cpp"
+    source.write_text(source.read_text() + "// changed\n")
+    own_kernel(package)
+    ours = re.compile(
+        r"torch\.ops\.hf_specsample\b(?!_base)|torch\.ops,\s*[\"']hf_specsample\b(?!_base)|\bhf_specsample::|"
+        r"TORCH_LIBRARY\w*\(\s*hf_specsample\s*,|\bhf_specsample_small_rows\b"
+    )
+    for path in [*package.rglob("*.py"), *package.rglob("*.cpp")]:
+        text = path.read_text()
+        if path.suffix == ".cpp":
+            text = re.sub(r"//[^\n]*", "", text)  # comments name the operators too
+        assert not ours.findall(text), f"{path.relative_to(package)} still names our operators: {ours.findall(text)}"
+    defined = set(re.findall(r'm\.def\("(\w+)\(', source.read_text()))
+    assert "TORCH_LIBRARY(hf_specsample_base," in source.read_text() and defined
+    called = {
+        name
+        for path in package.rglob("*.py")
+        for name in re.findall(r"hf_specsample_base(?:\.|::)(\w+)", path.read_text())
+    }
+    assert called and called <= defined, called - defined
 
 
 def test_rank_oracle_walks_rounds_along_the_ranks():
