@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -170,10 +171,12 @@ constexpr int64_t kColumnChunk = 16;  // weight rows a thread takes at a time (s
 // consecutive chunks), asked into L2 while this tile is summed. Without it the loads of a few rows wait on memory
 // and the sums wait on the loads; with it a 1.5B model's linears read their weights at 1.5-1.8x the rate at 5-9 rows
 // and 1.1-1.25x at one (avx512_bf16 on a Zen 4 EPYC; avx512f and avx2_fma 1.2-2x: docs/benchmarks.md, 2026-11-27).
-// A prefetch never faults: the last chunk's, past the weight's end, is harmless.
+// A prefetch never faults: the last chunk's, past the weight's end, is harmless (its address is computed as an
+// integer, so no pointer past the weight is ever formed).
 template <typename W>
 inline void prefetch_ahead(const W* row, int64_t K, int64_t k) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + kColumnChunk * K + k), _MM_HINT_T1);
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + k) + static_cast<uintptr_t>(kColumnChunk * K * sizeof(W));
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
 }
 
 HF_AVX2 inline __m256 widen8(const at::BFloat16* p) {
@@ -201,7 +204,7 @@ HF_AVX2 inline void tile_avx2(const float* x, const W* w, const float* scale, fl
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
-    const bool new_line = (k * static_cast<int64_t>(sizeof(W))) % 64 == 0;  // the step starts a cache line
+    const bool new_line = (k * static_cast<int64_t>(sizeof(W))) % 64 == 0;  // one prefetch per 64 bytes of a row
     for (int j = 0; j < NB; j++) {
       if (new_line) prefetch_ahead(w + j * K, K, k);
       wv[j] = widen8(w + j * K + k);
@@ -241,7 +244,7 @@ HF_AVX512 inline void tile_avx512(const float* x, const W* w, const float* scale
   int64_t k = 0;  // whole steps of 16 k's, the lanes summed, then the k tail one by one
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
-    const bool new_line = (k * static_cast<int64_t>(sizeof(W))) % 64 == 0;  // the step starts a cache line
+    const bool new_line = (k * static_cast<int64_t>(sizeof(W))) % 64 == 0;  // one prefetch per 64 bytes of a row
     for (int j = 0; j < NB; j++) {
       if (new_line) prefetch_ahead(w + j * K, K, k);
       wv[j] = widen16(w + j * K + k);
