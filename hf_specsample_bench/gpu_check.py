@@ -91,16 +91,25 @@ def second_turn(target, draft, config, device: torch.device) -> str:
 
 
 def chi_square(target, draft, config, device: torch.device, samples: int = 1000) -> str:
-    """Two-token continuations sampled with temperature 0.9 against their exact probabilities (enumerated); one row
+    """Two-token continuations sampled with temperature 0.9 against their exact probabilities (enumerated, EOS
+    barred as `min_new_tokens` bars it); one row
     per call, so that every call reuses the kept caches and runners (a batch whose rows leave one by one would make
     a runner, and a graph, per row count)."""
     from hf_specsample_bench.tiny import PAD_ID
 
     prompt = torch.tensor([[1, 5, 2, 5]], device=device)
+    eos = target.generation_config.eos_token_id  # min_new_tokens=2 bars it from both positions
+
+    def processed(logits: torch.Tensor) -> torch.Tensor:  # (..., vocab) -> probabilities as generate() draws them
+        logits = logits.double() / 0.9
+        if eos is not None:
+            logits[..., eos] = -float("inf")
+        return torch.softmax(logits, -1)
+
     with torch.no_grad():
-        first = torch.softmax(target(prompt).logits[0, -1].double() / 0.9, -1)  # (vocab,)
+        first = processed(target(prompt).logits[0, -1])  # (vocab,)
         both = torch.cat([prompt.repeat(16, 1), torch.arange(16, device=device)[:, None]], 1)
-        second = torch.softmax(target(both).logits[:, -1].double() / 0.9, -1)  # (vocab, vocab)
+        second = processed(target(both).logits[:, -1])  # (vocab, vocab)
     exact = (first[:, None] * second).flatten().cpu()
     generator = torch.Generator(device=device).manual_seed(0)
     index = []

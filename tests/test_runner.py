@@ -164,8 +164,7 @@ def test_eager_runners_sample_exactly(monkeypatch, pair):
 @torch.no_grad()
 def test_compiled_runners_compile_whole_graphs_once(monkeypatch, light, pair):
     """fullgraph=True, dynamic=False: no graph break, and no recompilation after the first run of each runner over a
-    whole call with ragged rows (`error_on_recompile`; a row that drops makes a runner of fewer rows, its own first
-    compilation); greedy output is plain's."""
+    whole call with ragged rows (`error_on_recompile`); greedy output is plain's."""
     target, draft = pair
     target_on_runners(monkeypatch, RunnerBackend.COMPILED)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
@@ -203,3 +202,60 @@ def test_runners_are_kept_with_the_cache_for_the_next_call(monkeypatch, pair):
     first, calls[:] = calls[0] + calls[1], [[]]
     target.generate(PROMPT[:1], **kwargs)
     assert calls[0] and all(any(runner is kept for kept in first) for runner in calls[0])
+
+
+def ending_apart(target, prompt, mask) -> int:
+    """An EOS id on which the rows of `prompt` stop at different rounds of plain greedy decoding (row 0 early)."""
+    plain = target.generate(prompt, attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, do_sample=False,
+                            eos_token_id=None)  # fmt: skip
+    first, second = plain[0, prompt.shape[1] :].tolist(), plain[1, prompt.shape[1] :].tolist()
+    return next(token for token in first[4:8] if token != PAD and token not in second + first[:4])
+
+
+@torch.no_grad()
+def test_rows_that_finish_keep_the_caches_and_runners_of_the_full_batch(monkeypatch, light, pair):
+    """A row that finishes leaves both static caches holding the same storage (the rest of the call runs without
+    runners: no new shape is compiled), and the next call of the full batch gets those caches and their compiled
+    runners back: nothing compiles again; greedy output is plain's in both calls."""
+    from torch._dynamo.utils import counters
+
+    from hf_specsample.cache import static_addresses
+
+    target, draft = pair
+    target_on_runners(monkeypatch, RunnerBackend.COMPILED)
+    prompt = torch.tensor([[1, 5, 2, 5, 3], [PAD, PAD, 3, 7, 2]])
+    mask = (prompt != PAD).long()
+    eos = ending_apart(target, prompt, mask)
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
+    plain = target.generate(prompt, **kwargs).tolist()
+    assert plain[0].index(eos) + 2 < len(plain[0]) and plain[0].count(PAD) > plain[1].count(PAD), "rows end apart"
+    addresses: list[tuple[list[int], list[int]]] = []
+    original = row_ops.select_rows
+
+    def select_rows(cache, index):
+        before = [layer.keys.data_ptr() for layer in row_ops.attention_layers(cache)]
+        original(cache, index)
+        addresses.append((before, [layer.keys.data_ptr() for layer in row_ops.attention_layers(cache)]))
+
+    monkeypatch.setattr(row_ops, "select_rows", select_rows)
+    taken = []
+    original_take = static_addresses.POOL.take
+    monkeypatch.setattr(static_addresses.POOL, "take", lambda *args: taken.append(original_take(*args)) or taken[-1])
+    assert target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs).tolist() == plain
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, "the target's runner compiled before the first row finished"
+    assert target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs).tolist() == plain
+    assert counters["stats"]["unique_graphs"] == graphs, "the second call compiled a graph"
+    assert addresses and all(before == after for before, after in addresses), "a dropped row moved a cache"
+    assert len(taken) == 4 and None not in taken[2:], "the second call runs on both caches of the first"
+
+
+def test_selected_rows_keep_the_storage_and_come_back_for_the_next_call(model):
+    cache = prefilled(model)
+    layer = row_ops.attention_layers(cache)[0]
+    pointer, second_row = layer.keys.data_ptr(), layer.keys[1].clone()
+    row_ops.select_rows(cache, torch.tensor([1]))
+    assert layer.keys.shape[0] == layer.batch_size == 1 and layer.keys.data_ptr() == pointer
+    assert torch.equal(layer.keys[0], second_row)
+    row_ops.restore_rows(cache)
+    assert layer.keys.shape[0] == layer.batch_size == 2 and layer.keys.data_ptr() == pointer

@@ -377,7 +377,12 @@ def stack_rows_into(target: Cache, parts: Sequence[Cache]) -> None:
 
 def select_rows(cache: Cache, index: torch.Tensor) -> None:
     """Keep the rows `index` (a CPU long tensor) of every part of every layer (`Cache.batch_select_indices` does not
-    reach static or linear-attention layers)."""
+    reach static or linear-attention layers).
+
+    A static layer keeps its storage: the kept rows move to its leading rows and the layer holds a view of them
+    (`restore_rows` makes it hold every row again), so its tensors keep the addresses that compiled forwards and
+    CUDA graphs recorded, and the cache can serve a later call of the full batch (`static_addresses.POOL`).
+    """
     layer: Any  # transformers types `Cache.layers` as a union of mixins lacking the keys/slots read here
     for layer in cache.layers:
         if isinstance(layer, linear_states.LinearLayer):
@@ -385,7 +390,29 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
         part = attention_part(layer)
         if part is None or not _holds_keys(layer):
             continue
+        if part is StaticLayer:
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                allocated = _allocated(states)
+                allocated[: len(index)].copy_(states[index.to(states.device)])  # gathered first: no overlap
+                setattr(layer, name, allocated[: len(index)])
+            layer.batch_size = len(index)
+            continue
         layer.keys = layer.keys[index.to(layer.keys.device)]
         layer.values = layer.values[index.to(layer.values.device)]
-        if part is StaticLayer:
+
+
+def _allocated(states: torch.Tensor) -> torch.Tensor:
+    """The tensor whose leading rows `states` is (`select_rows`), or `states` itself."""
+    base = states._base
+    leading = base is not None and base.shape[1:] == states.shape[1:] and base.data_ptr() == states.data_ptr()
+    return base if leading else states
+
+
+def restore_rows(cache: Cache) -> None:
+    """Make every static layer hold all the rows it allocated again, after `select_rows` dropped some: for a cache
+    about to be emptied (`Cache.reset`) and reused; the dropped rows hold stale slots until then."""
+    for layer in attention_layers(cache):
+        if attention_part(layer) is StaticLayer and _holds_keys(layer):
+            layer.keys, layer.values = _allocated(layer.keys), _allocated(layer.values)
             layer.batch_size = layer.keys.shape[0]

@@ -105,6 +105,7 @@ class CachePool:
             return
         if not all(layer.is_initialized for layer in layers):
             return
+        row_ops.restore_rows(cache)  # rows dropped as they finished come back: the next call resets every row
         key = CacheKey.of(model, layers[0].keys.shape[0], slots)
         self._caches.setdefault(model, {}).setdefault(key, []).append(cache)
 
