@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from collections.abc import Callable
 
 os.environ.setdefault("TORCHINDUCTOR_CUDAGRAPH_OR_ERROR", "1")  # before torch: inductor reads it at import
 
@@ -51,24 +53,40 @@ def exactness_checks(device: torch.device) -> list[tuple[str, str]]:
     config = SpeculativeConfig(compile=True, num_lookahead=3)
     rows: list[tuple[str, str]] = []
 
-    def compare(name: str, ids: torch.Tensor, **kwargs) -> None:
+    def check(name: str, run: Callable[[], str]) -> None:
+        """One row: its result, or the error it raised (the next checks still run)."""
+        try:
+            result = run()
+        except Exception as error:  # noqa: BLE001  (a check that fails is a row of the table, not the end of it)
+            traceback.print_exc()
+            result = f"ERROR {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        rows.append((name, result))
+        print(f"| {name} | {result} |", flush=True)
+
+    def compare(ids: torch.Tensor, **kwargs) -> str:
         plain = target.generate(ids, pad_token_id=PAD_ID, do_sample=False, **kwargs)
         ours = target.generate(ids, pad_token_id=PAD_ID, do_sample=False, draft_model=draft, speculative_config=config,
                                **kwargs)  # fmt: skip
-        rows.append((name, "identical" if torch.equal(plain, ours) else "DIFFERENT"))
+        return "identical" if torch.equal(plain, ours) else "DIFFERENT"
+
+    def repeated() -> str:
+        before = inductor_graph_counters()
+        result = compare(one, max_new_tokens=24)
+        after = inductor_graph_counters()
+        moved = {name: after[name] - before.get(name, 0) for name in after}
+        return f"{result}; counters moved: {moved}"
 
     one = torch.tensor([[1, 5, 2, 5]], device=device)
-    compare("greedy, 1 row", one, max_new_tokens=24)
     ragged = torch.tensor([[1, 5, 2, 5, 3], [PAD_ID, PAD_ID, 3, 7, 2]], device=device)
-    compare("greedy, ragged batch", ragged, attention_mask=(ragged != PAD_ID).long(), max_new_tokens=24)
-    compare("greedy, rows ending early", ragged, attention_mask=(ragged != PAD_ID).long(), max_new_tokens=24,
-            eos_token_id=3)  # fmt: skip
-    rows.append(("second chat turn on the returned cache", second_turn(target, draft, config, device)))
-    before = inductor_graph_counters()
-    compare("greedy, 1 row, again", one, max_new_tokens=24)
-    after = inductor_graph_counters()
-    rows.append(("graph counters moved by a repeated call", str({k: after[k] - before.get(k, 0) for k in after})))
-    rows.append(("chi-square, 2 tokens, temperature 0.9", chi_square(target, draft, config, device)))
+    mask = (ragged != PAD_ID).long()
+    check("greedy, 1 row", lambda: compare(one, max_new_tokens=24))
+    check("greedy, ragged batch", lambda: compare(ragged, attention_mask=mask, max_new_tokens=24))
+    check("greedy, rows ending early", lambda: compare(ragged, attention_mask=mask, max_new_tokens=24, eos_token_id=3))
+    check("greedy, rows ending early, again", lambda: compare(ragged, attention_mask=mask, max_new_tokens=24,
+                                                              eos_token_id=3))  # fmt: skip
+    check("second chat turn on the returned cache", lambda: second_turn(target, draft, config, device))
+    check("greedy, 1 row, again (graph counters moved)", repeated)
+    check("chi-square, 2 tokens, temperature 0.9", lambda: chi_square(target, draft, config, device))
     return rows
 
 
@@ -158,11 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name(device)}; torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"# TORCHINDUCTOR_CUDAGRAPH_OR_ERROR={os.environ.get('TORCHINDUCTOR_CUDAGRAPH_OR_ERROR')}")
-    rows = exactness_checks(device)
-    rows.append(("inductor CUDA-graph counters", str(inductor_graph_counters())))
-    print("| check | result |\n| --- | --- |")
-    for name, result in rows:
-        print(f"| {name} | {result} |")
+    print("| check | result |\n| --- | --- |", flush=True)
+    exactness_checks(device)  # prints its rows as they finish
+    print(f"| inductor CUDA-graph counters | {inductor_graph_counters()} |", flush=True)
     if not args.no_bench:
         weightless_rows(args.large, args.quick)
     return 0

@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
                 # a round's cost in plain steps: (ours / plain seconds) x new tokens per round (= per target pass)
                 steps = fixed.seconds / plain.seconds * fixed.tokens_per_pass
                 kind = f"a K={lookahead} round costs {steps:.2f} plain steps"
-            print(f"| {setting} | {rows} | {kind} | " + " | ".join(cells) + " |")
+            print(f"| {setting} | {rows} | {kind} | " + " | ".join(cells) + " |", flush=True)
             if args.split:
                 common = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,
                           "do_sample": setting.do_sample}  # fmt: skip
@@ -474,6 +474,11 @@ def main(argv: list[str] | None = None) -> None:
                 counts = (operator_counts(target, input_ids, kwargs), operator_counts(target, input_ids, common))
                 splits.append((setting, rows, method, split, *counts))
         del target, draft
+    if device.type == "cuda":
+        from torch._dynamo.utils import counters
+
+        graphs = {name: int(count) for name, count in counters["inductor"].items() if "cudagraph" in name}
+        print(f"# inductor's CUDA-graph counters: {graphs}", flush=True)
     for setting, rows, label, split, ours, plain_ops in splits:  # noqa: B007
         print(f"\n## {setting}, {rows} rows, {label}: {split}")
         print("   " + "; ".join(_versus(name, ours[name], plain_ops[name]) for name in ours))
