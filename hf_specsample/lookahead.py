@@ -18,8 +18,9 @@ keeps up to date while generating:
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used by every
 sampling call, whose text depends on K, and always under tensor parallelism) d and v come from the models' weight
-sizes instead of the clock (`weight_bytes_ratio`: decoding a token reads every weight once), so the sequence of K's,
-and with it every sample, repeats. K = 0 is plain decoding: when drafting does not pay (a useless draft), the policy
+sizes instead of the clock (`step_cost_ratio`: decoding a token reads every weight once; on a GPU running eager
+forwards, launch-bound, each decoder layer costs about the same), so the sequence of K's, and with it every sample,
+repeats. K = 0 is plain decoding: when drafting does not pay (a useless draft), the policy
 stops drafting and probes with K = 1 now and then to notice if it starts paying, unless not even a draft accepted
 every time could pay at the costs measured over a few rounds (`MeasuredCosts.settled`; a draft step costing about a
 plain round or more: a draft as large as the target, or a small one on a launch-bound GPU), where it stops probing
@@ -118,7 +119,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         decay: float = 0.85,  # per round: estimates follow the last ~7 rounds (prompts change character)
         draft_step_seconds: float | None = None,  # a draft step timed before the call: the measured costs' prior
         growth: float = 1.0,  # how fast K may exceed the K's observed (`MeasuredCosts`' growth)
-        # draft/target weight bytes per step (`weight_bytes_ratio`): until costs are measured, a draft reading at
+        # draft/target cost of a step (`step_cost_ratio`): until costs are measured, a draft reading at
         # least the target's bytes per step (c >= 1) cannot pay even if every token were accepted, so the first
         # rounds decode plainly instead of drafting first_lookahead tokens; None: unknown
         draft_cost_ratio: float | None = None,
@@ -223,7 +224,8 @@ def make_policy(
         config: the call's options (`num_lookahead`, `max_lookahead`, `lookahead_policy`).
         clock_free: K must not depend on the clock (a sampling call, or tensor-parallel ranks must agree): the
             adaptive policy then uses `StaticCosts`, with verification rising with the batch.
-        cost_ratio: draft/target cost of a step, estimated from weight sizes (`weight_bytes_ratio`).
+        cost_ratio: draft/target cost of a step, estimated from weight sizes, or from decoder layers on a
+            launch-bound GPU (`step_cost_ratio`).
         batch_size: rows verified together (a verification pass scores batch_size * (K + 1) tokens).
         draft_step_seconds: the draft's step time measured before the call, if any: the starting estimate of the
             wall-clock costs (`MeasuredCosts`); unused by clock-free `StaticCosts`.
@@ -337,7 +339,7 @@ class RoundLookahead:
             lookup_tokens: `prompt_lookup_num_tokens` (N), or None.
             lookup_only: no draft model (`draft_model="prompt_lookup"`): K adapts as for a model draft (drafting
                 costs only the lookup) up to N (default `DEFAULT_LOOKUP_TOKENS`); `num_lookahead=` fixes it.
-            cost_ratio: draft/target cost of a step (`weight_bytes_ratio`); ignored by lookup alone (cost 0).
+            cost_ratio: draft/target cost of a step (`step_cost_ratio`); ignored by lookup alone (cost 0).
             draft_step_seconds: the draft's step time measured before the call (`PreparedDraft.
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
             tree, tree_ranks: the rounds' trees (`make_policy`; `shape_choice.ShapeChoice`).

@@ -47,7 +47,7 @@ from .proposers.base import Proposer
 from .proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
 from .proposers.draft_model import DraftModelProposer, DraftVocabulary
 from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
-from .round_costs import weight_bytes_ratio
+from .round_costs import step_cost_ratio
 from .sequences import Sequences
 from .shape_choice import ShapeChoice, choose_shape
 from .stats import SpeculativeStats
@@ -222,10 +222,11 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel routings and AUTO's
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
+    launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
     lookahead = RoundLookahead.for_call(
         config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
         prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
-        cost_ratio=weight_bytes_ratio(prepared.model, target.model) if prepared is not None else 0.0,
+        cost_ratio=step_cost_ratio(prepared.model, target.model, launch_bound) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
         tree=shape.tree, tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
     )  # fmt: skip

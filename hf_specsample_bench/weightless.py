@@ -97,9 +97,13 @@ class Setting(str, Enum):
         return self in (Setting.SAMPLED, Setting.USELESS_SAMPLED)
 
 
-def build(shape: Shape, seed: int, dtype: torch.dtype, device: torch.device) -> Qwen2ForCausalLM:
-    """A Qwen2 model of `shape` with random weights (the same for the same seed), on `device`, in eval mode."""
-    hidden, intermediate, layers, heads, kv_heads, vocab, tied = _SHAPES[shape]
+def build(
+    shape: Shape, seed: int, dtype: torch.dtype, device: torch.device, vocab: int | None = None
+) -> Qwen2ForCausalLM:
+    """A Qwen2 model of `shape` with random weights (the same for the same seed), on `device`, in eval mode;
+    `vocab`: its logit width instead of the shape's."""
+    hidden, intermediate, layers, heads, kv_heads, shape_vocab, tied = _SHAPES[shape]
+    vocab = vocab or shape_vocab
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
@@ -439,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     for setting in args.settings:
         target = build(args.target, 0, dtype, device)
         same = setting is Setting.DRAFT_IS_TARGET
-        draft = target if same else build(args.draft, 1, dtype, device)
+        # transformers' assistant_model= refuses logit widths that differ (Qwen2.5-7B's 152,064 against 0.5B's
+        # 151,936: "different tokenizers"): its rows get a draft of the target's width, which costs the same
+        vocab = target.config.vocab_size if Method.ASSISTANT in methods else None
+        draft = target if same else build(args.draft, 1, dtype, device, vocab)
         # the draft that is the target runs as given (the default would draft with an int8 copy on the CPU)
         ours = {"speculative_config": SpeculativeConfig(draft_form="as_given")} if same else {}
         generator = torch.Generator().manual_seed(2)

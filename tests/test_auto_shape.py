@@ -201,7 +201,7 @@ def test_greedy_auto_drafts_trees_from_a_fixed_cost_model(pair, monkeypatch):
     """A seeded greedy call's costs come from weight sizes (`StaticCosts`, no clock): with a draft made to look
     cheap, verification nearly free in width and a close draft, the policy drafts trees, and the tokens are plain's."""
     target, draft = pair
-    monkeypatch.setattr(plan_module, "weight_bytes_ratio", lambda draft, target: 0.05)
+    monkeypatch.setattr(plan_module, "step_cost_ratio", lambda draft, target, launch_bound: 0.05)
     expected = target.generate(PROMPT, do_sample=False, max_new_tokens=40, pad_token_id=PAD)
     config = SpeculativeConfig(draft_form="as_given")
     runs = [generate(target, draft, do_sample=False, generator=torch.Generator().manual_seed(0),

@@ -491,3 +491,16 @@ def test_the_drafts_timed_step_reaches_the_policy(pair, int8_steps_faster, monke
     config = SpeculativeConfig(draft_form=quantization)
     target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft, speculative_config=config)
     assert priors == [expected]
+
+
+def test_a_launch_bound_gpu_costs_a_draft_step_by_its_layers():
+    """Eager steps on a GPU cost about their layers' kernel launches, not their bytes: a narrow draft of 2 layers
+    against a wide target of 4 costs half a target step there (its bytes say far less), and where no GPU bounds
+    the steps by launches, the bytes decide; at half a step a sampling call at acceptance 0.8 gains little."""
+    draft, target = tiny_lm(seed=0, layers=2, hidden=16), tiny_lm(seed=1, layers=4, hidden=64)
+    by_bytes = round_costs.weight_bytes_ratio(draft, target)
+    assert by_bytes < 0.2
+    assert round_costs.step_cost_ratio(draft, target, launch_bound=False) == by_bytes
+    assert round_costs.step_cost_ratio(draft, target, launch_bound=True) == 0.5
+    assert round_costs.step_cost_ratio(target, draft, launch_bound=True) == round_costs.weight_bytes_ratio(target, draft)
+    assert round_costs.expected_speedup(0.8, 0.5) < 1.2 < round_costs.expected_speedup(0.8, by_bytes)

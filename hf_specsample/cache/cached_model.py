@@ -416,9 +416,7 @@ class CachedModel:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
         row_ops.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
-        if len(rows) < len(self.fed):
-            # The runners serve the batch the cache was allocated for (its tensors keep that storage): fewer rows run
-            # as before, so no new shape is compiled or captured for the last rounds of a call.
+        if len(rows) < len(self.fed):  # runners serve the allocated batch; fewer rows run as before (no new shape)
             self.runner_plan = None
         if self.states is not None:
             self.states.select_rows(index)
