@@ -13,6 +13,7 @@ from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.forwards import Forwards
 from hf_specsample.cache.runner import ForwardRunner, RunnerBackend, RunnerPlan
+from hf_specsample.graph_choice import GraphChoice
 from hf_specsample.model_facts import ModelFacts
 from hf_specsample.transformers_api import CACHE
 
@@ -66,6 +67,32 @@ def test_padded_verification_equals_unpadded_at_valid_positions(model):
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)  # rounding of a longer GEMM
         assert row_ops.total_slots(padded_cache) == slots, "the padded positions are rolled back by position"
         for padded_layer, plain_layer in zip(padded_cache.layers, plain_cache.layers):
+            torch.testing.assert_close(
+                padded_layer.keys[:, :, :slots], plain_layer.keys[:, :, :slots], rtol=1e-4, atol=1e-4
+            )
+
+
+@torch.no_grad()
+def test_a_runner_serves_the_rows_left_after_others_finished(model):
+    """A cache whose first row finished (`select_rows` keeps the storage) runs on the runner of both rows: the row
+    left gets the logits and keys an unpadded forward of that row alone gives, and the cache still holds one row."""
+    padded_cache, plain_cache = prefilled(model), prefilled(model)
+    row_ops.select_rows(padded_cache, torch.tensor([1]))
+    plain_cache = row_ops.copy_rows(plain_cache, [1])
+    run = runner(model, padded_cache)
+    for width in (1, 3, 4):
+        slots = row_ops.total_slots(plain_cache) + width
+        ids = torch.randint(0, 16, (1, width), generator=torch.Generator().manual_seed(width))
+        positions = torch.arange(slots - width, slots)[None]
+        logits = run.run(padded_cache, ids, positions, torch.ones((1, slots), dtype=torch.bool))
+        mask = torch.zeros((1, CAPACITY), dtype=torch.long)
+        mask[:, :slots] = 1
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(plain_cache))
+        assert logits.shape == (1, width, 16)
+        torch.testing.assert_close(logits, expected.logits.float(), rtol=1e-4, atol=1e-4)
+        assert row_ops.total_slots(padded_cache) == slots
+        for padded_layer, plain_layer in zip(padded_cache.layers, plain_cache.layers):
+            assert padded_layer.keys.shape[0] == padded_layer.batch_size == 1, "the cache holds the row left"
             torch.testing.assert_close(
                 padded_layer.keys[:, :, :slots], plain_layer.keys[:, :, :slots], rtol=1e-4, atol=1e-4
             )
@@ -214,20 +241,23 @@ def ending_apart(target, prompt, mask) -> int:
 
 @torch.no_grad()
 def test_rows_that_finish_keep_the_caches_and_runners_of_the_full_batch(monkeypatch, light, pair):
-    """A row that finishes leaves both static caches holding the same storage (the rest of the call runs without
-    runners: no new shape is compiled), and the next call of the full batch gets those caches and their compiled
-    runners back: nothing compiles again; greedy output is plain's in both calls."""
+    """A row that finishes leaves both static caches holding the same storage, the rows left run on the full
+    batch's compiled runners (spare rows: no new shape is compiled), and the next call of the full batch gets those
+    caches and their runners back: nothing compiles again; greedy output is plain's in both calls."""
     from torch._dynamo.utils import counters
 
     from hf_specsample.cache import static_addresses
 
     target, draft = pair
-    target_on_runners(monkeypatch, RunnerBackend.COMPILED)
+    graphs = GraphChoice(RunnerBackend.COMPILED, "as CUDA chooses under compile=True")  # both models' runners
+    monkeypatch.setattr(plan, "choose_graphs", lambda device, compile_asked, timings: graphs)
     prompt = torch.tensor([[1, 5, 2, 5, 3], [PAD, PAD, 3, 7, 2]])
     mask = (prompt != PAD).long()
     eos = ending_apart(target, prompt, mask)
     kwargs = dict(attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, do_sample=False, eos_token_id=eos)
     plain = target.generate(prompt, **kwargs).tolist()
+    # the draft as given, as on CUDA (AUTO's timed choice could take the CPU kernel's int8 form, not compiled here)
+    config = SpeculativeConfig(compile=True, num_lookahead=3, draft_form="as_given")
     assert plain[0].index(eos) + 2 < len(plain[0]) and plain[0].count(PAD) > plain[1].count(PAD), "rows end apart"
     addresses: list[tuple[list[int], list[int]]] = []
     original = row_ops.select_rows
@@ -238,16 +268,27 @@ def test_rows_that_finish_keep_the_caches_and_runners_of_the_full_batch(monkeypa
         addresses.append((before, [layer.keys.data_ptr() for layer in row_ops.attention_layers(cache)]))
 
     monkeypatch.setattr(row_ops, "select_rows", select_rows)
+    spare = []  # per run: (runner width, whether it ran fewer rows than its runner holds)
+    original_run = ForwardRunner.run
+
+    def run(self, cache, input_ids, *args):
+        spare.append((self.width, input_ids.shape[0] < self.rows))
+        return original_run(self, cache, input_ids, *args)
+
+    monkeypatch.setattr(ForwardRunner, "run", run)
     taken = []
     original_take = static_addresses.POOL.take
     monkeypatch.setattr(static_addresses.POOL, "take", lambda *args: taken.append(original_take(*args)) or taken[-1])
-    assert target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs).tolist() == plain
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0, "the target's runner compiled before the first row finished"
-    assert target.generate(prompt, draft_model=draft, speculative_config=COMPILE, **kwargs).tolist() == plain
-    assert counters["stats"]["unique_graphs"] == graphs, "the second call compiled a graph"
+    assert target.generate(prompt, draft_model=draft, speculative_config=config, **kwargs).tolist() == plain
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0, "the runners compiled before the first row finished"
+    assert target.generate(prompt, draft_model=draft, speculative_config=config, **kwargs).tolist() == plain
+    assert counters["stats"]["unique_graphs"] == compiled, "the second call compiled a graph"
     assert addresses and all(before == after for before, after in addresses), "a dropped row moved a cache"
     assert len(taken) == 4 and None not in taken[2:], "the second call runs on both caches of the first"
+    widths = {width for width, fewer in spare if fewer}  # the draft's steps (1) and the target's verification (> 2)
+    assert 1 in widths and max(widths) > 2, "the rows left ran on both models' full runners"
+    assert not all(fewer for _, fewer in spare)
 
 
 def test_selected_rows_keep_the_storage_and_come_back_for_the_next_call(model):

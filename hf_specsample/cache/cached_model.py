@@ -51,7 +51,7 @@ from .checkpoints import StateCheckpoints
 from .compiled import contiguous_attention, fresh_input, positions_to_keep
 from .forwards import Forwards
 from .output_head import OutputHead
-from .runner import runner_for
+from .runner import RunnerBackend, runner_for
 from .step_warm_up import warm_step
 
 
@@ -296,7 +296,7 @@ class CachedModel:
     def _run(self, size: int, columns: Columns, slot_is_real: torch.Tensor, num_logits: int) -> torch.Tensor:
         """`_forward` through this cache's runner of `size` positions (`cache.runner.ForwardRunner`)."""
         assert self.runner_plan is not None and self.capacity is not None
-        rows, device = slot_is_real.shape[0], self.input_device
+        rows, device = row_ops.allocated_rows(self.cache), self.input_device  # finished rows' slots: spare rows
         runner = runner_for(
             self.cache, self.model, rows, size, self.runner_plan.backend, self._cache_name,
             self.facts.takes_position_ids, device,
@@ -416,8 +416,8 @@ class CachedModel:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
         row_ops.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
-        if len(rows) < len(self.fed):  # runners serve the allocated batch; fewer rows run as before (no new shape)
-            self.runner_plan = None
+        if len(rows) < len(self.fed) and self.runner_plan and self.runner_plan.backend is RunnerBackend.EAGER:
+            self.runner_plan = None  # graphs serve fewer rows padded to the allocated batch; eager runs them as before
         if self.states is not None:
             self.states.select_rows(index)
         self.slot_is_real = self.slot_is_real[index]

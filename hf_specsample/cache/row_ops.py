@@ -411,8 +411,24 @@ def _allocated(states: torch.Tensor) -> torch.Tensor:
 
 def restore_rows(cache: Cache) -> None:
     """Make every static layer hold all the rows it allocated again, after `select_rows` dropped some: for a cache
-    about to be emptied (`Cache.reset`) and reused; the dropped rows hold stale slots until then."""
+    about to be emptied (`Cache.reset`) and reused, or a forward of the allocated batch (`runner.ForwardRunner`,
+    `narrow_rows` after it); the dropped rows hold stale slots."""
     for layer in attention_layers(cache):
         if attention_part(layer) is StaticLayer and _holds_keys(layer):
             layer.keys, layer.values = _allocated(layer.keys), _allocated(layer.values)
             layer.batch_size = layer.keys.shape[0]
+
+
+def narrow_rows(cache: Cache, rows: int) -> None:
+    """Make every static layer hold its first `rows` allocated rows (views: nothing moves), as `select_rows` left
+    them before a `restore_rows`."""
+    for layer in attention_layers(cache):
+        if attention_part(layer) is StaticLayer and _holds_keys(layer):
+            layer.keys, layer.values = _allocated(layer.keys)[:rows], _allocated(layer.values)[:rows]
+            layer.batch_size = rows
+
+
+def allocated_rows(cache: Cache) -> int:
+    """The rows a static cache's layers were allocated with (`select_rows` keeps their storage)."""
+    layer = next(layer for layer in attention_layers(cache) if _holds_keys(layer))
+    return _allocated(layer.keys).shape[0]

@@ -11,7 +11,9 @@ One runner serves one shape: `rows` rows of `width` positions. A forward of fewe
 (gpt-fast verifies exactly K+1 positions every round; vLLM and SGLang pad to a captured size): the padded positions
 repeat the last token at the next positions, write their keys past the committed length, are masked from every
 real position (they come after it: the causal mask) and are rolled back by position afterwards (the write pointer
-moves back; nothing is allocated). Their logits are dropped.
+moves back; nothing is allocated). Their logits are dropped. Fewer rows (a batch whose rows finished: the cache
+keeps their storage, `row_ops.select_rows`) are padded likewise: the spare rows repeat the first row's inputs into
+the finished rows' slots, and their logits are dropped.
 
 Backends (`RunnerBackend`), one discipline:
 
@@ -130,26 +132,34 @@ class ForwardRunner:
         after the `w` real positions.
 
         Args:
-            cache: the static cache this runner serves (`runners_for(cache)`).
-            input_ids: `(rows, w)` long, on the model's device.
+            cache: the static cache this runner serves (`runners_for(cache)`); it may hold fewer rows than the runner
+                (`row_ops.select_rows` dropped finished rows, keeping the storage): the spare rows repeat the first
+                row's inputs into the dropped rows' slots, and their logits are dropped.
+            input_ids: `(rows, w)` long, on the model's device, `rows` at most the runner's.
             position_ids: `(rows, w)` long.
             slot_is_real: `(rows, slots)` bool on the CPU: the mask over the cache's slots, these `w` included;
                 `slots - w` is the write pointer before the forward.
 
         Returns:
-            `(rows, w, logit width)` float32 logits, a tensor of the caller's (the next run leaves it as it is).
+            `(rows, w, logit width)` float32 logits of the given rows, a tensor of the caller's (the next run leaves it
+            as it is).
         """
         rows, valid = input_ids.shape
         slots = slot_is_real.shape[1]
         pad = self.width - valid
-        assert rows == self.rows and 0 < valid <= self.width, f"a runner of {self.rows}x{self.width} got {rows}x{valid}"
+        shape = f"a runner of {self.rows}x{self.width} got {rows}x{valid}"
+        assert 0 < rows <= self.rows and 0 < valid <= self.width, shape
         assert slots + pad <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots + pad}"
-        mask = torch.zeros((rows, self.capacity), dtype=torch.long)
-        mask[:, :slots] = slot_is_real
+        mask = torch.zeros((self.rows, self.capacity), dtype=torch.long)
+        mask[:rows, :slots] = slot_is_real
+        mask[rows:, :slots] = slot_is_real[:1]  # spare rows (rows that finished) repeat the first: dropped after
         mask[:, slots : slots + pad] = 1  # the padded positions see the real ones and themselves, as a longer round
         self.attention_mask.copy_(to_device(mask, self.device))
-        self.input_ids[:, :valid].copy_(input_ids)
-        self.position_ids[:, :valid].copy_(to_device(position_ids, self.device))
+        self.input_ids[:rows, :valid].copy_(input_ids)
+        self.position_ids[:rows, :valid].copy_(to_device(position_ids, self.device))
+        if rows < self.rows:
+            self.input_ids[rows:, :valid] = self.input_ids[:1, :valid]
+            self.position_ids[rows:, :valid] = self.position_ids[:1, :valid]
         if pad:
             self.input_ids[:, valid:] = self.input_ids[:, valid - 1 : valid]
             steps = torch.arange(1, pad + 1, device=self.device)
@@ -157,11 +167,17 @@ class ForwardRunner:
         model = self.model_ref()
         assert model is not None, "hf_specsample internal error: a runner outlived its model"
         kwargs = {**self.kwargs, self.cache_name: cache}
-        logits = self._forward(model, cache, kwargs)
+        if rows < self.rows:  # the forward writes every allocated row: the finished rows' storage takes the spares
+            row_ops.restore_rows(cache)
+        try:
+            logits = self._forward(model, cache, kwargs)
+        finally:
+            if rows < self.rows:
+                row_ops.narrow_rows(cache, rows)
         if pad:  # rolled back by position: the pointer moves back over the padded slots
             row_ops.crop(cache, pad, total=slots + pad)
         self.runs += 1
-        return logits[:, :valid].to(torch.float32, copy=True)  # cloned out: the next run overwrites graph outputs
+        return logits[:rows, :valid].to(torch.float32, copy=True)  # cloned out: the next run overwrites graph outputs
 
     def _forward(self, model: torch.nn.Module, cache: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         if self.backend is RunnerBackend.EAGER:
@@ -220,9 +236,8 @@ class ForwardRunner:
 
 
 # cache -> {(rows, width): its runner}. Weak: a runner lives as long as the cache it serves, so a cache kept between
-# calls (`cache.static_addresses.POOL`) keeps its compiled or captured runners too. Rows dropped as they finish
-# replace the cache's tensors (`row_ops.select_rows`): the runners of the old rows are dropped then
-# (`CachedModel._run`).
+# calls (`cache.static_addresses.POOL`) keeps its compiled or captured runners too. Rows dropped as they finish keep
+# the cache's storage (`row_ops.select_rows`): its runners, of the allocated rows, serve the rows left (spare rows).
 _RUNNERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], ForwardRunner]]" = weakref.WeakKeyDictionary()
 
 
