@@ -262,10 +262,14 @@ def step_cost_ratio(draft: PreTrainedModel, target: PreTrainedModel, launch_boun
     ratio = weight_bytes_ratio(draft, target)
     if not launch_bound:
         return ratio
-    layers = [getattr(model.config.get_text_config(), "num_hidden_layers", None) for model in (draft, target)]
-    if not all(isinstance(count, int) and count > 0 for count in layers):
+    draft_layers, target_layers = (
+        getattr(model.config.get_text_config(), "num_hidden_layers", None) for model in (draft, target)
+    )
+    if not (isinstance(draft_layers, int) and isinstance(target_layers, int)):
         return ratio
-    return max(ratio, layers[0] / layers[1])
+    if draft_layers <= 0 or target_layers <= 0:
+        return ratio
+    return max(ratio, draft_layers / target_layers)
 
 
 class StaticCosts:

@@ -405,8 +405,9 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
 def _allocated(states: torch.Tensor) -> torch.Tensor:
     """The tensor whose leading rows `states` is (`select_rows`), or `states` itself."""
     base = states._base
-    leading = base is not None and base.shape[1:] == states.shape[1:] and base.data_ptr() == states.data_ptr()
-    return base if leading else states
+    if base is not None and base.shape[1:] == states.shape[1:] and base.data_ptr() == states.data_ptr():
+        return base
+    return states
 
 
 def restore_rows(cache: Cache) -> None:
