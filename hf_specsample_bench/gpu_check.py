@@ -111,9 +111,8 @@ def second_turn(target, draft, config, device: torch.device) -> str:
 
 def chi_square(target, draft, config, device: torch.device, samples: int = 1000) -> str:
     """Two-token continuations sampled with temperature 0.9 against their exact probabilities (enumerated, EOS
-    barred as `min_new_tokens` bars it); one row
-    per call, so that every call reuses the kept caches and runners (a batch whose rows leave one by one would make
-    a runner, and a graph, per row count)."""
+    barred as `min_new_tokens` bars it); one row per call, so that every call reuses the kept caches and runners
+    (`tests/test_runner.py` samples a batch whose rows stop apart, on spare rows, on the CPU)."""
     from hf_specsample_bench.tiny import PAD_ID
 
     prompt = torch.tensor([[1, 5, 2, 5]], device=device)

@@ -4,7 +4,7 @@ has; and through the decoding loop (a static draft cache under `compile=True`, a
 import pytest
 import torch
 from exact import sampled_pvalue
-from tiny import PAD, perturbed_copy, tiny_lm, with_cache
+from tiny import PAD, arch_draft, perturbed_copy, tiny_arch, tiny_lm, with_cache
 from transformers import StaticCache
 
 import hf_specsample.cache.compiled as compiled
@@ -300,3 +300,37 @@ def test_selected_rows_keep_the_storage_and_come_back_for_the_next_call(model):
     assert torch.equal(layer.keys[0], second_row)
     row_ops.restore_rows(cache)
     assert layer.keys.shape[0] == layer.batch_size == 2 and layer.keys.data_ptr() == pointer
+
+
+@torch.no_grad()
+def test_spare_rows_sample_exactly_as_rows_stop_apart(monkeypatch, light):
+    """8,000 sampled rows in one call on both models' compiled runners, rows stopping at EOS in different rounds:
+    the rows left run with spare rows in the finished rows' slots and follow the exact law (the spare rows' logits
+    handed out instead of the rows left's fail it too). The power check: rows that finished leaving their slots
+    where they were (the layers narrowed to the leading rows without moving the rows left there) read other rows'
+    caches, and the same test fails."""
+    target = tiny_arch("llama", seed=0, vocab_size=12)
+    draft = arch_draft(target, seed=1, scale=0.6)
+    graphs = GraphChoice(RunnerBackend.COMPILED, "as CUDA chooses under compile=True")
+    monkeypatch.setattr(plan, "choose_graphs", lambda device, compile_asked, timings: graphs)
+    spare = []
+    original_run = ForwardRunner.run
+
+    def run(self, cache, input_ids, *args):
+        spare.append(input_ids.shape[0] < self.rows)
+        return original_run(self, cache, input_ids, *args)
+
+    monkeypatch.setattr(ForwardRunner, "run", run)
+    eos, settings = 7, dict(temperature=0.8, top_k=4, eos_token_id=7)
+    config = SpeculativeConfig(compile=True, num_lookahead=2, draft_form="as_given")
+    kwargs = dict(seed=3, settings=settings, eos_token_ids=(eos,), draft_model=draft, speculative_config=config)
+    assert sampled_pvalue(target, PROMPT[:1], 3, 8000, **kwargs) > 1e-3
+    assert any(spare), "rows that stopped early left spare rows"
+
+    def unmoved(cache, index):  # narrowed to the leading rows, the rows left not moved there
+        for layer in row_ops.attention_layers(cache):
+            keys, values = row_ops._allocated(layer.keys), row_ops._allocated(layer.values)
+            layer.keys, layer.values, layer.batch_size = keys[: len(index)], values[: len(index)], len(index)
+
+    monkeypatch.setattr(row_ops, "select_rows", unmoved)
+    assert sampled_pvalue(target, PROMPT[:1], 3, 8000, **kwargs) < 1e-3
