@@ -391,15 +391,12 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
         if part is None or not _holds_keys(layer):
             continue
         if part is StaticLayer:
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                allocated = _allocated(states)
-                allocated[: len(index)].copy_(states[index.to(states.device)])  # gathered first: no overlap
-                setattr(layer, name, allocated[: len(index)])
-            layer.batch_size = len(index)
+            for states in (layer.keys, layer.values):
+                _allocated(states)[: len(index)].copy_(states[index.to(states.device)])  # gathered first: no overlap
             continue
         layer.keys = layer.keys[index.to(layer.keys.device)]
         layer.values = layer.values[index.to(layer.values.device)]
+    narrow_rows(cache, len(index))  # the static layers hold the rows just moved to the front
 
 
 def _allocated(states: torch.Tensor) -> torch.Tensor:
