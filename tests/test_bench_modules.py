@@ -176,3 +176,35 @@ def test_rank_oracle_on_the_tiny_pair(capsys):
     rank_oracle.main(["--pair", "tiny", "--num-problems", "4", "--costs", "30", "230", "10"])
     out = capsys.readouterr().out
     assert "chain of 8" in out and "top 3 choices" in out
+
+
+def test_llama_cpp_timings_are_read_from_its_output():
+    from hf_specsample_bench.llama_cpp import parse_speculative
+
+    output = (
+        "...\nencoded  118 tokens in    1.394 seconds, speed:   84.6 t/s\n"
+        "decoded   21 tokens in    2.261 seconds, speed:    9.3 t/s\n"
+    )
+    run = parse_speculative(output)
+    assert (run.tokens, run.prefill_seconds, run.decode_seconds) == (21, 1.394, 2.261)
+    assert abs(run.decode_rate - 21 / 2.261) < 1e-9 and abs(run.whole_rate - 21 / 3.655) < 1e-9
+    with pytest.raises(ValueError, match="no 'encoded'/'decoded' timing lines"):
+        parse_speculative("error: failed to load model")
+
+
+def test_llama_cpp_comparison_on_the_tiny_pair_with_a_stand_in_binary(tmp_path, capsys):
+    """llama.cpp itself is not installed here: a script prints its two timing lines, so the whole comparison runs."""
+    from hf_specsample_bench import llama_cpp
+
+    binary = tmp_path / "llama-speculative-simple"
+    lines = ['echo "encoded 9 tokens in 0.100 seconds" >&2', 'echo "decoded 4 tokens in 0.200 seconds" >&2']
+    binary.write_text("#!/bin/sh\n" + "\n".join(lines) + "\n")
+    binary.chmod(0o755)
+    llama_cpp.main(
+        ["--pair", "tiny", "--num-prompts", "2", "--max-new-tokens", "4", "--bin", str(tmp_path),
+         "--target-gguf", "t.gguf", "--draft-gguf", "d.gguf", "--draft-max", "3"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "llama.cpp, draft max 3" in out and "decoding  20.00 tok/s" in out  # 4 tokens in 0.2 s
+    assert "over all 2 prompts" in out and "ours, chain of 8" in out
+    assert "x llama.cpp's best" in out

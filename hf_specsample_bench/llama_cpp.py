@@ -1,0 +1,212 @@
+"""Ours against llama.cpp's speculative decoding: the same CPU, pair and prompts, the same work counted the same way.
+
+    python -m hf_specsample_bench.llama_cpp --bin LLAMA_CPP/build/bin \\
+        --target-gguf qwen-1.5b-bf16.gguf --draft-gguf qwen-0.5b-bf16.gguf --num-prompts 8
+
+llama.cpp's `llama-speculative-simple` prints its prompt's time ("encoded") apart from its decoding's ("decoded"),
+and stops at the end-of-text token. A `generate()` call's tokens/s, as the benchmark tool reports it, counts the
+prompt's forwards too and, with `min_new_tokens = max_new_tokens`, keeps decoding past the end of the text, where a
+draft agrees less. So here ours runs as llama.cpp does: greedy, stopping where its text ends, each call's seconds split
+into its prefill (forwards over more than `PREFILL_POSITIONS` positions, timed by hooks on the target and on the
+draft's models) and its decoding. For each prompt: the tokens each generated, decoding tok/s, whole-call tok/s (the
+prompt included); then both rates over the prompts on which every method ran to `--max-new-tokens` (equal texts, equal
+lengths; a text that ends early is dominated by its first rounds) and over all prompts. Texts can end at different
+places: llama.cpp stops at every end-of-generation token its GGUF names, `generate()` at the checkpoint's
+`eos_token_id`. llama.cpp runs as a
+subprocess, one at a time, after ours (not beside it). Its GGUF files should hold the same weights as the
+checkpoint folders ours loads (`convert_hf_to_gguf.py --outtype bf16` of those folders). Figures are printed, never
+asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import hf_specsample
+from hf_specsample import SpeculativeConfig
+
+from .measure import cpu_name
+from .pairs import BenchPair, load_bench_pair
+from .prompts import PromptSet, load_prompts
+
+PREFILL_POSITIONS = 16  # forwards over more positions are a prompt's (a round verifies at most 16)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One call: tokens generated, seconds of its prompt's forwards, seconds of its decoding."""
+
+    tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_rate(self) -> float:
+        return self.tokens / self.decode_seconds
+
+    @property
+    def whole_rate(self) -> float:
+        return self.tokens / (self.prefill_seconds + self.decode_seconds)
+
+
+def parse_speculative(output: str) -> Run:
+    """The `encoded ... tokens in ... seconds` and `decoded ... tokens in ... seconds` lines of
+    `llama-speculative-simple`'s output.
+
+    Raises:
+        ValueError: either line is missing (the output is quoted, shortened, to say what ran instead).
+    """
+    encoded = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", output)
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", output)
+    if encoded is None or decoded is None:
+        raise ValueError(f"no 'encoded'/'decoded' timing lines in llama-speculative-simple's output: {output[-800:]!r}")
+    return Run(int(decoded.group(1)), float(encoded.group(2)), float(decoded.group(2)))
+
+
+def llama_speculative(binaries: Path, target: Path, draft: Path, prompt: str, tokens: int, draft_max: int) -> Run:
+    """One greedy `llama-speculative-simple` run (2 threads for each model, as this machine has)."""
+    prompt_file = Path(f"/tmp/hf_specsample_llama_prompt_{draft_max}.txt")
+    prompt_file.write_text(prompt)
+    command = [
+        str(binaries / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-f", str(prompt_file),
+        "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", str(torch.get_num_threads()),
+        "-td", str(torch.get_num_threads()), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
+        "-c", "4096",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return parse_speculative(done.stderr + done.stdout)
+
+
+class PrefillClock:
+    """Seconds spent in forwards over more than `PREFILL_POSITIONS` positions of the hooked models, summed."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        self.seconds = 0.0
+        self._started: float | None = None
+        self.handles = []
+        for model in {id(model): model for model in models}.values():
+            self.handles.append(model.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self.handles.append(model.register_forward_hook(self._leave, with_kwargs=True))
+
+    def _enter(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        wide = ids is not None and ids.shape[-1] > PREFILL_POSITIONS and self._started is None
+        if wide:
+            self._started = time.perf_counter()
+
+    def _leave(self, module, args, kwargs, output):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._started is not None and ids is not None and ids.shape[-1] > PREFILL_POSITIONS:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def ours(target, prepared, clock: PrefillClock, input_ids: torch.Tensor, tokens: int, config) -> Run:
+    """One greedy `generate(draft_model=prepared, speculative_config=config)` call, stopping where its text ends."""
+    kwargs = {"max_new_tokens": tokens, "do_sample": False, "draft_model": prepared, "speculative_config": config}
+    clock.seconds = 0.0
+    start = time.perf_counter()
+    out = target.generate(input_ids, **kwargs)
+    seconds = time.perf_counter() - start
+    return Run(out.shape[1] - input_ids.shape[1], clock.seconds, seconds - clock.seconds)
+
+
+def summary(runs: dict[str, list[Run]], keep: list[bool]) -> dict[str, tuple[float, float]]:
+    """Per method: (decoding tok/s, whole-call tok/s) over the prompts `keep` marks."""
+    rates = {}
+    for name, method_runs in runs.items():
+        kept = [run for run, kept in zip(method_runs, keep, strict=True) if kept]
+        if kept:
+            decode = sum(run.tokens for run in kept) / sum(run.decode_seconds for run in kept)
+            whole = sum(run.tokens for run in kept) / sum(run.decode_seconds + run.prefill_seconds for run in kept)
+            rates[name] = (decode, whole)
+    return rates
+
+
+OUR_METHODS = {
+    "ours, default": SpeculativeConfig(),
+    "ours, chain of 8": SpeculativeConfig(num_lookahead=8, draft_shape="chain"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_specsample_bench.llama_cpp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--bin", type=Path, help="llama.cpp's build/bin folder (none: ours only)")
+    parser.add_argument("--target-gguf", type=Path)
+    parser.add_argument("--draft-gguf", type=Path)
+    parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-offset", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-max", default="3,8", help="llama.cpp's --spec-draft-n-max values, comma-separated")
+    args = parser.parse_args(argv)
+    if args.bin is not None and (args.target_gguf is None or args.draft_gguf is None):
+        parser.error("--bin needs --target-gguf and --draft-gguf")
+    torch.set_grad_enabled(False)
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}; {torch.get_num_threads()} threads")
+    target, draft, tokenizer = load_bench_pair(args.pair, torch.bfloat16, progress=False)
+    prepared = hf_specsample.prepare_draft(draft, target)
+    prompts = load_prompts(PromptSet.HUMANEVAL, args.num_prompts, offset=args.prompt_offset)
+    clock = PrefillClock([target, draft, prepared.model])
+    methods = dict(OUR_METHODS)
+    warm = tokenizer(prompts[0].text, return_tensors="pt").input_ids
+    for config in methods.values():  # one call each first: kernel timings, the draft's forms, first-call costs
+        ours(target, prepared, clock, warm, 16, config)
+    runs: dict[str, list[Run]] = {name: [] for name in methods}
+    names = list(methods)
+    for index, prompt in enumerate(prompts):
+        input_ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+        for name in names[index % len(names) :] + names[: index % len(names)]:  # the order rotates
+            runs[name].append(ours(target, prepared, clock, input_ids, args.max_new_tokens, methods[name]))
+    clock.remove()
+    if args.bin is not None:
+        for draft_max in (int(value) for value in args.draft_max.split(",")):
+            name = f"llama.cpp, draft max {draft_max}"
+            runs[name] = [
+                llama_speculative(args.bin, args.target_gguf, args.draft_gguf, prompt.text, args.max_new_tokens,
+                                  draft_max)
+                for prompt in prompts
+            ]  # fmt: skip
+    for index in range(len(prompts)):
+        print(f"prompt {index + args.prompt_offset}:")
+        for name, method_runs in runs.items():
+            run = method_runs[index]
+            print(f"  {name:<28} {run.tokens:4d} tokens, decoding {run.decode_rate:6.2f} tok/s, "
+                  f"whole call {run.whole_rate:6.2f} tok/s (prefill {run.prefill_seconds:.2f} s)")  # fmt: skip
+    full = [
+        all(method_runs[index].tokens >= args.max_new_tokens for method_runs in runs.values())
+        for index in range(len(prompts))
+    ]
+    for label, keep in ((f"the {sum(full)} prompts every method ran to {args.max_new_tokens} tokens", full),
+                        (f"all {len(prompts)} prompts", [True] * len(prompts))):  # fmt: skip
+        rates = summary(runs, keep)
+        if not rates:
+            continue
+        print(f"\nover {label}: decoding tok/s, whole-call tok/s")
+        llama = [rate for name, rate in rates.items() if name.startswith("llama.cpp")]
+        best = max(llama) if llama else None
+        for name, (decode, whole) in rates.items():
+            against = f"  ({decode / best[0]:.2f}x, {whole / best[1]:.2f}x llama.cpp's best)" if best else ""
+            print(f"  {name:<28} {decode:6.2f} {whole:6.2f}{against}")
+    median_prefill = statistics.median(run.prefill_seconds for run in runs["ours, default"])
+    print(f"\nours: a call's prefill takes {median_prefill:.2f} s (median)")
+
+
+if __name__ == "__main__":
+    main()
