@@ -21,9 +21,11 @@ asserted.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from .measure import cpu_name
 from .pairs import BenchPair, load_bench_pair
 from .prompts import PromptSet, load_prompts
 
+BINARY = "llama-speculative-simple"
 PREFILL_POSITIONS = 16  # forwards over more positions are a prompt's (a round verifies at most 16)
 
 
@@ -71,18 +74,55 @@ def parse_speculative(output: str) -> Run:
     return Run(int(decoded.group(1)), float(encoded.group(2)), float(decoded.group(2)))
 
 
+class LlamaCppFailed(RuntimeError):
+    """`llama-speculative-simple` exited with an error status or printed no timing lines; the message quotes the
+    command and the end of its output."""
+
+
+def problems(binaries: Path, target: Path | None, draft: Path | None) -> list[str]:
+    """What keeps llama.cpp from running, in words, checked before any model is loaded (empty: nothing)."""
+    found = []
+    binary = binaries / BINARY
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        found.append(
+            f"no executable {BINARY} in {binaries}: build it (`cmake -B build && cmake --build build --target "
+            f"{BINARY}` in a llama.cpp checkout) and pass its build/bin folder as --bin"
+        )
+    for option, path in (("--target-gguf", target), ("--draft-gguf", draft)):
+        if path is not None and not path.is_file():
+            found.append(
+                f"{option} {path}: no such file (llama.cpp's `convert_hf_to_gguf.py --outtype bf16` of the checkpoint "
+                "folder makes it)"
+            )
+    return found
+
+
 def llama_speculative(binaries: Path, target: Path, draft: Path, prompt: str, tokens: int, draft_max: int) -> Run:
-    """One greedy `llama-speculative-simple` run (2 threads for each model, as this machine has)."""
-    prompt_file = Path(f"/tmp/hf_specsample_llama_prompt_{draft_max}.txt")
-    prompt_file.write_text(prompt)
-    command = [
-        str(binaries / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-f", str(prompt_file),
-        "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", str(torch.get_num_threads()),
-        "-td", str(torch.get_num_threads()), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
-        "-c", "4096",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    return parse_speculative(done.stderr + done.stdout)
+    """One greedy `llama-speculative-simple` run (2 threads for each model, as this machine has).
+
+    Raises:
+        LlamaCppFailed: it exited with an error status, or its output has no timing lines.
+    """
+    with tempfile.TemporaryDirectory(prefix="hf_specsample_llama_") as folder:
+        prompt_file = Path(folder) / "prompt.txt"
+        prompt_file.write_text(prompt)
+        command = [
+            str(binaries / BINARY), "-m", str(target), "-md", str(draft), "-f", str(prompt_file),
+            "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", str(torch.get_num_threads()),
+            "-td", str(torch.get_num_threads()), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
+            "-c", "4096",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    output = done.stderr + done.stdout
+    if done.returncode != 0:
+        raise LlamaCppFailed(
+            f"{BINARY} exited with status {done.returncode}; run it by hand to see why:\n  {' '.join(command)}\n"
+            f"the end of its output: {output[-800:]!r}"
+        )
+    try:
+        return parse_speculative(output)
+    except ValueError as error:
+        raise LlamaCppFailed(f"{error}\n(the command: {' '.join(command)})") from error
 
 
 class PrefillClock:
@@ -158,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.bin is not None and (args.target_gguf is None or args.draft_gguf is None):
         parser.error("--bin needs --target-gguf and --draft-gguf")
+    if args.bin is not None and (found := problems(args.bin, args.target_gguf, args.draft_gguf)):
+        parser.error("; ".join(found))
+    try:
+        draft_maxes = [int(value) for value in args.draft_max.split(",")]
+    except ValueError:
+        parser.error(f"--draft-max {args.draft_max!r}: whole numbers, comma-separated (for example 3,8)")
     torch.set_grad_enabled(False)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; {torch.get_num_threads()} threads")
     target, draft, tokenizer = load_bench_pair(args.pair, torch.bfloat16, progress=False)
@@ -176,13 +222,16 @@ def main(argv: list[str] | None = None) -> None:
             runs[name].append(ours(target, prepared, clock, input_ids, args.max_new_tokens, methods[name]))
     clock.remove()
     if args.bin is not None:
-        for draft_max in (int(value) for value in args.draft_max.split(",")):
+        for draft_max in draft_maxes:
             name = f"llama.cpp, draft max {draft_max}"
-            runs[name] = [
-                llama_speculative(args.bin, args.target_gguf, args.draft_gguf, prompt.text, args.max_new_tokens,
-                                  draft_max)
-                for prompt in prompts
-            ]  # fmt: skip
+            try:
+                runs[name] = [
+                    llama_speculative(args.bin, args.target_gguf, args.draft_gguf, prompt.text, args.max_new_tokens,
+                                      draft_max)
+                    for prompt in prompts
+                ]  # fmt: skip
+            except LlamaCppFailed as error:
+                parser.exit(1, f"{parser.prog}: error: llama.cpp failed (draft max {draft_max}): {error}\n")
     for index in range(len(prompts)):
         print(f"prompt {index + args.prompt_offset}:")
         for name, method_runs in runs.items():

@@ -200,11 +200,52 @@ def test_llama_cpp_comparison_on_the_tiny_pair_with_a_stand_in_binary(tmp_path, 
     lines = ['echo "encoded 9 tokens in 0.100 seconds" >&2', 'echo "decoded 4 tokens in 0.200 seconds" >&2']
     binary.write_text("#!/bin/sh\n" + "\n".join(lines) + "\n")
     binary.chmod(0o755)
+    (tmp_path / "t.gguf").touch()
+    (tmp_path / "d.gguf").touch()
     llama_cpp.main(
         ["--pair", "tiny", "--num-prompts", "2", "--max-new-tokens", "4", "--bin", str(tmp_path),
-         "--target-gguf", "t.gguf", "--draft-gguf", "d.gguf", "--draft-max", "3"]
+         "--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf"), "--draft-max", "3"]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "llama.cpp, draft max 3" in out and "decoding  20.00 tok/s" in out  # 4 tokens in 0.2 s
     assert "over all 2 prompts" in out and "ours, chain of 8" in out
     assert "x llama.cpp's best" in out
+
+
+def test_llama_cpp_refuses_what_cannot_run_before_loading_models(tmp_path, capsys):
+    """No binary in --bin, missing GGUF files, a bad --draft-max: a usage error saying what to do, no traceback."""
+    from hf_specsample_bench import llama_cpp
+
+    gguf = ["--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf")]
+    for argv, said in (
+        (["--bin", str(tmp_path), *gguf], "no executable llama-speculative-simple in"),
+        (["--bin", str(tmp_path), *gguf], "--target-gguf " + str(tmp_path / "t.gguf") + ": no such file"),
+        (["--draft-max", "3,x"], "--draft-max '3,x': whole numbers"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            llama_cpp.main(["--pair", "tiny", *argv])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+
+
+def test_llama_cpp_binary_that_fails_is_reported_with_its_command(tmp_path, capsys):
+    """A llama.cpp run that exits with an error: exit status 1, the command and the end of its output quoted."""
+    from hf_specsample_bench import llama_cpp
+
+    binary = tmp_path / "llama-speculative-simple"
+    binary.write_text('#!/bin/sh\necho "error: failed to load model" >&2\nexit 1\n')
+    binary.chmod(0o755)
+    (tmp_path / "t.gguf").touch()
+    (tmp_path / "d.gguf").touch()
+    with pytest.raises(SystemExit) as exited:
+        llama_cpp.main(
+            ["--pair", "tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--bin", str(tmp_path),
+             "--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf"), "--draft-max", "3"]
+        )  # fmt: skip
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "exited with status 1; run it by hand" in err and "failed to load model" in err and str(binary) in err
+    with pytest.raises(llama_cpp.LlamaCppFailed, match="no 'encoded'/'decoded' timing lines"):
+        binary.write_text("#!/bin/sh\necho hello\n")
+        llama_cpp.llama_speculative(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf", "def f():", 4, 3)
