@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.bin is not None and (args.target_gguf is None or args.draft_gguf is None):
         parser.error("--bin needs --target-gguf and --draft-gguf")
+    if args.pair is BenchPair.QWEN_CODER_SMOLLM2:  # llama.cpp's draft-simple refuses a draft of another vocabulary
+        shared = ", ".join(pair.value for pair in BenchPair if pair is not args.pair)
+        parser.error(f"--pair {args.pair.value}: its draft has its own tokenizer; choose a pair with one ({shared})")
     if args.bin is not None and (found := problems(args.bin, args.target_gguf, args.draft_gguf)):
         parser.error("; ".join(found))
     try:
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"\nover {label}: decoding tok/s, whole-call tok/s")
         llama = [rate for name, rate in rates.items() if name.startswith("llama.cpp")]
-        best = max(llama) if llama else None
+        # each rate against llama.cpp's best at that rate (its best decoding and best whole call may differ in K)
+        best = (max(rate[0] for rate in llama), max(rate[1] for rate in llama)) if llama else None
         for name, (decode, whole) in rates.items():
             against = f"  ({decode / best[0]:.2f}x, {whole / best[1]:.2f}x llama.cpp's best)" if best else ""
             print(f"  {name:<28} {decode:6.2f} {whole:6.2f}{against}")

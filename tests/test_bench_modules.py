@@ -212,6 +212,27 @@ def test_llama_cpp_comparison_on_the_tiny_pair_with_a_stand_in_binary(tmp_path, 
     assert "x llama.cpp's best" in out
 
 
+def test_llama_cpp_rates_are_set_against_its_best_at_each_rate(tmp_path, capsys):
+    """llama.cpp's best decoding and its best whole call can come from different draft sizes: each of ours' rates is
+    set against the best at that rate (here draft max 3 decodes faster, draft max 8 has the faster whole call)."""
+    from hf_specsample_bench import llama_cpp
+
+    binary = tmp_path / "llama-speculative-simple"
+    fast_decoding = 'echo "encoded 9 tokens in 1.000 seconds" >&2; echo "decoded 4 tokens in 0.100 seconds" >&2'
+    fast_whole = 'echo "encoded 9 tokens in 0.100 seconds" >&2; echo "decoded 4 tokens in 0.200 seconds" >&2'
+    binary.write_text(f'#!/bin/sh\ncase "$*" in *"-n-max 3"*) {fast_decoding};; *) {fast_whole};; esac\n')
+    binary.chmod(0o755)
+    (tmp_path / "t.gguf").touch()
+    (tmp_path / "d.gguf").touch()
+    llama_cpp.main(
+        ["--pair", "tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--bin", str(tmp_path),
+         "--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf"), "--draft-max", "3,8"]
+    )  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert "llama.cpp, draft max 3 40.00 3.64 (1.00x, 0.27x llama.cpp's best)" in out
+    assert "llama.cpp, draft max 8 20.00 13.33 (0.50x, 1.00x llama.cpp's best)" in out
+
+
 def test_llama_cpp_refuses_what_cannot_run_before_loading_models(tmp_path, capsys):
     """No binary in --bin, missing GGUF files, a bad --draft-max: a usage error saying what to do, no traceback."""
     from hf_specsample_bench import llama_cpp
@@ -221,6 +242,7 @@ def test_llama_cpp_refuses_what_cannot_run_before_loading_models(tmp_path, capsy
         (["--bin", str(tmp_path), *gguf], "no executable llama-speculative-simple in"),
         (["--bin", str(tmp_path), *gguf], "--target-gguf " + str(tmp_path / "t.gguf") + ": no such file"),
         (["--draft-max", "3,x"], "--draft-max '3,x': whole numbers"),
+        (["--pair", "qwen-coder-smollm2"], "its draft has its own tokenizer; choose a pair with one"),
     ):
         with pytest.raises(SystemExit) as exited:
             llama_cpp.main(["--pair", "tiny", *argv])
