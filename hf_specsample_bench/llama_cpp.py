@@ -3,19 +3,20 @@
     python -m hf_specsample_bench.llama_cpp --bin LLAMA_CPP/build/bin \\
         --target-gguf qwen-1.5b-bf16.gguf --draft-gguf qwen-0.5b-bf16.gguf --num-prompts 8
 
-llama.cpp's `llama-speculative-simple` prints its prompt's time ("encoded") apart from its decoding's ("decoded"),
-and stops at the end-of-text token. A `generate()` call's tokens/s, as the benchmark tool reports it, counts the
-prompt's forwards too and, with `min_new_tokens = max_new_tokens`, keeps decoding past the end of the text, where a
-draft agrees less. So here ours runs as llama.cpp does: greedy, stopping where its text ends, each call's seconds split
-into its prefill (forwards over more than `PREFILL_POSITIONS` positions, timed by hooks on the target and on the
-draft's models) and its decoding. For each prompt: the tokens each generated, decoding tok/s, whole-call tok/s (the
-prompt included); then both rates over the prompts on which every method ran to `--max-new-tokens` (equal texts, equal
-lengths; a text that ends early is dominated by its first rounds) and over all prompts. Texts can end at different
-places: llama.cpp stops at every end-of-generation token its GGUF names, `generate()` at the checkpoint's
-`eos_token_id`. llama.cpp runs as a
-subprocess, one at a time, after ours (not beside it). Its GGUF files should hold the same weights as the
-checkpoint folders ours loads (`convert_hf_to_gguf.py --outtype bf16` of those folders). Figures are printed, never
-asserted.
+llama.cpp's `llama-speculative-simple` prints its prompt's time ("encoded") apart from its decoding's ("decoded"), and
+stops at the end-of-text token. A `generate()` call's tokens/s, as the benchmark tool reports it, counts the prompt's
+forwards too and, with `min_new_tokens = max_new_tokens`, keeps decoding past the end of the text, where a draft
+agrees less. So here ours runs as llama.cpp does: greedy, stopping where its text ends, each call's seconds split into
+its prefill (forwards over more than `PREFILL_POSITIONS` positions, timed by hooks on the target and on the draft's
+models) and its decoding. Ours' target verifies the first round's draft in the prompt's forward, so that round's
+tokens count toward the whole call only; llama.cpp's prompt's forward leaves out the prompt's last token, fed with its
+first round's draft in decoding, so all its tokens count toward its decoding. For each prompt: the tokens each
+generated, decoding tok/s, whole-call tok/s (the prompt included); then both rates over the prompts on which every
+method ran to `--max-new-tokens` (equal texts, equal lengths; a text that ends early is dominated by its first rounds)
+and over all prompts. Texts can end at different places: llama.cpp stops at every end-of-generation token its GGUF
+names, `generate()` at the checkpoint's `eos_token_id`. llama.cpp runs as a subprocess, one at a time, after ours (not
+beside it). Its GGUF files should hold the same weights as the checkpoint folders ours loads (`convert_hf_to_gguf.py
+--outtype bf16` of those folders). Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ PREFILL_POSITIONS = 16  # forwards over more positions are a prompt's (a round v
 
 @dataclass(frozen=True)
 class Run:
-    """One call: tokens generated, seconds of its prompt's forwards, seconds of its decoding."""
+    """One call: tokens generated, seconds of its prompt's forwards, seconds of its decoding, and the tokens its
+    decoding made: all of llama.cpp's (its prompt's forwards leave the prompt's last token to its first round), all
+    but ours' first round's (the target verifies the first draft in the prompt's forward, a prefill by its width)."""
 
     tokens: int
     prefill_seconds: float
     decode_seconds: float
+    decode_tokens: int
 
     @property
     def decode_rate(self) -> float:
-        return self.tokens / self.decode_seconds
+        return self.decode_tokens / self.decode_seconds
 
     @property
     def whole_rate(self) -> float:
@@ -71,7 +75,7 @@ def parse_speculative(output: str) -> Run:
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", output)
     if encoded is None or decoded is None:
         raise ValueError(f"no 'encoded'/'decoded' timing lines in llama-speculative-simple's output: {output[-800:]!r}")
-    return Run(int(decoded.group(1)), float(encoded.group(2)), float(decoded.group(2)))
+    return Run(int(decoded.group(1)), float(encoded.group(2)), float(decoded.group(2)), int(decoded.group(1)))
 
 
 class LlamaCppFailed(RuntimeError):
@@ -154,13 +158,16 @@ class PrefillClock:
 
 
 def ours(target, prepared, clock: PrefillClock, input_ids: torch.Tensor, tokens: int, config) -> Run:
-    """One greedy `generate(draft_model=prepared, speculative_config=config)` call, stopping where its text ends."""
+    """One greedy `generate(draft_model=prepared, speculative_config=config)` call, stopping where its text ends.
+    Its first round's tokens (accepted + 1) are left out of its decoding's: the prompt's forward verified them."""
     kwargs = {"max_new_tokens": tokens, "do_sample": False, "draft_model": prepared, "speculative_config": config}
     clock.seconds = 0.0
     start = time.perf_counter()
-    out = target.generate(input_ids, **kwargs)
+    out = target.generate(input_ids, return_dict_in_generate=True, **kwargs)
     seconds = time.perf_counter() - start
-    return Run(out.shape[1] - input_ids.shape[1], clock.seconds, seconds - clock.seconds)
+    made = out.sequences.shape[1] - input_ids.shape[1]
+    first_round = min(made, round(out.speculative_stats.accepted_depth_per_round[0]) + 1)  # one row: whole tokens
+    return Run(made, clock.seconds, seconds - clock.seconds, made - first_round)
 
 
 def summary(runs: dict[str, list[Run]], keep: list[bool]) -> dict[str, tuple[float, float]]:
@@ -169,7 +176,7 @@ def summary(runs: dict[str, list[Run]], keep: list[bool]) -> dict[str, tuple[flo
     for name, method_runs in runs.items():
         kept = [run for run, kept in zip(method_runs, keep, strict=True) if kept]
         if kept:
-            decode = sum(run.tokens for run in kept) / sum(run.decode_seconds for run in kept)
+            decode = sum(run.decode_tokens for run in kept) / sum(run.decode_seconds for run in kept)
             whole = sum(run.tokens for run in kept) / sum(run.decode_seconds + run.prefill_seconds for run in kept)
             rates[name] = (decode, whole)
     return rates

@@ -233,6 +233,36 @@ def test_llama_cpp_rates_are_set_against_its_best_at_each_rate(tmp_path, capsys)
     assert "llama.cpp, draft max 8 20.00 13.33 (0.50x, 1.00x llama.cpp's best)" in out
 
 
+def test_llama_cpp_counts_ours_first_round_with_the_prompt():
+    """The target verifies our first round's draft in the prompt's forward (over more than 16 positions, the
+    prefill): that round's tokens count toward the whole call, not toward decoding, as llama.cpp's first round,
+    verified in its decoding, counts toward its own."""
+    import torch
+
+    import hf_specsample
+    from hf_specsample import SpeculativeConfig
+    from hf_specsample_bench.llama_cpp import PREFILL_POSITIONS, PrefillClock, ours
+    from hf_specsample_bench.pairs import BenchPair, load_bench_pair
+
+    target, draft, tokenizer = load_bench_pair(BenchPair.TINY, torch.bfloat16, progress=False)
+    prepared = hf_specsample.prepare_draft(draft, target)
+    input_ids = tokenizer("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", return_tensors="pt").input_ids
+    assert input_ids.shape[1] > PREFILL_POSITIONS
+    widths = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    clock = PrefillClock([target, draft, prepared.model])
+    config = SpeculativeConfig(num_lookahead=4, draft_shape="chain")
+    run = ours(target, prepared, clock, input_ids, 12, config)
+    clock.remove()
+    assert widths[0] == input_ids.shape[1] + 4  # the prompt and the first round's draft, in one forward
+    assert max(widths[1:]) <= PREFILL_POSITIONS and run.prefill_seconds > 0
+    first_round = run.tokens - run.decode_tokens
+    assert run.tokens == 12 and 1 <= first_round <= 5
+    assert run.decode_rate == run.decode_tokens / run.decode_seconds
+
+
 def test_llama_cpp_refuses_what_cannot_run_before_loading_models(tmp_path, capsys):
     """No binary in --bin, missing GGUF files, a bad --draft-max: a usage error saying what to do, no traceback."""
     from hf_specsample_bench import llama_cpp
