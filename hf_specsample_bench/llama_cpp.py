@@ -13,10 +13,10 @@ tokens count toward the whole call only; llama.cpp's prompt's forward leaves out
 first round's draft in decoding, so all its tokens count toward its decoding. For each prompt: the tokens each
 generated, decoding tok/s, whole-call tok/s (the prompt included); then both rates over the prompts on which every
 method ran to `--max-new-tokens` (equal texts, equal lengths; a text that ends early is dominated by its first rounds)
-and over all prompts. Texts can end at different places: llama.cpp stops at every end-of-generation token its GGUF
-names, `generate()` at the checkpoint's `eos_token_id`. llama.cpp runs as a subprocess, one at a time, after ours (not
-beside it). Its GGUF files should hold the same weights as the checkpoint folders ours loads (`convert_hf_to_gguf.py
---outtype bf16` of those folders). Figures are printed, never asserted.
+and over all prompts. Ours stops at every token llama.cpp ends a text at (`LLAMA_CPP_END_TEXTS`, beside the
+checkpoint's `eos_token_id`); texts can still differ where bf16 arithmetic flips a near-tie. llama.cpp runs as a
+subprocess, one at a time, after ours (not beside it). Its GGUF files should hold the same weights as the checkpoint
+folders ours loads (`convert_hf_to_gguf.py --outtype bf16` of those folders). Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ from .pairs import BenchPair, load_bench_pair
 from .prompts import PromptSet, load_prompts
 
 BINARY = "llama-speculative-simple"
+# Tokens llama.cpp ends a text at by their text, beside its GGUF's eos (`special_eog_ids` in its src/llama-vocab.cpp):
+# Qwen2.5's vocabulary has five of them, where its checkpoint's `eos_token_id` names one.
+LLAMA_CPP_END_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "<|end_of_text|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+)  # fmt: skip
 PREFILL_POSITIONS = 16  # forwards over more positions are a prompt's (a round verifies at most 16)
 
 
@@ -157,10 +163,22 @@ class PrefillClock:
             handle.remove()
 
 
-def ours(target, prepared, clock: PrefillClock, input_ids: torch.Tensor, tokens: int, config) -> Run:
-    """One greedy `generate(draft_model=prepared, speculative_config=config)` call, stopping where its text ends.
-    Its first round's tokens (accepted + 1) are left out of its decoding's: the prompt's forward verified them."""
+def end_ids(tokenizer, eos_token_id: int | list[int] | None) -> list[int]:
+    """The ids llama.cpp ends a text at: the checkpoint's `eos_token_id` and the vocabulary's `LLAMA_CPP_END_TEXTS`."""
+    own = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    vocabulary = tokenizer.get_vocab()
+    return sorted(set(own) | {vocabulary[text] for text in LLAMA_CPP_END_TEXTS if text in vocabulary})
+
+
+def ours(
+    target, prepared, clock: PrefillClock, input_ids: torch.Tensor, tokens: int, config, ends: list[int] | None = None
+) -> Run:
+    """One greedy `generate(draft_model=prepared, speculative_config=config)` call, stopping where its text ends (at
+    any of `ends`, else at the checkpoint's `eos_token_id`). Its first round's tokens (accepted + 1) are left out of its
+    decoding's: the prompt's forward verified them."""
     kwargs = {"max_new_tokens": tokens, "do_sample": False, "draft_model": prepared, "speculative_config": config}
+    if ends:
+        kwargs["eos_token_id"] = ends
     clock.seconds = 0.0
     start = time.perf_counter()
     out = target.generate(input_ids, return_dict_in_generate=True, **kwargs)
@@ -220,16 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     prepared = hf_specsample.prepare_draft(draft, target)
     prompts = load_prompts(PromptSet.HUMANEVAL, args.num_prompts, offset=args.prompt_offset)
     clock = PrefillClock([target, draft, prepared.model])
+    ends = end_ids(tokenizer, target.generation_config.eos_token_id)  # texts end where llama.cpp's end
     methods = dict(OUR_METHODS)
     warm = tokenizer(prompts[0].text, return_tensors="pt").input_ids
     for config in methods.values():  # one call each first: kernel timings, the draft's forms, first-call costs
-        ours(target, prepared, clock, warm, 16, config)
+        ours(target, prepared, clock, warm, 16, config, ends)
     runs: dict[str, list[Run]] = {name: [] for name in methods}
     names = list(methods)
     for index, prompt in enumerate(prompts):
         input_ids = tokenizer(prompt.text, return_tensors="pt").input_ids
         for name in names[index % len(names) :] + names[: index % len(names)]:  # the order rotates
-            runs[name].append(ours(target, prepared, clock, input_ids, args.max_new_tokens, methods[name]))
+            runs[name].append(ours(target, prepared, clock, input_ids, args.max_new_tokens, methods[name], ends))
     clock.remove()
     if args.bin is not None:
         for draft_max in draft_maxes:

@@ -261,6 +261,22 @@ def test_llama_cpp_counts_ours_first_round_with_the_prompt():
     first_round = run.tokens - run.decode_tokens
     assert run.tokens == 12 and 1 <= first_round <= 5
     assert run.decode_rate == run.decode_tokens / run.decode_seconds
+    every_id = sorted(tokenizer.get_vocab().values())  # any token ends the text: it stops at its first
+    assert ours(target, prepared, clock, input_ids, 12, config, every_id).tokens == 1
+
+
+def test_llama_cpp_end_ids_are_the_checkpoints_and_llama_cpps():
+    """Ours ends a text where llama.cpp does: the checkpoint's eos and every token llama.cpp ends a text at by its
+    text (Qwen2.5: <|endoftext|>, <|im_end|>, <|fim_pad|>, <|repo_name|>, <|file_sep|>)."""
+    from hf_specsample_bench.llama_cpp import end_ids
+
+    class Vocabulary:
+        def get_vocab(self):
+            return {"a": 1, "<|endoftext|>": 5, "<|im_end|>": 7, "<|file_sep|>": 9, "<|im_start|>": 11}
+
+    assert end_ids(Vocabulary(), 7) == [5, 7, 9]
+    assert end_ids(Vocabulary(), [3, 7]) == [3, 5, 7, 9]
+    assert end_ids(Vocabulary(), None) == [5, 7, 9]
 
 
 def test_llama_cpp_refuses_what_cannot_run_before_loading_models(tmp_path, capsys):
