@@ -115,7 +115,9 @@ def llama_speculative(binaries: Path, target: Path, draft: Path, prompt: str, to
     """
     with tempfile.TemporaryDirectory(prefix="hf_specsample_llama_") as folder:
         prompt_file = Path(folder) / "prompt.txt"
-        prompt_file.write_text(prompt)
+        # llama.cpp's `-f` drops the file's last newline (common/arg.cpp): one more keeps the prompt's own, which a
+        # HumanEval prompt ends with (without it the model continues another text)
+        prompt_file.write_text(prompt + "\n")
         command = [
             str(binaries / BINARY), "-m", str(target), "-md", str(draft), "-f", str(prompt_file),
             "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", str(torch.get_num_threads()),

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from markdown_blocks import REPO
@@ -317,3 +318,20 @@ def test_llama_cpp_binary_that_fails_is_reported_with_its_command(tmp_path, caps
     with pytest.raises(llama_cpp.LlamaCppFailed, match="no 'encoded'/'decoded' timing lines"):
         binary.write_text("#!/bin/sh\necho hello\n")
         llama_cpp.llama_speculative(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf", "def f():", 4, 3)
+
+
+def test_llama_cpp_reads_the_prompt_as_given(monkeypatch):
+    """`-f` drops a file's last newline: the file holds one more, so llama.cpp continues the prompt ours continues."""
+    from hf_specsample_bench import llama_cpp
+
+    seen = {}
+
+    def run(command, **kwargs):
+        seen["prompt"] = Path(command[command.index("-f") + 1]).read_text().removesuffix("\n")  # as llama.cpp reads
+        output = "encoded 9 tokens in 0.100 seconds\ndecoded 4 tokens in 0.200 seconds\n"
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr=output)
+
+    monkeypatch.setattr(llama_cpp.subprocess, "run", run)
+    prompt = 'def f():\n    """Doc."""\n'
+    llama_cpp.llama_speculative(Path("/bin"), Path("t.gguf"), Path("d.gguf"), prompt, 4, 3)
+    assert seen["prompt"] == prompt
