@@ -179,6 +179,18 @@ def test_rank_oracle_on_the_tiny_pair(capsys):
     assert "chain of 8" in out and "top 3 choices" in out
 
 
+def stand_in_llama_cpp(folder: Path, script: str) -> list[str]:
+    """A `llama-speculative-simple` in `folder` that runs the shell `script` (llama.cpp is not installed here), empty
+    GGUF files beside it, and `llama_cpp.main`'s arguments that run them with ours on the tiny pair."""
+    binary = folder / "llama-speculative-simple"
+    binary.write_text(f"#!/bin/sh\n{script}\n")
+    binary.chmod(0o755)
+    (folder / "t.gguf").touch()
+    (folder / "d.gguf").touch()
+    return ["--pair", "tiny", "--max-new-tokens", "4", "--bin", str(folder), "--target-gguf", str(folder / "t.gguf"),
+            "--draft-gguf", str(folder / "d.gguf")]  # fmt: skip
+
+
 def test_llama_cpp_timings_are_read_from_its_output():
     from hf_specsample_bench.llama_cpp import parse_speculative
 
@@ -197,16 +209,8 @@ def test_llama_cpp_comparison_on_the_tiny_pair_with_a_stand_in_binary(tmp_path, 
     """llama.cpp itself is not installed here: a script prints its two timing lines, so the whole comparison runs."""
     from hf_specsample_bench import llama_cpp
 
-    binary = tmp_path / "llama-speculative-simple"
-    lines = ['echo "encoded 9 tokens in 0.100 seconds" >&2', 'echo "decoded 4 tokens in 0.200 seconds" >&2']
-    binary.write_text("#!/bin/sh\n" + "\n".join(lines) + "\n")
-    binary.chmod(0o755)
-    (tmp_path / "t.gguf").touch()
-    (tmp_path / "d.gguf").touch()
-    llama_cpp.main(
-        ["--pair", "tiny", "--num-prompts", "2", "--max-new-tokens", "4", "--bin", str(tmp_path),
-         "--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf"), "--draft-max", "3"]
-    )  # fmt: skip
+    script = 'echo "encoded 9 tokens in 0.100 seconds" >&2; echo "decoded 4 tokens in 0.200 seconds" >&2'
+    llama_cpp.main(stand_in_llama_cpp(tmp_path, script) + ["--num-prompts", "2", "--draft-max", "3"])
     out = capsys.readouterr().out
     assert "llama.cpp, draft max 3" in out and "decoding  20.00 tok/s" in out  # 4 tokens in 0.2 s
     assert "over all 2 prompts" in out and "ours, chain of 8" in out
@@ -218,17 +222,10 @@ def test_llama_cpp_rates_are_set_against_its_best_at_each_rate(tmp_path, capsys)
     set against the best at that rate (here draft max 3 decodes faster, draft max 8 has the faster whole call)."""
     from hf_specsample_bench import llama_cpp
 
-    binary = tmp_path / "llama-speculative-simple"
     fast_decoding = 'echo "encoded 9 tokens in 1.000 seconds" >&2; echo "decoded 4 tokens in 0.100 seconds" >&2'
     fast_whole = 'echo "encoded 9 tokens in 0.100 seconds" >&2; echo "decoded 4 tokens in 0.200 seconds" >&2'
-    binary.write_text(f'#!/bin/sh\ncase "$*" in *"-n-max 3"*) {fast_decoding};; *) {fast_whole};; esac\n')
-    binary.chmod(0o755)
-    (tmp_path / "t.gguf").touch()
-    (tmp_path / "d.gguf").touch()
-    llama_cpp.main(
-        ["--pair", "tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--bin", str(tmp_path),
-         "--target-gguf", str(tmp_path / "t.gguf"), "--draft-gguf", str(tmp_path / "d.gguf"), "--draft-max", "3,8"]
-    )  # fmt: skip
+    script = f'case "$*" in *"-n-max 3"*) {fast_decoding};; *) {fast_whole};; esac'
+    llama_cpp.main(stand_in_llama_cpp(tmp_path, script) + ["--num-prompts", "1", "--draft-max", "3,8"])
     out = " ".join(capsys.readouterr().out.split())
     assert "llama.cpp, draft max 3 40.00 3.64 (1.00x, 0.27x llama.cpp's best)" in out
     assert "llama.cpp, draft max 8 20.00 13.33 (0.50x, 1.00x llama.cpp's best)" in out
