@@ -186,7 +186,8 @@ def ours(
     out = target.generate(input_ids, return_dict_in_generate=True, **kwargs)
     seconds = time.perf_counter() - start
     made = out.sequences.shape[1] - input_ids.shape[1]
-    first_round = min(made, round(out.speculative_stats.accepted_depth_per_round[0]) + 1)  # one row: whole tokens
+    depths = out.speculative_stats.accepted_depth_per_round  # one row: whole tokens; none where no round drafted
+    first_round = min(made, round(depths[0]) + 1 if depths else 1)  # without a draft, the prompt's forward's token
     return Run(made, clock.seconds, seconds - clock.seconds, made - first_round)
 
 
