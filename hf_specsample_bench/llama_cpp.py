@@ -148,15 +148,18 @@ class PrefillClock:
             self.handles.append(model.register_forward_pre_hook(self._enter, with_kwargs=True))
             self.handles.append(model.register_forward_hook(self._leave, with_kwargs=True))
 
-    def _enter(self, module, args, kwargs):
+    @staticmethod
+    def _wide(args, kwargs) -> bool:
+        """Whether a forward's `input_ids` hold more than `PREFILL_POSITIONS` positions."""
         ids = kwargs.get("input_ids", args[0] if args else None)
-        wide = ids is not None and ids.shape[-1] > PREFILL_POSITIONS and self._started is None
-        if wide:
+        return ids is not None and ids.shape[-1] > PREFILL_POSITIONS
+
+    def _enter(self, module, args, kwargs):
+        if self._started is None and self._wide(args, kwargs):
             self._started = time.perf_counter()
 
     def _leave(self, module, args, kwargs, output):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if self._started is not None and ids is not None and ids.shape[-1] > PREFILL_POSITIONS:
+        if self._started is not None and self._wide(args, kwargs):
             self.seconds += time.perf_counter() - self._started
             self._started = None
 
