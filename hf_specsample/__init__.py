@@ -6,6 +6,8 @@
     prepared = hf_specsample.prepare_draft(draft, target)  # optional: prepare once, hold it, pass it
     out = target.generate(**inputs, draft_model=prepared)
 
+    hf_specsample.generate(target, **inputs, draft_model=draft)  # the same, whether registered or not
+
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
@@ -29,7 +31,7 @@ from .options import (
 from .outputs import SpeculativeDecoderOnlyOutput
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
-from .registration import is_registered, register, unregister
+from .registration import generate, is_registered, register, unregister
 from .stats import SpeculativeStats
 
 __version__ = "0.1.0"
@@ -44,6 +46,7 @@ __all__ = [
     "FixedLookahead",
     "NamedDraft",
     "frequent_tokens",
+    "generate",
     "LookaheadPolicy",
     "PreparedDraft",
     "prepare_draft",

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from . import validation
 from .options import SpeculativeConfig
 
 
@@ -49,8 +50,9 @@ class CallInputs:
             n-gram continuations are drafted first where a row has one), or None.
         max_ngram: transformers' `max_matching_ngram_size` (the longest n-gram looked up), or None.
         tokenizers: (target tokenizer, draft tokenizer) as the caller gave them (`tokenizer=`, `draft_tokenizer=` /
-            `assistant_tokenizer=`), or None; when their vocabularies differ, the draft reads its own ids and drafts
-            over the tokens both share (`proposers.cross_tokenizer`), which the plan decides.
+            `assistant_tokenizer=`; the draft's None where only `tokenizer=` was given), or None; when their
+            vocabularies differ, the draft reads its own ids and drafts over the tokens both share
+            (`proposers.cross_tokenizer`), which the plan decides.
     """
 
     model: PreTrainedModel
@@ -71,3 +73,30 @@ class CallInputs:
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+
+def resolve_inputs(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    speculative_config: SpeculativeConfig | None,
+    num_lookahead: int | None,
+    lookup_tokens: int | None,
+    max_ngram: int | None,
+    routed: bool,
+    **fields: Any,
+) -> CallInputs:
+    """`CallInputs` from `speculative_generate`'s arguments: the config with `num_lookahead=` merged in.
+
+    Refuses a call that hf_specsample's `generate()` wrapper did not route (`routed`: `validation.check_routed`) and
+    one without `draft_model=`."""
+    validation.check_routed(routed)
+    if fields.get("draft_model") is None:
+        raise ValueError(
+            "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
+        )
+    return CallInputs(
+        model=model, input_ids=input_ids, generation_config=generation_config,
+        config=SpeculativeConfig.resolve(speculative_config, num_lookahead),
+        lookup_tokens=lookup_tokens, max_ngram=max_ngram, **fields,
+    )  # fmt: skip

@@ -42,14 +42,18 @@ def speculative_generate(
     speculative_caller_cache: bool = False,
     speculative_prompt_lookup_num_tokens: int | None = None,
     speculative_max_matching_ngram_size: int | None = None,
+    speculative_routed: bool = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`: resolve the
     call's inputs (`plan.resolve_inputs`), plan it (`plan.plan_call`: every refusal before any forward, every decision
     once), run its rounds (`SpeculativeDecoder`).
 
-    Call it through `model.generate(..., draft_model=small)` once `hf_specsample` is imported, or explicitly as
-    `model.generate(..., custom_generate=hf_specsample.speculative_generate, draft_model=small)`. `generate()` passes
+    Call it through `model.generate(..., draft_model=small)` once `hf_specsample` is imported, or, with
+    transformers' own `generate()` put back (`hf_specsample.unregister()`), as `hf_specsample.generate(model, ...,
+    draft_model=small)`. The registered wrapper routes the call here (`speculative_routed`); transformers' own
+    `generate()` would hand a `custom_generate` callable neither `streamer=` nor `tokenizer=`, so such a call is
+    refused before any work. `generate()` passes
     what it prepared (the `(batch, prompt_length)` prompt, its processors and stopping criteria, the resolved config,
     and in `model_kwargs` the attention mask, position ids and cache); the registered `generate()` adds the caller's
     streamer, tokenizers and prompt-lookup options, and whether the cache is the caller's. `call_inputs.CallInputs`
@@ -60,14 +64,14 @@ def speculative_generate(
         when `return_dict_in_generate=True`; its cache (`out.cache`, or `out.past_key_values` before transformers
         5.24) holds what plain `generate()`'s would hold.
     """
-    if input_ids.shape[-1] == 0:  # nothing to draft from or verify against: plain's own loop, its tokens or error
+    if input_ids.shape[-1] == 0 and speculative_routed:  # nothing to draft from: plain's own loop, tokens or error
         return transformers_api.plain_decoding(
             model, input_ids, logits_processor, stopping_criteria, generation_config, speculative_streamer,
             model_kwargs,
         )  # fmt: skip
     inputs = resolve_inputs(
         model, input_ids, generation_config, speculative_config, num_lookahead, speculative_prompt_lookup_num_tokens,
-        speculative_max_matching_ngram_size, draft_model=draft_model, model_kwargs=model_kwargs,
+        speculative_max_matching_ngram_size, speculative_routed, draft_model=draft_model, model_kwargs=model_kwargs,
         logits_processor=logits_processor, stopping_criteria=stopping_criteria, generator=generator,
         streamer=speculative_streamer, caller_cache=speculative_caller_cache, tokenizers=speculative_tokenizers,
     )  # fmt: skip
@@ -118,7 +122,8 @@ class SpeculativeDecoder:
         if self.model_drafter is not None and step is not None:
             self.model_drafter.warm_up()  # the draft's compiled step too
         while self.sequences.num_active > 0:
-            self.round(self.lookahead.budget(self.sequences.lengths))
+            draft_room = self.model_drafter.room(self.sequences) if self.model_drafter is not None else None
+            self.round(self.lookahead.budget(self.sequences.lengths, draft_room))
         if self.streamer is not None:
             self.streamer.end()
         if self.plan.shape.ranks:  # draft_shape="auto" chose round by round: say what ran
@@ -126,6 +131,7 @@ class SpeculativeDecoder:
         self.stats.target_forward_passes = self.target.forward_passes
         self.stats.target_refeed_passes = self.target.refeed_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
+        self.stats.draft_positions_ended = self.lookahead.draft_positions_ended
         if compiled is not None:
             self.stats.compile_seconds = compiled.compile_seconds - compile_before
         if step is not None:

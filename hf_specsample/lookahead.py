@@ -283,7 +283,10 @@ class RoundLookahead:
       eager/SDPA attention fills by averaging over every key of the forward, so the target's first forward must
       cover exactly the prompt, as plain decoding's does;
     - lookup lookahead: drafting by lookup alone, the policy's K (its `max_lookahead` widened to N at construction);
-      with a model draft and N, a round one row drafts by lookup alone may be ``max(K, N)`` wide.
+      with a model draft and N, a round one row drafts by lookup alone may be ``max(K, N)`` wide;
+    - the draft's positions: a draft model with a learned position table (GPT-2's `n_positions`) drafts at most the
+      tokens its table still has room for (`DraftModelProposer.room`); once the text fills it, rounds draft nothing
+      by model and the target finishes alone (`draft_positions_ended`).
 
     `observe` passes each round's record to the policy, except a lookup round of a model draft, which says nothing
     about the model's acceptance or cost.
@@ -310,6 +313,8 @@ class RoundLookahead:
         self.prompt_ends_in_padding = prompt_ends_in_padding
         self.lookup_tokens, self.lookup_only = lookup_tokens, lookup_only
         self._first_round = True
+        # The longest row's length when the draft's position table first stopped its drafting; None: it never did.
+        self.draft_positions_ended: int | None = None
 
     @classmethod
     def for_call(
@@ -359,17 +364,23 @@ class RoundLookahead:
         """Whether the policy learns from wall-clock durations (`LookaheadPolicy.needs_timing`)."""
         return self.policy.needs_timing
 
-    def budget(self, lengths: Sequence[int]) -> DraftBudget:
+    def budget(self, lengths: Sequence[int], draft_room: int | None = None) -> DraftBudget:
         """This round's draft budget; call exactly once before each round.
 
         Args:
             lengths: per active row, its committed length.
+            draft_room: the most tokens the draft model's position table lets it draft (`DraftModelProposer.room`);
+                None: no limit (or no draft model).
         """
         first_round, self._first_round = self._first_round, False
         if first_round and self.prompt_ends_in_padding:
             return DraftBudget(lookahead=0, lookup_lookahead=0)
         room = self.max_length - max(lengths) - 1
         lookahead = max(0, min(self.policy.choose(), room))
+        if draft_room is not None and draft_room < lookahead:
+            if draft_room == 0 and self.draft_positions_ended is None:
+                self.draft_positions_ended = max(lengths)
+            lookahead = draft_room
         tree = self.policy.chosen_tree() if lookahead > 0 else None
         if tree is not None:  # trees draft with a model alone (`validation.tree_problems`)
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0, tree=tree.truncated(lookahead))

@@ -100,6 +100,9 @@ class ModelFacts:
         dynamic_int8: it has torch's dynamic int8 linears (`draft_form="dynamic_int8"`).
         unloaded: some of its weights are on the `meta` device and no accelerate hook loads them (a model built
             under `init_empty_weights` or moved with `.to("meta")`): nothing to run.
+        position_limit: the positions its learned position table embeds (GPT-2's `n_positions`, OPT's
+            `max_position_embeddings`): a forward at position `position_limit` or beyond fails. None where positions
+            have no hard end (rotary, ALiBi, none).
     """
 
     model: PreTrainedModel
@@ -117,6 +120,7 @@ class ModelFacts:
     takes_logits_to_keep: bool
     dynamic_int8: bool
     unloaded: bool
+    position_limit: int | None
 
     @classmethod
     def of(cls, model: PreTrainedModel, same_config: ModelFacts | None = None) -> ModelFacts:
@@ -150,6 +154,7 @@ class ModelFacts:
             dynamic_int8=any(isinstance(module, _DYNAMIC_INT8_LINEAR) for module in model.modules()),
             unloaded=any(p.device.type == "meta" for p in model.parameters())
             and not any(hasattr(module, "_hf_hook") for module in model.modules()),
+            position_limit=position_limit(model),
         )
 
     def problem_as(self, role: Role) -> str | None:
@@ -173,6 +178,22 @@ def logit_width(model: PreTrainedModel) -> int:
     if out_features is None and getattr(head, "weight", None) is not None:
         out_features = head.weight.shape[0]
     return int(out_features) if out_features is not None else int(model.config.get_text_config().vocab_size)
+
+
+def position_limit(model: PreTrainedModel) -> int | None:
+    """The positions `model`'s learned position table embeds, or None where positions have no hard end.
+
+    A table is an embedding other than the input embedding with as many rows as the config's
+    `max_position_embeddings` (GPT-2's `n_positions`), or up to two more (OPT and BioGPT offset positions by 2).
+    Rotary models name a `max_position_embeddings` too, but hold no such table: they run past it, as plain
+    `generate()` lets them.
+    """
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    inputs = model.get_input_embeddings()
+    tables = (module for module in model.modules() if isinstance(module, torch.nn.Embedding) and module is not inputs)
+    return limit if any(limit <= table.num_embeddings <= limit + 2 for table in tables) else None
 
 
 def _forward_cache_name(model: PreTrainedModel) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from . import distributed, transformers_api, validation
 from .cache import row_ops, static_addresses
@@ -34,6 +34,7 @@ from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from .cache.forwards import Forwards
 from .cache.runner import RunnerBackend, RunnerPlan
 from .call_inputs import CallInputs
+from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
 from .graph_choice import choose_graphs
 from .kernels.routing import KernelRouting
 from .kernels.small_rows import MAX_ROWS, best_path
@@ -472,28 +473,3 @@ def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 def _ends_in_padding(attention_mask: torch.Tensor | None) -> bool:
     """Whether some row's prompt ends in padding (right padding): its first round then drafts nothing."""
     return attention_mask is not None and not bool(attention_mask[:, -1].bool().all())
-
-
-def resolve_inputs(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    generation_config: GenerationConfig,
-    speculative_config: SpeculativeConfig | None,
-    num_lookahead: int | None,
-    lookup_tokens: int | None,
-    max_ngram: int | None,
-    **fields: Any,
-) -> CallInputs:
-    """`CallInputs` from `speculative_generate`'s arguments: the config with `num_lookahead=` merged in, and
-    transformers' own prompt-lookup fields where the registered `generate()` did not pass them (`custom_generate=`
-    called directly)."""
-    if fields.get("draft_model") is None:
-        raise ValueError(
-            "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
-        )
-    return CallInputs(
-        model=model, input_ids=input_ids, generation_config=generation_config,
-        config=SpeculativeConfig.resolve(speculative_config, num_lookahead),
-        lookup_tokens=lookup_tokens if lookup_tokens is not None else generation_config.prompt_lookup_num_tokens,
-        max_ngram=max_ngram if max_ngram is not None else generation_config.max_matching_ngram_size, **fields,
-    )  # fmt: skip

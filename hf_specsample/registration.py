@@ -14,7 +14,10 @@ transformers' assisted-generation settings (`num_assistant_tokens=`, `assistant_
 other than what was asked for.
 
 Two arguments never reach a `custom_generate` callable in transformers (it keeps only the callable's *new*
-parameters): `streamer` and `tokenizer`. The wrapper passes the streamer on as `speculative_streamer`, turns
+parameters): `streamer` and `tokenizer`. So `speculative_generate` runs only when this wrapper routed the call
+(`speculative_routed`), and refuses, before any work, to be called as `custom_generate=` on transformers' own
+`generate()`, where a streamer would hear the prompt and never its end. The wrapper passes the streamer on as
+`speculative_streamer`, turns
 `stop_strings` + `tokenizer` into transformers' own `StopStringCriteria`, appended to the stopping criteria, and
 passes `tokenizer` with `draft_tokenizer=` (or transformers' name `assistant_tokenizer=`) as
 `speculative_tokenizers`: a draft whose tokenizer has another vocabulary then drafts over the tokens both share.
@@ -56,6 +59,7 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
         kwargs, kwargs.get("generation_config"), getattr(model, "generation_config", None)
     )
     kwargs["custom_generate"] = speculative_generate
+    kwargs["speculative_routed"] = True  # the streamer and tokenizer below reach the loop (`speculative_generate`)
     draft_tokenizer, assistant_tokenizer = kwargs.pop("draft_tokenizer", None), kwargs.pop("assistant_tokenizer", None)
     if draft_tokenizer is not None and assistant_tokenizer is not None and draft_tokenizer is not assistant_tokenizer:
         raise ValueError("Pass the draft's tokenizer once: `draft_tokenizer=` or `assistant_tokenizer=` (the same).")
@@ -68,6 +72,8 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
                 "as `tokenizer=` too."
             )
         kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], draft_tokenizer)
+    elif kwargs.get("tokenizer") is not None:  # the draft's width is checked against the target's vocabulary
+        kwargs["speculative_tokenizers"] = (kwargs["tokenizer"], None)
     if kwargs.get(transformers_api.CACHE) is not None:  # the caller holds this object: leave it as plain would
         kwargs["speculative_caller_cache"] = True
     elif makes_target_cache(kwargs.get("speculative_config")):  # generate()'s own would be thrown away
@@ -105,7 +111,11 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
 
 @functools.wraps(_ORIGINAL_GENERATE)
 def generate(self, *args, **kwargs):
-    """`GenerationMixin.generate` with hf_specsample's `draft_model=` / `num_lookahead=` arguments."""
+    """`GenerationMixin.generate` with hf_specsample's `draft_model=` / `num_lookahead=` arguments.
+
+    Installed as every model's `generate()` by `register()`; also callable as a function whether registered or not,
+    `hf_specsample.generate(model, **inputs, draft_model=draft)`, with the arguments `model.generate()` takes.
+    """
     # A cache under a name transformers deprecated is renamed here, as `generate()` renames it, so that its
     # deprecation message points at the caller's line rather than at this wrapper.
     transformers_api.take_caller_cache(kwargs, stacklevel=2)
@@ -129,7 +139,7 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Restore transformers' own `generate()`; `custom_generate=speculative_generate` still works after this."""
+    """Restore transformers' own `generate()`; `hf_specsample.generate(model, ...)` still runs `draft_model=` calls."""
     GenerationMixin.generate = _ORIGINAL_GENERATE  # type: ignore[method-assign]  # transformers' own, put back
 
 

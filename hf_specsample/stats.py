@@ -47,6 +47,9 @@ class SpeculativeStats:
     shape: str = ""
     # Per round, "tree" or "chain" (`options.DraftShape`'s words): what it drafted (its size: `lookahead_per_round`).
     shape_per_round: list[str] = field(default_factory=list)
+    # A draft with a learned position table (GPT-2's `n_positions`) shorter than the text: the longest row's length
+    # (prompt included) when the table ended the draft's rounds, after which the target finished alone; else None.
+    draft_positions_ended: int | None = None
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -170,6 +173,11 @@ class SpeculativeStats:
             + (f", draft {self.draft_form}" if self.draft_form else "")
             + (f", {self.shape}" if self.shape else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
+            + (
+                f", the draft's position table ended its drafting at {self.draft_positions_ended} tokens"
+                if self.draft_positions_ended is not None
+                else ""
+            )
             + (
                 f", compiled target ({self.compile_seconds:.1f} s compiling)"
                 if self.compile_seconds is not None

@@ -38,6 +38,13 @@ def check_models(target: ModelFacts, draft: ModelFacts | None) -> None:
                 f"The {role} model is encoder-decoder ({type(facts.model).__name__}); hf_specsample drafts for "
                 "decoder-only causal LMs. For encoder-decoder models use transformers' `assistant_model=`."
             )
+        if not facts.model.can_generate():
+            raise ValueError(
+                f"The {role} model ({type(facts.model).__name__}) has no language-modelling head, so it makes no "
+                "logits to draft or verify with (transformers' own generate() is not available on it either). Pass "
+                "the causal LM that holds it (e.g. the `...ForCausalLM` from `AutoModelForCausalLM`), not its base "
+                "model (`model.model`)."
+            )
         if facts.unloaded:
             raise ValueError(
                 f"The {role} model's weights are on the meta device, and no accelerate hook loads them (a model built "
@@ -79,24 +86,49 @@ def check_hybrid_draft(draft: ModelFacts | None, other_tokenizer: bool) -> None:
 PADDING_SLACK = 256
 
 
+def check_routed(routed: bool) -> None:
+    """`speculative_generate` runs only when hf_specsample's `generate()` wrapper routed the call to it.
+
+    transformers' own `generate()` hands a `custom_generate` callable neither `streamer=` nor `tokenizer=` (it keeps
+    only the callable's new parameters): a streamer would hear the prompt and never its end, and stop strings would
+    fail. The wrapper passes both on (`registration`).
+    """
+    if not routed:
+        raise ValueError(
+            "speculative_generate was called by transformers' own generate() (`custom_generate=`, with hf_specsample "
+            "unregistered), which hands it neither `streamer=` nor `tokenizer=` (a streamer would hear the prompt and "
+            "never its end; stop strings would fail). Call `hf_specsample.generate(model, ...)` with the same "
+            "arguments, or `hf_specsample.register()` and then `model.generate(..., draft_model=...)`."
+        )
+
+
 def check_tokenizers(
-    target_width: int, draft_width: int | None, tokenizers: tuple[Any, Any] | None, named: NamedDraft | None = None
+    target_width: int,
+    draft_width: int | None,
+    tokenizers: tuple[Any, Any] | None,
+    named: NamedDraft | None = None,
+    target_tokenizer: Any = None,
 ) -> bool:
     """Whether the draft reads another tokenizer's ids (then it drafts over the tokens both share).
 
     With both tokenizers known (`tokenizer=` and `draft_tokenizer=` / `assistant_tokenizer=`), their vocabularies
-    decide. Without them, a draft of the target's tokenizer is assumed; logit widths may differ by padding (see
-    `PADDING_SLACK`), but a draft whose width is far from the target's is refused: its ids would mean other strings.
+    decide. Without them, a draft of the target's tokenizer is assumed; logit widths may differ by padding (fewer than
+    `PADDING_SLACK` ids, or under 1%), but a draft whose width is further from the target's is refused: its ids would
+    mean other strings. With the target's tokenizer alone (`tokenizer=`), a draft that scores fewer ids than that
+    tokenizer has tokens is refused too: it cannot be a model of that tokenizer. (A draft of another tokenizer whose
+    width is within padding of the target's cannot be told apart by widths: pass its tokenizer.)
 
     Args:
         target_width, draft_width: the models' logit widths (a prepared draft's as given, before a compact head);
             None for a draft without a model of its own.
         tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
         named: the draft's name where it is "auto" or "prompt_lookup" (which draft in the target's own ids).
+        target_tokenizer: the target's tokenizer where the caller gave it without the draft's, else None.
 
     Raises:
-        ValueError: a named draft with another tokenizer, widths of different tokenizers without tokenizers, or
-            tokenizers that share no token (`proposers.cross_tokenizer.shared_vocabulary`).
+        ValueError: a named draft with another tokenizer, widths of different tokenizers without tokenizers, a draft
+            narrower than the target's tokenizer, or tokenizers that share no token
+            (`proposers.cross_tokenizer.shared_vocabulary`).
     """
     differ = tokenizers is not None and (
         len(tokenizers[0]) != len(tokenizers[1]) or _vocabulary(tokenizers[0]) != _vocabulary(tokenizers[1])
@@ -118,7 +150,16 @@ def check_tokenizers(
                 "whose vocabulary overlaps the target's."
             )
         return differ
-    if abs(target_width - draft_width) > max(PADDING_SLACK, max(target_width, draft_width) // 100):
+    # the tokenizer's tokens the target scores (a tokenizer may hold added tokens beyond a model's head)
+    tokens = min(len(target_tokenizer), target_width) if target_tokenizer is not None else 0
+    if draft_width < tokens:
+        raise ValueError(
+            f"The draft scores {draft_width} token ids, fewer than the {tokens} tokens of the target's tokenizer "
+            "(`tokenizer=`), so it is not a model of that tokenizer: its ids mean other strings. Pass the draft's own "
+            "tokenizer as `draft_tokenizer=` (or `assistant_tokenizer=`): the draft then drafts over the tokens both "
+            "vocabularies share, exactly."
+        )
+    if abs(target_width - draft_width) >= max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(
             f"The draft scores {draft_width} token ids and the target {target_width}: they look like models with "
             "different tokenizers, whose ids mean other strings. Pass the target's tokenizer as `tokenizer=` and the "

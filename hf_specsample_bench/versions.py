@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import io
 import statistics
 import subprocess
@@ -117,10 +118,14 @@ def main(argv: list[str] | None = None) -> None:
             f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, "
             f"{args.max_new_tokens} tokens"
         )
+        # Both decoding functions as `custom_generate=` callables of transformers' own generate(), no streamer or
+        # tokenizer given: each is told it was routed where its signature asks (this checkout's does).
         methods = {
             "target": {},
-            "this": dict(custom_generate=hf_specsample.speculative_generate, draft_model=draft),
-            "base": dict(custom_generate=base.speculative_generate, draft_model=draft),
+            "this": dict(
+                custom_generate=hf_specsample.speculative_generate, draft_model=draft, speculative_routed=True
+            ),
+            "base": dict(custom_generate=base.speculative_generate, draft_model=draft, **_routed(base)),
         }
         if args.levers_off:  # this checkout with sort-free top-p and block verification off: the base's levers
             levers_off = hf_specsample.SpeculativeConfig(fast_processors=False, verification="token")
@@ -150,6 +155,13 @@ def main(argv: list[str] | None = None) -> None:
                 if name.startswith("this")
             ]
             print(f"{mode:>8}: " + " | ".join(cells) + "\n          " + " | ".join(ratios))
+
+
+def _routed(module) -> dict:
+    """`speculative_routed=True` where the module's `speculative_generate` takes it (later commits refuse a call
+    that transformers' own generate() made without the wrapper), else nothing."""
+    takes = "speculative_routed" in inspect.signature(module.speculative_generate).parameters
+    return {"speculative_routed": True} if takes else {}
 
 
 if __name__ == "__main__":

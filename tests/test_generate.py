@@ -7,7 +7,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specsample
-from hf_specsample import SpeculativeConfig, SpeculativeDecoderOnlyOutput, speculative_generate
+from hf_specsample import SpeculativeConfig, SpeculativeDecoderOnlyOutput
 
 VOCAB = 64
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
@@ -49,15 +49,6 @@ def test_generate_without_draft_is_untouched(target):
         hf_specsample.register()
     assert hf_specsample.is_registered()
     assert torch.equal(registered, original)
-
-
-def test_explicit_custom_generate_works_without_registration(target, draft):
-    hf_specsample.unregister()
-    try:
-        got = greedy(target, max_new_tokens=20, custom_generate=speculative_generate, draft_model=draft)
-    finally:
-        hf_specsample.register()
-    assert torch.equal(got, greedy(target, max_new_tokens=20))
 
 
 def test_generator_makes_sampling_reproducible(target, draft):

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import transformers_api
+from ..model_facts import position_limit
 
 TIMED_STEPS = 3  # single-token forwards timed per form (after one untimed warm-up step); the minimum counts
 TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to
@@ -50,6 +51,7 @@ def decode_step_seconds(
     """
     device = next(models[0].parameters()).device
     vocab = min(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0] for model in models)
+    context = max(1, min(context, _positions(models) - steps - 1))  # a short position table: a shorter context
     ids = (torch.arange(context + steps + 1, device=device) % vocab)[None, :]  # (1, context + steps + 1)
     contexts = contexts or [lambda rows: contextlib.nullcontext()] * len(models)
     caches = [_forward(model, ids[:, :context], None, contexts[index](context)) for index, model in enumerate(models)]
@@ -76,7 +78,7 @@ def forward_seconds(models: Sequence[PreTrainedModel], width: int, repeats: int 
     """
     device = next(models[0].parameters()).device
     vocab = min(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0] for model in models)
-    ids = (torch.arange(width, device=device) % vocab)[None, :]  # (1, width)
+    ids = (torch.arange(min(width, _positions(models)), device=device) % vocab)[None, :]  # (1, width)
     best = [float("inf")] * len(models)
     failed = [False] * len(models)
     for attempt in range(repeats + 1):
@@ -88,6 +90,12 @@ def forward_seconds(models: Sequence[PreTrainedModel], width: int, repeats: int 
             if attempt > 0 and not failed[index]:
                 best[index] = min(best[index], time.perf_counter() - start)
     return [math.inf if fail else seconds for fail, seconds in zip(failed, best)]
+
+
+def _positions(models: Sequence[PreTrainedModel]) -> int:
+    """The most positions every one of `models` embeds (`model_facts.position_limit`; a large number where none
+    has a position table)."""
+    return min((limit for model in models if (limit := position_limit(model)) is not None), default=1 << 62)
 
 
 def _prompt_forward(model: PreTrainedModel, ids: torch.Tensor):
@@ -132,7 +140,7 @@ def acceptance(
     Returns:
         One rate per draft, in [0, 1].
     """
-    ids = ids.reshape(1, -1)
+    ids = ids.reshape(1, -1)[:, : _positions([target, *drafts])]  # no further than any model's position table
     with target_context:
         target_probs = torch.softmax(target(ids).logits[0].float(), dim=-1)  # (length, target vocab)
     rates = []

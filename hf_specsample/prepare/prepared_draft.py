@@ -303,26 +303,29 @@ def check_draft(
 
     Args:
         spec: `draft_model=` resolved; `draft`: its model's facts (None for "auto" and "prompt_lookup").
-        tokenizers: (the target's tokenizer, the draft's) as given, None or (None, None) for neither.
+        tokenizers: (the target's tokenizer, the draft's) as given: (target's, None) where only the target's is
+            known (`tokenizer=` alone: the draft's width is checked against its vocabulary); None or (None, None)
+            for neither.
 
     Returns:
         (target tokenizer, draft tokenizer) where the draft reads another tokenizer's ids, else None.
 
     Raises:
-        ValueError: a model that cannot be used, one tokenizer of the two, or a draft that reads other ids than the
-            target's without both tokenizers to say which.
+        ValueError: a model that cannot be used, the draft's tokenizer without the target's, or a draft that reads
+            other ids than the target's without both tokenizers to say which.
     """
     check_models(target, draft)
-    if tokenizers is not None and (tokenizers[0] is None) != (tokenizers[1] is None):
-        raise ValueError("Pass both the target's `tokenizer=` and the draft's `draft_tokenizer=`, or neither.")
-    tokenizers = tokenizers if tokenizers is not None and tokenizers[0] is not None else None
+    if tokenizers is not None and tokenizers[0] is None and tokenizers[1] is not None:
+        raise ValueError("Pass the target's `tokenizer=` with the draft's `draft_tokenizer=`: they are compared.")
+    target_tokenizer = tokenizers[0] if tokenizers is not None else None
+    both = tokenizers if tokenizers is not None and tokenizers[1] is not None else None
     prepared = spec.prepared
     held = prepared.tokenizers if prepared is not None else None
-    if held is not None and (tokenizers is None or same_tokenizers(tokenizers, held)):
+    if held is not None and (both is None or same_tokenizers(both, held)):
         return held
     width = prepared.logit_width if prepared is not None else draft.logit_width if draft is not None else None
-    other_tokenizer = check_tokenizers(target.logit_width, width, tokenizers, _NAMED.get(spec.kind))
-    return tokenizers if other_tokenizer else None
+    other_tokenizer = check_tokenizers(target.logit_width, width, both, _NAMED.get(spec.kind), target_tokenizer)
+    return both if other_tokenizer else None
 
 
 def same_tokenizers(pair: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:

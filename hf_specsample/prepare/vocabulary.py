@@ -32,11 +32,14 @@ def default_cache_dir() -> Path:
 
 
 def special_token_ids(generation_config) -> list[int]:
-    """The EOS, padding and BOS ids of a `GenerationConfig`: the ids a draft vocabulary of N lowest ids keeps."""
+    """The EOS, padding and BOS ids of a `GenerationConfig`: the ids a draft vocabulary of N lowest ids keeps.
+
+    Each field may hold what `generate()` accepts there: None, an int, a list of ints, or a tensor (0-d or 1-d).
+    """
     ids: list[int] = []
     for value in (generation_config.eos_token_id, generation_config.pad_token_id, generation_config.bos_token_id):
         if value is not None:
-            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+            ids.extend(torch.as_tensor(value).reshape(-1).tolist())
     return [int(token) for token in ids]
 
 

@@ -113,6 +113,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = vocabulary.target_width
         self.compact = vocabulary.ids is not None and processor.vocabulary_free
         self.tree_in_cache: CachedTree | KeptNodes | None = None  # the last drafted tree, until `compact_tree`
+        self.position_limit = facts.position_limit
 
     @property
     def forward_passes(self) -> int:
@@ -126,6 +127,18 @@ class DraftModelProposer(Proposer):
     def warm_up(self) -> None:
         """Compile the draft's single-token step now, if it runs compiled, so that no round pays for it."""
         self.runner.warm_step()
+
+    def room(self, sequences: Sequences) -> int | None:
+        """The most tokens a round may draft before the draft's position table ends (`ModelFacts.position_limit`),
+        0 once the longest row it reads fills the table; None: its positions have no end.
+
+        Counted in buffer columns (a left-padded row's positions are fewer) and with one position to spare, so a
+        round's forwards (the catch-up of committed tokens, then each draft token but the last) stay inside it.
+        """
+        if self.position_limit is None:
+            return None
+        reads = sequences if self.inputs is None else self.inputs.sequences
+        return max(0, self.position_limit - max(reads.lengths))
 
     def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
         """Draft `budget.lookahead` (K) tokens after every active row's committed tokens (`Proposer.get_candidates`).
