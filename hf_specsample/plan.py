@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from . import distributed, transformers_api, validation
 from .cache import row_ops, static_addresses
@@ -204,17 +205,20 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         generator = distributed.shared_generator(generator, inputs.input_ids.device)
     # No choice below may depend on the clock where a seeded call must repeat in any process, or ranks agree.
     clock_free = inputs.generator is not None or target.tensor_parallel
+    # `max_time=` counts from the call's start, setup included, as plain's clock does: such a call times nothing
+    # before its first round (the kernel's routing and AUTO's draft form are chosen as a clock-free call chooses).
+    untimed = clock_free or any(isinstance(criterion, MaxTimeCriteria) for criterion in inputs.stopping_criteria)
     # The target's kernel routing: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
-    kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), clock_free, Role.TARGET)
+    kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
     graphs = choose_graphs(target.input_device, config.compile, None)
     draft_plan = (
         None
         if lookup_only
-        else _draft_plan(inputs, spec, target, draft, kernel, clock_free, tokenizers, largest, graphs.backend)
+        else _draft_plan(inputs, spec, target, draft, kernel, untimed, tokenizers, largest, graphs.backend)
     )
     cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest, graphs.backend)
     ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))

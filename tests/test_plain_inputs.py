@@ -230,3 +230,21 @@ def test_widths_a_padding_cannot_explain_are_refused_without_tokenizers(width):
     with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match="different tokenizers"):
         greedy(target, max_new_tokens=5, draft_model=draft)
     assert counter.calls == 0
+
+
+# --- max_time ----------------------------------------------------------------------------------------------------
+
+
+def test_a_call_with_max_time_times_nothing_before_its_first_round(monkeypatch):
+    """`max_time=` counts from the call's start, setup included, as plain's clock does: the call's setup must not
+    spend it timing the draft's forms or the kernel's routing (they are chosen as a clock-free call chooses them)."""
+    timed = []
+    monkeypatch.setattr("hf_specsample.prepare.auto.time_forms", lambda *args: timed.append("forms"))
+    monkeypatch.setattr("hf_specsample.kernels.routing._timed_routing", lambda *args: timed.append("routing"))
+    target = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    draft = tiny_lm(seed=1, vocab_size=VOCAB, dtype=torch.bfloat16)  # fresh models: nothing prepared or timed yet
+    out = greedy(target, max_new_tokens=6, max_time=60.0, draft_model=draft, return_dict_in_generate=True)
+    assert timed == [] and out.sequences.shape[1] == PROMPT.shape[1] + 6
+    assert "without the clock" in out.speculative_stats.draft_form
+    out = greedy(target, max_time=0.0, max_new_tokens=6, draft_model=draft)  # the time is up: one round
+    assert PROMPT.shape[1] < out.shape[1] < PROMPT.shape[1] + 6
