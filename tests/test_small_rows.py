@@ -390,7 +390,7 @@ def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
         ValueError, match="linear_kernel='on' cannot be honoured: the target's weights are torch.float32"
     ):
         greedy(fp32, draft_model=draft.float(), speculative_config=SpeculativeConfig(linear_kernel="on"))
-    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    monkeypatch.setattr(small_rows, "load", _failed_load)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(linear_kernel="on"))
 
@@ -398,18 +398,14 @@ def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
 def test_auto_falls_back_to_eager_and_says_why_when_the_kernel_cannot_be_built(monkeypatch):
     target, draft = bf16_pair()
     plain = greedy(target)
-    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    monkeypatch.setattr(small_rows, "load", _failed_load)
     out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
     assert "off: no C++ compiler (test)" in out.speculative_stats.linear_kernel
     assert out.sequences.tolist() == plain.tolist()
 
 
-class _FailedLoad:
-    def __call__(self):
-        return small_rows.Build("no C++ compiler (test)", 0.0)
-
-    def cache_info(self):
-        return type("Info", (), {"currsize": 1})()
+def _failed_load():
+    return small_rows.Build("no C++ compiler (test)", 0.0)
 
 
 def test_auto_times_the_kernel_once_per_model(built, monkeypatch):
@@ -589,10 +585,10 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     from hf_specsample.prepare import auto, prepared_draft
 
     forms = {Form.AS_GIVEN: 0.030, Form.DYNAMIC_INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
-    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model: {
-        form: (lambda model: model) for form in forms if form is not Form.AS_GIVEN
+    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model, wanted: {
+        form: (lambda model: model) for form in wanted
     })  # fmt: skip
-    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan: auto.FormTimings(
+    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan, kernel: auto.FormTimings(
         {form: forms[form] for form in made}, 0.15
     ))  # fmt: skip
     rates = {Form.AS_GIVEN: 0.9, Form.DYNAMIC_INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
