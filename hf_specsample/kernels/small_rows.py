@@ -12,8 +12,11 @@ row. No compilation of the model, no copy of the weights: the kernel reads the m
   weights), `small_rows_linear_int8` (int8 weights, one scale per row: a draft's compact form) and
   `small_rows_linear_int4`. Returns why it cannot. Called only where a call's plan runs the kernel (a CPU bf16
   model's routing, a compact form on it), never to find out whether it would.
-- `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512F, AVX2+FMA, scalar), each built
-  for its own instruction set in one binary; the best one the CPU supports runs (a test can run each).
+- `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512 VNNI, AVX-512F, AVX2+FMA,
+  scalar), each built for its own instruction set in one binary; for each weight form the fastest path the CPU
+  supports runs (`fastest_path`, a pure function of the offered paths; `offered_paths` from a CPU's flags), and a
+  test can run each. `$HF_SPECSAMPLE_KERNEL_PATHS` (names, comma-separated) holds the kernel to those paths, as on
+  a lesser CPU.
 - `SmallRowsLinear`: a `TorchFunctionMode` that sends every eligible `F.linear` call (CPU, bf16 input and weight,
   at most `max_rows` rows, no autograd) to the kernel while it is active; anything else runs as it would.
 - `kernels.routing.KernelRouting` decides, per model, which forwards run in `SmallRowsLinear`.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,7 +114,7 @@ def _register_fakes() -> None:
 
 
 class KernelPath(str, enum.Enum):
-    """The kernel's vector paths (`small_rows.cpp`), fastest first; the best one the CPU supports runs."""
+    """The kernel's vector paths (`small_rows.cpp`), fastest first for bf16 weights (each form's order: `READS`)."""
 
     AMX_BF16 = "amx_bf16"  # AMX tiles: 16 weight rows x 32 k's per tile, flat in the rows up to 16 (bf16 weights only)
     AVX512_BF16 = "avx512_bf16"  # vdpbf16ps: two bf16 products per fp32 lane per instruction (bf16 and int4 weights)
@@ -124,25 +128,49 @@ class KernelPath(str, enum.Enum):
 
 
 def paths() -> list[KernelPath]:
-    """The paths this CPU runs, fastest first (call `load()` first)."""
+    """The paths this CPU runs (and `$HF_SPECSAMPLE_KERNEL_PATHS` allows), fastest first (call `load()` first)."""
     return [KernelPath(torch.ops.hf_specsample.path_name(index)) for index in torch.ops.hf_specsample.paths()]
 
 
-# The paths that read each weight form (as `reads` in small_rows.cpp).
+# The paths that read each weight form, fastest first (as `reads` and the orders in small_rows.cpp): int8 and int4
+# weights read fastest on avx512_vnni (two vpdpbusd per 128 products of an int4 group beat avx512_bf16's four table
+# lookups and four vdpbf16ps: 224 against 457 us on a Sapphire Rapids Xeon), bf16 ones on the widest bf16 path.
 READS = {
     torch.bfloat16: (KernelPath.AMX_BF16, KernelPath.AVX512_BF16, KernelPath.AVX512F, KernelPath.AVX2_FMA,
                      KernelPath.SCALAR),
     torch.int8: (KernelPath.AVX512_VNNI, KernelPath.AVX512F, KernelPath.AVX2_FMA, KernelPath.SCALAR),
     torch.uint8: (KernelPath.AVX512_VNNI, KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, two to a byte
 }  # fmt: skip
+FORMS = (torch.bfloat16, torch.int8, torch.uint8)  # the operator's numbers for the weight forms (`Form`), in order
+
+# The CPU flags (as Linux's /proc/cpuinfo names them) each path needs, as `cpu_supports` in small_rows.cpp asks them.
+NEEDS = {
+    KernelPath.AVX2_FMA: {"avx2", "fma"},
+    KernelPath.AVX512F: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
+    KernelPath.AVX512_VNNI: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    KernelPath.AVX512_BF16: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+    KernelPath.AMX_BF16: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
+}
+
+
+def offered_paths(flags: Collection[str], amx_granted: bool = True) -> list[KernelPath]:
+    """The paths an x86 CPU with these flags offers, in `KernelPath`'s order (as the operator's `paths()` lists
+    them); `amx_granted`: Linux granted the process AMX's tile state (the kernel asks for it)."""
+    offered = [path for path in KernelPath if path is KernelPath.SCALAR or NEEDS[path] <= set(flags)]
+    return [path for path in offered if amx_granted or path is not KernelPath.AMX_BF16]
+
+
+def fastest_path(offered: Collection[KernelPath], weights: torch.dtype = torch.bfloat16) -> KernelPath:
+    """The path the kernel runs by default for `weights` (torch.bfloat16, torch.int8, or torch.uint8 for packed int4)
+    among the `offered` ones: the first of `READS[weights]` offered (scalar reads every form)."""
+    return next((path for path in READS[weights] if path in offered), KernelPath.SCALAR)
 
 
 def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
     """The path the kernel runs here by default for bf16 weights (`small_rows_linear`), int8 ones
-    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`): the first path of
-    `READS[weights]` (each form's order, fastest first) that this CPU runs."""
-    here = paths()
-    return next(path for path in READS[weights] if path in here)
+    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`): `fastest_path` among
+    `paths()` (call `load()` first)."""
+    return fastest_path(paths(), weights)
 
 
 def _path_index(path: KernelPath | None) -> int:
