@@ -5,7 +5,7 @@ differs from the last one run there; that command names the torch and the Python
 environments sharing the folder rebuilt each other's binary each time they took turns (13 builds in 18 minutes).
 Here every build has its own folder, named by a key made of what the binary depends on (`BuildKey`): the source's
 bytes, torch (version, git revision, C++ ABI), Python (implementation and version), the machine's architecture, the
-compiler (its command and the first line of its `--version`) and the flags. Environments whose torch and Python
+compiler (its file and the first line of its `--version`) and the flags. Environments whose torch and Python
 are the same share one build; any other pair gets two folders, each built once.
 
 Where: `<cache>/kernels/<name>-<digest>/` under the library's cache folder (`cache_folder.default_cache_dir()`,
@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -80,9 +81,11 @@ def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> Bu
 
 
 def compiler_identity() -> str:
-    """The C++ compiler torch's builder runs (`$CXX`, else `c++`) and the first line of its `--version`."""
+    """The C++ compiler torch's builder runs (`$CXX`, else `c++`): its file, links resolved (`c++` and `g++` are
+    often one compiler), and the first line of its `--version`."""
     command = os.environ.get("CXX", "c++")
-    return f"{command}: {_compiler_version(command)}"
+    found = shutil.which(command)
+    return f"{os.path.realpath(found) if found else command}: {_compiler_version(command)}"
 
 
 @functools.cache  # one `--version` per compiler and process: a compiler does not change under a running process
