@@ -155,8 +155,8 @@ def test_processes_building_one_key_at_once_build_it_once(tmp_path, monkeypatch)
     (folder / "lock").touch()  # torch's baton, as a killed build leaves it
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", CHILD, str(source), str(tmp_path / "builds")]
-    children = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=environment) for _ in range(2)]  # fmt: skip
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    children = [subprocess.Popen(command, **pipes) for _ in range(2)]
     results = [child.communicate(timeout=300) for child in children]
     assert all(child.returncode == 0 for child in children), [err[-2000:] for _, err in results]
     assert sorted(out.strip() for out, _ in results) == ["compiled", "loaded"]

@@ -126,16 +126,15 @@ def test_the_paths_offered_here_are_those_the_cpu_flags_allow(built):
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(5, 256, generator=generator).to(torch.bfloat16)
     weight = torch.randn(48, 256, generator=generator).to(torch.bfloat16)
-    best = small_rows.best_path(torch.bfloat16)
-    assert torch.equal(small_rows.small_rows_linear(x, weight), small_rows.small_rows_linear(x, weight, path=best))
     int8, scale = (weight.float() * 20).round().clamp(-127, 127).to(torch.int8), torch.full((48,), 0.05)
-    best = small_rows.best_path(torch.int8)
-    assert torch.equal(small_rows.small_rows_linear_int8(x, int8, scale),
-                       small_rows.small_rows_linear_int8(x, int8, scale, path=best))  # fmt: skip
     packed, scales = small_rows.pack_int4(torch.randint(-8, 8, (48, 256), generator=generator)), torch.rand(48, 2)
-    best = small_rows.best_path(torch.uint8)
-    assert torch.equal(small_rows.small_rows_linear_int4(x, packed, scales, 128),
-                       small_rows.small_rows_linear_int4(x, packed, scales, 128, path=best))  # fmt: skip
+    runs = {
+        torch.bfloat16: lambda path: small_rows.small_rows_linear(x, weight, path=path),
+        torch.int8: lambda path: small_rows.small_rows_linear_int8(x, int8, scale, path=path),
+        torch.uint8: lambda path: small_rows.small_rows_linear_int4(x, packed, scales, 128, path=path),
+    }
+    for weights, run in runs.items():  # the default (no path named) is the best path's output, bit for bit
+        assert torch.equal(run(None), run(small_rows.best_path(weights))), weights
 
 
 def every_path():

@@ -136,11 +136,16 @@ def paths() -> list[KernelPath]:
 # weights read fastest on avx512_vnni (two vpdpbusd per 128 products of an int4 group beat avx512_bf16's four table
 # lookups and four vdpbf16ps: 224 against 457 us on a Sapphire Rapids Xeon), bf16 ones on the widest bf16 path.
 READS = {
-    torch.bfloat16: (KernelPath.AMX_BF16, KernelPath.AVX512_BF16, KernelPath.AVX512F, KernelPath.AVX2_FMA,
-                     KernelPath.SCALAR),
+    torch.bfloat16: (
+        KernelPath.AMX_BF16,
+        KernelPath.AVX512_BF16,
+        KernelPath.AVX512F,
+        KernelPath.AVX2_FMA,
+        KernelPath.SCALAR,
+    ),
     torch.int8: (KernelPath.AVX512_VNNI, KernelPath.AVX512F, KernelPath.AVX2_FMA, KernelPath.SCALAR),
     torch.uint8: (KernelPath.AVX512_VNNI, KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, two to a byte
-}  # fmt: skip
+}
 FORMS = (torch.bfloat16, torch.int8, torch.uint8)  # the operator's numbers for the weight forms (`Form`), in order
 
 # The CPU flags (as Linux's /proc/cpuinfo names them) each path needs, as `cpu_supports` in small_rows.cpp asks them.
