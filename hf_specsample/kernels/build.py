@@ -2,7 +2,7 @@
 
 torch's extension builder keeps one folder per extension name and rebuilds whenever the command it would run
 differs from the last one run there; that command names the torch and the Python it builds against, so two
-environments sharing the folder rebuilt each other's binary each time they took turns (13 builds in 18 minutes).
+environments sharing the folder would rebuild each other's binary each time they take turns.
 Here every build has its own folder, named by a key made of what the binary depends on (`BuildKey`): the source's
 bytes, torch (version, git revision, C++ ABI), Python (implementation and version), the machine's architecture, the
 compiler (its file and the first line of its `--version`) and the flags. Environments whose torch and Python
