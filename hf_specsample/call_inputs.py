@@ -17,6 +17,9 @@ from transformers.generation.streamers import BaseStreamer
 from . import validation
 from .options import SpeculativeConfig
 
+CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
+CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
+
 
 @dataclass(frozen=True, kw_only=True)
 class CallInputs:
@@ -73,6 +76,20 @@ class CallInputs:
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def calibration(self) -> torch.Tensor | None:
+        """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few: the text
+        an implicit draft's forms are weighed on (`prepare.auto`)."""
+        mask = self.model_kwargs.get("attention_mask")
+        row = self.input_ids[0] if mask is None else self.input_ids[0][mask[0].bool()]
+        return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None
+
+    @property
+    def prompt_ends_in_padding(self) -> bool:
+        """Whether some row's prompt ends in padding (right padding): its first round then drafts nothing."""
+        mask = self.model_kwargs.get("attention_mask")
+        return mask is not None and not bool(mask[:, -1].bool().all())
 
 
 def resolve_inputs(

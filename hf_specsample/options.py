@@ -247,7 +247,7 @@ class LinearKernel(str, enum.Enum):
 
     AUTO = "auto"  # where it builds and a timing on the model's own weight shows it faster than eager F.linear
     ON = "on"  # always for CPU bf16 models; refused before any work where it cannot run
-    OFF = "off"  # never: eager PyTorch
+    OFF = "off"  # never: eager PyTorch, and draft_form="auto" leaves out the kernel's forms (nothing builds it)
 
 
 @dataclass(frozen=True)
@@ -262,12 +262,14 @@ class SpeculativeConfig:
         lookahead_policy: advanced: a factory of `LookaheadPolicy` objects (one per generate() call) replacing the
             built-in choice of K; exactness holds for any policy that decides K before drafting.
         draft_form: "auto" (default: for a float draft that runs on the CPU, the form with the best expected
-            speedup here, timed at first use: as given, a dynamic-int8 copy, an int8-weights copy on the small-rows
-            kernel and, with a prompt of 16 tokens or more to measure acceptance on, an int4-weights copy; kept
-            while the draft model lives and its weights do not change. A clock-free call (`generator=`, a
-            tensor-parallel target) chooses from the weights alone: `int8_weights` where the kernel builds, else
-            `dynamic_int8`, else as given), "as_given", "dynamic_int8", "int8_weights" or "int4_weights"
-            (`DraftForm`). See `prepare_draft`; with a `PreparedDraft` as `draft_model=`, set it there instead.
+            speedup here, timed at first use: as given, a dynamic-int8 copy and, for a bf16 draft under a
+            `linear_kernel` other than "off", an int8-weights copy on the small-rows kernel and, with a prompt of 16
+            tokens or more to measure acceptance on, an int4-weights copy (a float32 or float16 draft builds no
+            kernel for them); kept while the draft model lives and its weights do not change. A clock-free call
+            (`generator=`, a tensor-parallel target) chooses from the weights alone: `int8_weights` where it is
+            weighed and the kernel builds, else `dynamic_int8`, else as given), "as_given", "dynamic_int8",
+            "int8_weights" or "int4_weights" (`DraftForm`). See `prepare_draft`; with a `PreparedDraft` as
+            `draft_model=`, set it there instead.
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
             None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.
@@ -304,12 +306,14 @@ class SpeculativeConfig:
             form drafts eagerly (its linears break compiled graphs), and `SpeculativeStats.draft_form` says so.
         linear_kernel: "auto" (default), "on" or "off": eager forwards of at most 16 positions (times rows) of a CPU
             model with bf16 weights run their linear layers on hf_specsample's small-rows kernel
-            (`kernels/small_rows.py`), which reads each weight once for all rows. "auto" builds it once per machine
-            (about 12 s with a C++ compiler; cached on disk), times it against eager `F.linear` on the model's own
+            (`kernels/small_rows.py`), which reads each weight once for all rows. "auto" builds it where a call
+            first runs it (about 15 s with a C++ compiler, once per machine, torch and Python: cached on disk;
+            `SpeculativeStats.kernel_build_seconds`), times it against eager `F.linear` on the model's own
             largest weight (once per model) and uses it where it is faster; `SpeculativeStats.linear_kernel` says
             what was decided. Logits differ from eager ones by rounding only; a row's logits never depend on the
             other rows. Compiled forwards (`compile=True`) use it inside the compiled graph under "on", and under
-            "auto" where its plan serves every round size of the call's batch (else inductor's GEMM).
+            "auto" where its plan serves every round size of the call's batch (else inductor's GEMM). "off" builds
+            no kernel (a draft_form named "int8_weights" or "int4_weights" still runs on it).
         draft_shape: "auto" (default: in greedy calls, a chain or the best tree each round, from the acceptance by
             the draft's rank and the costs by width measured in the call; chains when sampling or where trees cannot
             run, `SpeculativeStats.shape` says why), "chain", "tree", "dynamic", a `TreeShape` or a `DynamicTree`:

@@ -38,7 +38,7 @@ from .call_inputs import CallInputs
 from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
 from .graph_choice import choose_graphs
 from .kernels.routing import KernelRouting
-from .kernels.small_rows import MAX_ROWS, best_path
+from .kernels.small_rows import MAX_ROWS, best_path, loaded
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
 from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
@@ -56,8 +56,6 @@ from .stats import SpeculativeStats
 from .verify.processing import PositionwiseProcessor, check_supported
 from .verify.tree_round import TreeRound
 
-CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
-CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone
 DRAFT_STEP_SIZES = (1, 2)  # a draft's step, and a round's first step catching up on the last committed tokens
 
 
@@ -109,6 +107,8 @@ class CallPlan:
         pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
             not handed go back to `cache.static_addresses.POOL` for the next call.
         shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shape_choice.choose_shape`).
+        kernel_build_seconds: seconds this call's planning spent making the small-rows kernel ready (compiling it,
+            or loading an earlier process's build; `kernels.small_rows.load`), 0.0 where it did not.
     """
 
     inputs: CallInputs
@@ -125,6 +125,7 @@ class CallPlan:
     graphs: str = ""
     pooled: bool = False
     shape: ShapeChoice = ShapeChoice(None, "chain")
+    kernel_build_seconds: float = 0.0
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -139,6 +140,7 @@ class CallPlan:
         """The call's statistics, with what the plan decided already filled in."""
         stats = SpeculativeStats.for_batch(self.inputs.batch_size)
         stats.linear_kernel, stats.graphs, stats.shape = self.kernel_description, self.graphs, self.shape.reason
+        stats.kernel_build_seconds = self.kernel_build_seconds
         stats.draft_form = self.draft.description if self.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
         if self.draft is not None and self.draft.shared is not None:
             stats.shared_vocabulary = self.draft.shared.size
@@ -208,6 +210,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # `max_time=` counts from the call's start, setup included, as plain's clock does: such a call times nothing
     # before its first round (the kernel's routing and AUTO's draft form are chosen as a clock-free call chooses).
     untimed = clock_free or any(isinstance(criterion, MaxTimeCriteria) for criterion in inputs.stopping_criteria)
+    kernel_ready = loaded() is not None  # else a build below is this call's, in its statistics
     # The target's kernel routing: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
@@ -221,7 +224,6 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         else _draft_plan(inputs, spec, target, draft, kernel, untimed, tokenizers, largest, graphs.backend)
     )
     cache, forwards, kernel_description, pooled = _target_forwards(inputs, target, kernel, largest, graphs.backend)
-    ends_in_padding = _ends_in_padding(model_kwargs.get("attention_mask"))
     prepared, max_length = draft_plan.prepared if draft_plan is not None else None, inputs.generation_config.max_length
     # A sampled text depends on K (a drafted and a bonus position use the randomness differently), so a sampling
     # call's K never reads the clock: a call seeded by `torch.manual_seed` repeats, its kernel routings and AUTO's
@@ -230,7 +232,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
     lookahead = RoundLookahead.for_call(
         config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
-        prompt_ends_in_padding=ends_in_padding, lookup_tokens=inputs.lookup_tokens, lookup_only=lookup_only,
+        prompt_ends_in_padding=inputs.prompt_ends_in_padding, lookup_tokens=inputs.lookup_tokens,
+        lookup_only=lookup_only,
         cost_ratio=step_cost_ratio(prepared.model, target.model, launch_bound) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
         tree=shape.tree, tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
@@ -244,9 +247,10 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         assert draft_plan.forwards.kernel is not None  # a draft's forwards always have a kernel routing
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
     max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
+    build = None if kernel_ready else loaded()
     return CallPlan(
         inputs, target, cache, forwards, draft_plan, max_ngram, generator, clock_free, lookahead, keep_cache,
-        kernel_description, graphs.reason, pooled, shape,
+        kernel_description, graphs.reason, pooled, shape, build.seconds if build is not None else 0.0,
     )  # fmt: skip
 
 
@@ -301,13 +305,13 @@ def _draft_plan(
 ) -> DraftPlan:
     """The draft model's part of the plan: prepared (the call's first forwards where AUTO times it), then inspected."""
     config = inputs.config
-    auto_routing = target_kernel if config.linear_kernel is LinearKernel.AUTO else None
+    auto_routing = target_kernel if config.linear_kernel is not LinearKernel.ON else None  # "off": timed eagerly
     auto_routing = auto_routing or KernelRouting.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
     prepared = draft_for_call(
         spec, target, draft, cast(DraftForm, config.draft_form), config.draft_vocabulary,
         special_token_ids(inputs.generation_config),
         auto_routing, other_tokenizer=tokenizers is not None, clock_free=clock_free,
-        calibration=_calibration(inputs.input_ids, inputs.model_kwargs.get("attention_mask")),
+        calibration=inputs.calibration, kernel=config.linear_kernel is not LinearKernel.OFF,
     )  # fmt: skip
     if target.tensor_parallel:
         distributed.check_same_draft(prepared.form, prepared.vocabulary, inputs.input_ids.device)
@@ -466,14 +470,3 @@ def _kernel_in_graph(routing: KernelRouting, choice: LinearKernel, batch: int, l
     if choice is LinearKernel.OFF or batch * largest > MAX_ROWS:
         return False
     return all(routing.serves(batch * size) for size in range(2, largest + 1))
-
-
-def _calibration(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few."""
-    row = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
-    return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None
-
-
-def _ends_in_padding(attention_mask: torch.Tensor | None) -> bool:
-    """Whether some row's prompt ends in padding (right padding): its first round then drafts nothing."""
-    return attention_mask is not None and not bool(attention_mask[:, -1].bool().all())

@@ -39,6 +39,12 @@ class SpeculativeStats:
     # What ran the eager forwards' linear layers (`SpeculativeConfig.linear_kernel`): per model, the small-rows
     # kernel's plan and why (its timing against eager F.linear, or why it is off); "" before a call.
     linear_kernel: str = ""
+    # Seconds this call spent making the small-rows kernel ready: compiling it (15-20 s on 2 cores, once per machine,
+    # torch and Python: `kernels.build`) or loading a build an earlier process made (a fraction of a second). Only the
+    # first call in a process whose plan runs the kernel (a CPU bf16 model, an int8 / int4 weights draft) pays it;
+    # 0.0 for every other call, and for every call whose plan runs none (float32 or float16 models and their default
+    # draft forms, linear_kernel="off" with a draft form other than int8 / int4 weights).
+    kernel_build_seconds: float = 0.0
     # Whether the rounds' forwards ran as graphs (compiled runners, CUDA graphs) or eagerly, and why in plain words
     # (`graph_choice.choose_graphs`: the device, compile=True, or the capture's cost against the time it saves).
     graphs: str = ""
@@ -173,6 +179,7 @@ class SpeculativeStats:
             + (f", draft {self.draft_form}" if self.draft_form else "")
             + (f", {self.shape}" if self.shape else "")
             + (f", another tokenizer sharing {self.shared_vocabulary} tokens" if self.shared_vocabulary else "")
+            + (f", {self.kernel_build_seconds:.1f} s readying the kernel" if self.kernel_build_seconds else "")
             + (
                 f", the draft's position table ended its drafting at {self.draft_positions_ended} tokens"
                 if self.draft_positions_ended is not None

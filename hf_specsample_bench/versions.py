@@ -66,9 +66,9 @@ def own_kernel(package: Path) -> None:
     """Where the base's kernel source differs from this checkout's, its operators get names of their own.
 
     torch's dispatcher holds one library per namespace: a second build registering `hf_specsample` aborts the
-    process. Renamed, the base's kernel is built beside this checkout's (torch's extension cache keeps the last
-    base's build: another base's kernel builds again) and a kernel change can be measured. An identical source keeps
-    sharing this checkout's operators.
+    process. Renamed, the base's kernel is built beside this checkout's (in a build folder of its own source's key; a
+    base older than `kernels/build.py` in torch's extension folder, where the last base's build is kept) and a kernel
+    change can be measured. An identical source keeps sharing this checkout's operators (and build folder).
     """
     mine = REPO / "hf_specsample" / "kernels" / "small_rows.cpp"
     sources = sorted(package.rglob("small_rows.cpp"))

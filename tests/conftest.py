@@ -136,7 +136,7 @@ def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: fl
     figures = {DraftForm(form): value for form, value in seconds.items()}
     calls = []
 
-    def fake(forms, source, target, target_routing):
+    def fake(forms, source, target, target_routing, kernel=True):
         calls.append(len(forms))
         return FormTimings({form: figures[form] for form in forms}, 0.01 if target is not None else None)
 

@@ -214,7 +214,7 @@ def test_a_draft_used_with_compiled_steps_is_freed_with_its_last_reference(built
     from hf_specsample import DraftForm
     from hf_specsample.prepare import auto
 
-    def none_fastest(forms, source, target, target_routing):
+    def none_fastest(forms, source, target, target_routing, kernel=True):
         seconds = {form: 0.001 if form is DraftForm.AS_GIVEN else 0.002 for form in forms}
         return auto.FormTimings(seconds, None)
 

@@ -13,9 +13,9 @@ PACKAGE = Path(decoding.__file__).parent
 
 # Bottom to top: a module imports only from its own layer or the layers below it (`docs/ARCHITECTURE.md`, "Layers").
 LAYERS = [
-    ("values", ["options", "devices", "transformers_api", "rows", "stats", "draft_tree"]),
+    ("values", ["options", "devices", "transformers_api", "rows", "stats", "draft_tree", "cache_folder"]),
     ("model facts", ["model_facts"]),
-    ("kernels", ["kernels.small_rows", "kernels.quantized_linear", "kernels.routing"]),
+    ("kernels", ["kernels.build", "kernels.small_rows", "kernels.quantized_linear", "kernels.routing"]),
     (
         "caches and buffers",
         [

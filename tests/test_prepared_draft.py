@@ -12,7 +12,6 @@ from tiny import PAD, implicit_draft, perturbed_copy, tiny_lm
 
 import hf_specsample
 from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
-from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.model_facts import ModelFacts
 from hf_specsample.options import LinearKernel
@@ -20,8 +19,8 @@ from hf_specsample.prepare.implicit import _IMPLICIT
 from hf_specsample.prepare.surgery import SharedFloat32Embedding, int8_dynamic_copy
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
-# The forms AUTO times for a float CPU draft here: as given, int8, and int8_weights where the kernel builds.
-FORMS = ["as_given", "dynamic_int8"] + (["int8_weights"] if small_rows.load().problem is None else [])
+# The forms AUTO times for a float32 CPU draft: as given and dynamic int8 (the kernel's forms: for bf16 drafts only).
+FORMS = ["as_given", "dynamic_int8"]
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
 
 

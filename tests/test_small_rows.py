@@ -7,6 +7,7 @@ kernel tests skip with the build's reason, and the tests of `linear_kernel="auto
 
 import contextlib
 import copy
+import os
 import platform
 import shutil
 import subprocess
@@ -66,29 +67,74 @@ def _cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def test_the_best_path_is_the_one_the_cpu_supports(built):
-    """Names the path built here (see the test log): every path this CPU's flags allow is offered, best first."""
+# The four x86 classes (their flags as /proc/cpuinfo names them), the paths each offers, fastest first, and the path
+# each weight form runs by default there: bf16, int8, int4 (packed, torch.uint8).
+AVX2 = {"avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+CPU_CLASSES = {
+    "avx2_only": (AVX2, "avx2_fma scalar", ("avx2_fma", "avx2_fma", "scalar")),
+    "avx512_without_bf16": (AVX512, "avx512_vnni avx512f avx2_fma scalar", ("avx512f", "avx512_vnni", "avx512_vnni")),
+    "avx512_bf16": (
+        AVX512 | {"avx512_bf16"},
+        "avx512_bf16 avx512_vnni avx512f avx2_fma scalar",
+        ("avx512_bf16", "avx512_vnni", "avx512_vnni"),
+    ),
+    "amx": (
+        AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"},
+        "amx_bf16 avx512_bf16 avx512_vnni avx512f avx2_fma scalar",
+        ("amx_bf16", "avx512_vnni", "avx512_vnni"),
+    ),
+}
+
+
+@pytest.mark.parametrize("cpu_class", list(CPU_CLASSES))
+def test_each_weight_form_runs_its_fastest_path_on_every_x86_class(cpu_class):
+    """The choice for CPUs this machine is not (an Ice Lake Xeon offers avx512_vnni first, yet bf16 weights run on
+    avx512f: VNNI reads int8 and int4 only). Python's choice (`fastest_path`), and the operator's own where it builds
+    here: a wrong choice for any class fails on every machine."""
+    flags, offered, expected = CPU_CLASSES[cpu_class]
+    paths = small_rows.offered_paths(flags)
+    assert [str(path) for path in paths] == offered.split()
+    assert small_rows.offered_paths(flags, amx_granted=False) == [p for p in paths if p is not KernelPath.AMX_BF16]
+    for weights, path in zip(small_rows.FORMS, expected):  # the fastest offered path that reads the form
+        readers = [reader for reader in small_rows.READS[weights] if reader in paths]
+        assert small_rows.fastest_path(paths, weights) == KernelPath(path) == readers[0], weights
+    if small_rows.load().problem is None:  # the operator numbers its paths as `path_name` names them
+        numbers = {torch.ops.hf_specsample.path_name(index): index for index in range(len(KernelPath))}
+        indices = [numbers[str(path)] for path in paths]
+        for form, path in enumerate(expected):
+            assert torch.ops.hf_specsample.path_name(torch.ops.hf_specsample.fastest_path(indices, form)) == path
+
+
+def test_the_paths_offered_here_are_those_the_cpu_flags_allow(built):
+    """Names the paths built here (see the test log): those this CPU's flags allow (AMX where Linux granted its tile
+    state; only those `$HF_SPECSAMPLE_KERNEL_PATHS` names where it is set), fastest first; each form's default is
+    the fastest that reads it, and the operator runs it (its output is that path's, bit for bit)."""
     found = small_rows.paths()
     print(f"small-rows kernel paths on this CPU, best first: {[str(path) for path in found]}")
-    assert found[-1] is KernelPath.SCALAR and small_rows.best_path() is found[0]
+    print(f"default paths: {[f'{weights}: {small_rows.best_path(weights)}' for weights in small_rows.FORMS]}")
+    assert found[-1] is KernelPath.SCALAR
     flags = _cpu_flags()
     if platform.machine() in ("x86_64", "AMD64") and flags:
-        expected = [KernelPath.SCALAR]
-        if {"avx2", "fma"} <= flags:
-            expected.insert(0, KernelPath.AVX2_FMA)
-            if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-                expected.insert(0, KernelPath.AVX512F)
-                if "avx512_vnni" in flags:
-                    expected.insert(0, KernelPath.AVX512_VNNI)
-                if "avx512_bf16" in flags:
-                    expected.insert(0, KernelPath.AVX512_BF16)
-                    if {"amx_tile", "amx_bf16"} <= flags and KernelPath.AMX_BF16 in found:  # and Linux granted it
-                        expected.insert(0, KernelPath.AMX_BF16)
+        expected = small_rows.offered_paths(flags, amx_granted=KernelPath.AMX_BF16 in found)
+        allowed = os.environ.get(small_rows.PATHS_ENV_VAR, "").replace(" ", "")
+        if allowed:
+            expected = [path for path in expected if path is KernelPath.SCALAR or str(path) in allowed.split(",")]
         assert found == expected
-    for weights, readers in small_rows.READS.items():  # each form's default: its first reader this CPU runs
-        assert small_rows.best_path(weights) == next(path for path in readers if path in found)
-    if KernelPath.AVX512_VNNI in found:  # int4: two vpdpbusd per group beat avx512_bf16's table lookups
-        assert small_rows.best_path(torch.uint8) is KernelPath.AVX512_VNNI
+    for weights in small_rows.FORMS:
+        assert small_rows.best_path(weights) == next(path for path in small_rows.READS[weights] if path in found)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 256, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(48, 256, generator=generator).to(torch.bfloat16)
+    int8, scale = (weight.float() * 20).round().clamp(-127, 127).to(torch.int8), torch.full((48,), 0.05)
+    packed, scales = small_rows.pack_int4(torch.randint(-8, 8, (48, 256), generator=generator)), torch.rand(48, 2)
+    runs = {
+        torch.bfloat16: lambda path: small_rows.small_rows_linear(x, weight, path=path),
+        torch.int8: lambda path: small_rows.small_rows_linear_int8(x, int8, scale, path=path),
+        torch.uint8: lambda path: small_rows.small_rows_linear_int4(x, packed, scales, 128, path=path),
+    }
+    for weights, run in runs.items():  # the default (no path named) is the best path's output, bit for bit
+        assert torch.equal(run(None), run(small_rows.best_path(weights))), weights
 
 
 def every_path():
@@ -98,12 +144,15 @@ def every_path():
 @pytest.mark.parametrize("path", every_path())
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_every_path_matches_fp32_and_is_batch_invariant(built, path, weights):
-    """Each vector path this CPU runs (the others skip), on odd shapes: within bf16 rounding of an fp32 reference
-    (int8, int4: of the dequantized weight), and a row's output bit for bit the same alone and among up to 16 rows,
-    and among 17-40 (prompts; AMX takes rows in groups of 16, weights in blocks of 16 and 32 rows)."""
+    """Each vector path this CPU runs that reads the weight form (the others skip), on odd shapes: within bf16
+    rounding of eager fp32 `F.linear` (int8, int4: of the dequantized weight), and a row's output bit for bit the
+    same alone and among up to 16 rows, and among 17-40 (prompts; AMX takes rows in groups of 16, weights in blocks
+    of 16 and 32 rows)."""
     form = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[weights]
-    if path not in small_rows.paths() or path not in small_rows.READS[form]:
-        pytest.skip(f"this CPU has no {path} path for {weights} weights")
+    if path not in small_rows.READS[form]:
+        pytest.skip(f"the {path} path does not read {weights} weights")
+    if path not in small_rows.paths():
+        pytest.skip(f"this CPU has no {path} path")
     generator = torch.Generator().manual_seed(9)
     shapes = ((8, 3), (13, 17), (33, 5), (64, 100), (96, 48), (1533, 37))
     if weights == "int4":  # inputs in whole groups of 64 or 128
@@ -390,7 +439,7 @@ def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
         ValueError, match="linear_kernel='on' cannot be honoured: the target's weights are torch.float32"
     ):
         greedy(fp32, draft_model=draft.float(), speculative_config=SpeculativeConfig(linear_kernel="on"))
-    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    monkeypatch.setattr(small_rows, "load", _failed_load)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(linear_kernel="on"))
 
@@ -398,18 +447,14 @@ def test_on_is_refused_before_any_work_where_it_cannot_run(monkeypatch):
 def test_auto_falls_back_to_eager_and_says_why_when_the_kernel_cannot_be_built(monkeypatch):
     target, draft = bf16_pair()
     plain = greedy(target)
-    monkeypatch.setattr(small_rows, "load", _FailedLoad())
+    monkeypatch.setattr(small_rows, "load", _failed_load)
     out = greedy(target, draft_model=draft, num_lookahead=2, return_dict_in_generate=True)
     assert "off: no C++ compiler (test)" in out.speculative_stats.linear_kernel
     assert out.sequences.tolist() == plain.tolist()
 
 
-class _FailedLoad:
-    def __call__(self):
-        return small_rows.Build("no C++ compiler (test)", 0.0)
-
-    def cache_info(self):
-        return type("Info", (), {"currsize": 1})()
+def _failed_load():
+    return small_rows.Build("no C++ compiler (test)", 0.0)
 
 
 def test_auto_times_the_kernel_once_per_model(built, monkeypatch):
@@ -589,10 +634,10 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     from hf_specsample.prepare import auto, prepared_draft
 
     forms = {Form.AS_GIVEN: 0.030, Form.DYNAMIC_INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
-    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model: {
-        form: (lambda model: model) for form in forms if form is not Form.AS_GIVEN
+    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model, wanted: {
+        form: (lambda model: model) for form in wanted
     })  # fmt: skip
-    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan: auto.FormTimings(
+    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan, kernel: auto.FormTimings(
         {form: forms[form] for form in made}, 0.15
     ))  # fmt: skip
     rates = {Form.AS_GIVEN: 0.9, Form.DYNAMIC_INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}

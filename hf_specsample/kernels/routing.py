@@ -95,10 +95,11 @@ class KernelRouting:
             return cls.off("off (linear_kernel='off')")
         model, weight = facts.model, facts.largest_linear
         problem = _model_problem(weight, role)
-        built_now = small_rows.load.cache_info().currsize == 0
+        built_now = small_rows.loaded() is None
         build = small_rows.load() if problem is None else small_rows.Build(None, 0.0)
         problem = problem or build.problem
-        built = f"; operator built or loaded in {build.seconds:.1f} s" if built_now and problem is None else ""
+        made = "compiled" if build.compiled else "loaded"
+        built = f"; operator {made} in {build.seconds:.1f} s" if built_now and problem is None else ""
         if problem is None:
             assert weight is not None  # `_model_problem` refuses a model without one
             key = (weight.data_ptr(), weight._version if not weight.is_inference() else -1, torch.get_num_threads())

@@ -30,6 +30,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -84,7 +85,7 @@ bool amx_permitted() {
 #endif
 }
 
-bool cpu_has(Path path) {
+bool cpu_supports(Path path) {
 #ifdef HF_X86
   switch (path) {
     case kScalar:
@@ -93,20 +94,34 @@ bool cpu_has(Path path) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && cpu_has(kAvx2);
+             __builtin_cpu_supports("avx512vl") && cpu_supports(kAvx2);
     case kAvx512Bf16:
-      return __builtin_cpu_supports("avx512bf16") && cpu_has(kAvx512);
+      return __builtin_cpu_supports("avx512bf16") && cpu_supports(kAvx512);
     case kAmx:
-      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cpu_has(kAvx512Bf16) &&
+      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cpu_supports(kAvx512Bf16) &&
              amx_permitted();
     case kAvx512Vnni:
-      return __builtin_cpu_supports("avx512vnni") && cpu_has(kAvx512);
+      return __builtin_cpu_supports("avx512vnni") && cpu_supports(kAvx512);
   }
   return false;
 #else
   return path == kScalar;
 #endif
 }
+
+// $HF_SPECSAMPLE_KERNEL_PATHS: path names, comma-separated. The kernel runs none but those (scalar always), as a
+// lesser CPU would: the tests run as on each x86 class. Unset or empty: every path the CPU supports.
+bool allowed(Path path) {
+  static const std::string names = [] {
+    const char* value = std::getenv("HF_SPECSAMPLE_KERNEL_PATHS");
+    std::string listed = value == nullptr ? "" : value;
+    listed.erase(std::remove(listed.begin(), listed.end(), ' '), listed.end());
+    return listed.empty() ? listed : "," + listed + ",";
+  }();
+  return path == kScalar || names.empty() || names.find("," + std::string(kPathNames[path]) + ",") != std::string::npos;
+}
+
+bool cpu_has(Path path) { return allowed(path) && cpu_supports(path); }
 
 // ----------------------------------------------------------------------------------------------------------------
 // One tile: MB rows of x against NB weight rows, over all of K. x: row stride K; w: row stride K; y[i * N + j].
@@ -697,16 +712,23 @@ HF_AMX void run_amx(const at::BFloat16* x, const at::BFloat16* w, float* y, int6
 }
 #endif
 
+std::vector<int64_t> paths();
+
+// The fastest of the `offered` paths that reads `form` (scalar reads every form): the default path's choice. Pure, so
+// that a test can ask it for CPUs it does not have (the operator `fastest_path`; Python's `fastest_path` mirrors it).
+Path fastest(at::IntArrayRef offered, Form form) {
+  const auto first_of = [&](const auto& order) {
+    for (Path path : order)
+      if (reads(path, form) && std::find(offered.begin(), offered.end(), path) != offered.end()) return path;
+    return kScalar;
+  };
+  return form == kInt4Weights ? first_of(kInt4FastestFirst) : first_of(kFastestFirst);
+}
+
 Path chosen(int64_t requested, Form form) {
   if (requested < 0) {  // the fastest path this CPU runs for this weight form
-    if (form == kInt4Weights) {
-      for (Path path : kInt4FastestFirst)
-        if (cpu_has(path)) return path;
-      return kScalar;
-    }
-    for (Path path : kFastestFirst)
-      if (reads(path, form) && cpu_has(path)) return path;
-    return kScalar;
+    static const std::vector<int64_t> here = paths();
+    return fastest(here, form);
   }
   TORCH_CHECK(requested >= 0 && requested <= kAvx512Vnni, "small_rows_linear: unknown path ", requested);
   const Path path = static_cast<Path>(requested);
@@ -850,7 +872,7 @@ at::Tensor small_rows_linear_int4(const at::Tensor& x, const at::Tensor& packed,
   return finish(y, bias, x);
 }
 
-// The paths this CPU runs, best first (their names: `path_name`).
+// The paths this CPU runs (and $HF_SPECSAMPLE_KERNEL_PATHS allows), best first (their names: `path_name`).
 std::vector<int64_t> paths() {
   std::vector<int64_t> out;
   for (Path path : kFastestFirst)
@@ -882,6 +904,11 @@ TORCH_LIBRARY(hf_specsample, m) {
   });
   m.def("paths() -> int[]", &paths);          // the paths this CPU runs, best first
   m.def("path_name(int path) -> str", &path_name);
+  // the path the kernel runs by default for a weight form (0 bf16, 1 int8, 2 int4) on a CPU offering these paths
+  m.def("fastest_path(int[] offered, int form) -> int", [](at::IntArrayRef offered, int64_t form) -> int64_t {
+    TORCH_CHECK(form >= kBf16Weights && form <= kInt4Weights, "fastest_path: unknown weight form ", form);
+    return fastest(offered, static_cast<Form>(form));
+  });
 }
 
 TORCH_LIBRARY_IMPL(hf_specsample, CPU, m) {

@@ -6,11 +6,17 @@ AVX2-only EPYC: `F.linear` 8960x1536, 1.4 ms for 1 row, 6.7 ms for 5), and on CP
 AMX paths) still grows with the rows. `small_rows.cpp` loads each weight element once and multiplies it into every
 row. No compilation of the model, no copy of the weights: the kernel reads the model's own weight tensors.
 
-- `load()`: builds the C++ operator once per machine (about 15 s with a C++ compiler; torch's extension cache keeps
-  the binary for later processes) and registers `torch.ops.hf_specsample.small_rows_linear` (bf16 weights) and
-  `small_rows_linear_int8` (int8 weights, one scale per row: a draft's compact form). Returns why it cannot.
-- `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512F, AVX2+FMA, scalar), each built
-  for its own instruction set in one binary; the best one the CPU supports runs (a test can run each).
+- `load()`: builds the C++ operator once per build key (about 15 s with a C++ compiler; `kernels.build` keeps the
+  binary in a folder of the library's cache named by what it depends on, for later processes and other
+  environments of the same torch and Python) and registers `torch.ops.hf_specsample.small_rows_linear` (bf16
+  weights), `small_rows_linear_int8` (int8 weights, one scale per row: a draft's compact form) and
+  `small_rows_linear_int4`. Returns why it cannot. Called only where a call's plan runs the kernel (a CPU bf16
+  model's routing, a compact form on it), never to find out whether it would.
+- `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512 VNNI, AVX-512F, AVX2+FMA,
+  scalar), each built for its own instruction set in one binary; for each weight form the fastest path the CPU
+  supports runs (`fastest_path`, a pure function of the offered paths; `offered_paths` from a CPU's flags), and a
+  test can run each. `$HF_SPECSAMPLE_KERNEL_PATHS` (names, comma-separated) holds the kernel to those paths, as on
+  a lesser CPU.
 - `SmallRowsLinear`: a `TorchFunctionMode` that sends every eligible `F.linear` call (CPU, bf16 input and weight,
   at most `max_rows` rows, no autograd) to the kernel while it is active; anything else runs as it would.
 - `kernels.routing.KernelRouting` decides, per model, which forwards run in `SmallRowsLinear`.
@@ -22,8 +28,9 @@ as compiled or batched logits do. The kernel is batch-invariant: a row's output 
 from __future__ import annotations
 
 import enum
-import functools
+import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,52 +40,66 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import build
+
 MAX_ROWS = 16  # rows (batch * positions) of the forwards a round runs, at most; the kernel's design point
 # The widest forward (a prompt) the kernel may take, where it also beats eager GEMM at PROMPT_PROBE_ROWS rows: beyond
 # a few rows its time grows linearly with the rows (each row block is the same work), so the probe's ratio holds.
 PROMPT_ROWS = 1024
 PROMPT_PROBE_ROWS = 256
 SOURCE = Path(__file__).with_name("small_rows.cpp")
+NAME = "hf_specsample_small_rows"  # the library's name (its build folder and file add the build key's digest)
+# No -march=native: each vector path is compiled for its own instruction set (target attributes) and the best one the
+# CPU supports is chosen at run time, so one binary serves every x86 CPU; other architectures build the scalar path.
+# -ffp-contract=off: no fused multiply-adds the compiler chooses per tile shape, so the scalar code's rounding cannot
+# depend on how many rows a tile holds (batch invariance).
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+PATHS_ENV_VAR = "HF_SPECSAMPLE_KERNEL_PATHS"  # path names, comma-separated: the kernel runs no other (scalar always)
 
 
 @dataclass(frozen=True)
 class Build:
-    """The outcome of building the operator in this process.
+    """The outcome of making the operator ready in this process.
 
     Attributes:
         problem: why the operator is unavailable (no compiler, a failed build, not a CPU build), or None.
-        seconds: wall time of the build or of loading the cached binary.
+        seconds: wall time of building it (or waiting for another process's build) and loading it, or of failing.
+        compiled: this process compiled it (else it loaded a build an earlier process made).
     """
 
     problem: str | None
     seconds: float
+    compiled: bool = False
 
 
-@functools.cache  # one build per process: the operator is registered process-wide by torch's dispatcher
+_LOADED: list[Build] = []  # the process's one build: the operators are registered process-wide by the dispatcher
+_LOADING = threading.Lock()
+
+
 def load() -> Build:
-    """Build (or load from torch's extension cache) and register `torch.ops.hf_specsample.small_rows_linear`."""
+    """Build (or load the build of an earlier process, `kernels.build`) and register the operators, once a process."""
+    with _LOADING:
+        if not _LOADED:
+            _LOADED.append(_build())
+        return _LOADED[0]
+
+
+def loaded() -> Build | None:
+    """The process's build where `load()` ran, else None (builds nothing)."""
+    return _LOADED[0] if _LOADED else None
+
+
+def _build() -> Build:
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        # No -march=native: each vector path is compiled for its own instruction set (target attributes) and the
-        # best one the CPU supports is chosen at run time, so one binary serves every x86 CPU (and a cache directory
-        # shared by machines of different capability is safe); other architectures build the scalar path.
-        load_extension(
-            "hf_specsample_small_rows",
-            sources=[str(SOURCE)],
-            # -ffp-contract=off: no fused multiply-adds the compiler chooses per tile shape, so the scalar code's
-            # rounding cannot depend on how many rows a tile holds (batch invariance)
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        built = build.compiled_library(NAME, SOURCE, CFLAGS, LDFLAGS)
     except Exception as error:  # noqa: BLE001 (any build failure means: run eagerly, and say why)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return Build(f"the small-rows kernel could not be built ({type(error).__name__}: {first_line})", 0.0)
+        problem = f"the small-rows kernel could not be built ({type(error).__name__}: {first_line})"
+        return Build(problem, time.perf_counter() - start)
     _register_fakes()
-    return Build(None, time.perf_counter() - start)
+    return Build(None, built.seconds, built.compiled)
 
 
 def _register_fakes() -> None:
@@ -93,7 +114,7 @@ def _register_fakes() -> None:
 
 
 class KernelPath(str, enum.Enum):
-    """The kernel's vector paths (`small_rows.cpp`), fastest first; the best one the CPU supports runs."""
+    """The kernel's vector paths (`small_rows.cpp`), fastest first for bf16 weights (each form's order: `READS`)."""
 
     AMX_BF16 = "amx_bf16"  # AMX tiles: 16 weight rows x 32 k's per tile, flat in the rows up to 16 (bf16 weights only)
     AVX512_BF16 = "avx512_bf16"  # vdpbf16ps: two bf16 products per fp32 lane per instruction (bf16 and int4 weights)
@@ -107,25 +128,54 @@ class KernelPath(str, enum.Enum):
 
 
 def paths() -> list[KernelPath]:
-    """The paths this CPU runs, fastest first (call `load()` first)."""
+    """The paths this CPU runs (and `$HF_SPECSAMPLE_KERNEL_PATHS` allows), fastest first (call `load()` first)."""
     return [KernelPath(torch.ops.hf_specsample.path_name(index)) for index in torch.ops.hf_specsample.paths()]
 
 
-# The paths that read each weight form (as `reads` in small_rows.cpp).
+# The paths that read each weight form, fastest first (as `reads` and the orders in small_rows.cpp): int8 and int4
+# weights read fastest on avx512_vnni (two vpdpbusd per 128 products of an int4 group beat avx512_bf16's four table
+# lookups and four vdpbf16ps: 224 against 457 us on a Sapphire Rapids Xeon), bf16 ones on the widest bf16 path.
 READS = {
-    torch.bfloat16: (KernelPath.AMX_BF16, KernelPath.AVX512_BF16, KernelPath.AVX512F, KernelPath.AVX2_FMA,
-                     KernelPath.SCALAR),
+    torch.bfloat16: (
+        KernelPath.AMX_BF16,
+        KernelPath.AVX512_BF16,
+        KernelPath.AVX512F,
+        KernelPath.AVX2_FMA,
+        KernelPath.SCALAR,
+    ),
     torch.int8: (KernelPath.AVX512_VNNI, KernelPath.AVX512F, KernelPath.AVX2_FMA, KernelPath.SCALAR),
     torch.uint8: (KernelPath.AVX512_VNNI, KernelPath.AVX512_BF16, KernelPath.SCALAR),  # int4, two to a byte
-}  # fmt: skip
+}
+FORMS = (torch.bfloat16, torch.int8, torch.uint8)  # the operator's numbers for the weight forms (`Form`), in order
+
+# The CPU flags (as Linux's /proc/cpuinfo names them) each path needs, as `cpu_supports` in small_rows.cpp asks them.
+NEEDS = {
+    KernelPath.AVX2_FMA: {"avx2", "fma"},
+    KernelPath.AVX512F: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
+    KernelPath.AVX512_VNNI: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    KernelPath.AVX512_BF16: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+    KernelPath.AMX_BF16: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
+}
+
+
+def offered_paths(flags: Collection[str], amx_granted: bool = True) -> list[KernelPath]:
+    """The paths an x86 CPU with these flags offers, in `KernelPath`'s order (as the operator's `paths()` lists
+    them); `amx_granted`: Linux granted the process AMX's tile state (the kernel asks for it)."""
+    offered = [path for path in KernelPath if path is KernelPath.SCALAR or NEEDS[path] <= set(flags)]
+    return [path for path in offered if amx_granted or path is not KernelPath.AMX_BF16]
+
+
+def fastest_path(offered: Collection[KernelPath], weights: torch.dtype = torch.bfloat16) -> KernelPath:
+    """The path the kernel runs by default for `weights` (torch.bfloat16, torch.int8, or torch.uint8 for packed int4)
+    among the `offered` ones: the first of `READS[weights]` offered (scalar reads every form)."""
+    return next((path for path in READS[weights] if path in offered), KernelPath.SCALAR)
 
 
 def best_path(weights: torch.dtype = torch.bfloat16) -> KernelPath:
     """The path the kernel runs here by default for bf16 weights (`small_rows_linear`), int8 ones
-    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`): the first path of
-    `READS[weights]` (each form's order, fastest first) that this CPU runs."""
-    here = paths()
-    return next(path for path in READS[weights] if path in here)
+    (`small_rows_linear_int8`) or packed int4 ones (torch.uint8, `small_rows_linear_int4`): `fastest_path` among
+    `paths()` (call `load()` first)."""
+    return fastest_path(paths(), weights)
 
 
 def _path_index(path: KernelPath | None) -> int:

@@ -1,5 +1,8 @@
 """`DraftForm.AUTO`'s choice among the forms a draft can take here: the only place that times or weighs them.
 
+Which forms it weighs (`auto_forms`) is decided from the draft's dtype before anything is built: the small-rows
+kernel's forms only for a bf16 draft.
+
 Which form of a draft steps faster depends on the CPU (a dynamic-int8 copy ran a Qwen2.5-Coder-0.5B step in 46 ms
 where bf16 took 93 ms on an AVX2-only EPYC; with AMX bf16 tiles or the small-rows kernel's int8 / int4 weights the
 order turns around), so the forms are timed at first use (`prepare.draft_timing`) instead of following a rule:
@@ -29,15 +32,30 @@ from ..model_facts import ModelFacts, Role
 from ..options import DraftForm, LinearKernel
 from ..round_costs import expected_speedup, weight_bytes
 from .draft_timing import acceptance, decode_step_seconds, forward_seconds
+from .surgery import COMPACT_FORMS, int8_engine
 
 logger = logging.getLogger(__name__)
 
-# AUTO's choice without calibration text or clock: int8 weights on the small-rows kernel (made only where it is built),
-# torch's dynamic int8, the draft as given. The int8 forms read about a quarter of float32's bytes, half of bf16's.
+# AUTO's choice without calibration text or clock: int8 weights on the small-rows kernel (weighed for bf16 drafts,
+# where the kernel builds), torch's dynamic int8, the draft as given. The int8 forms read about a quarter of float32's
+# bytes, half of bf16's.
 CLOCK_FREE_ORDER = (DraftForm.INT8_WEIGHTS, DraftForm.DYNAMIC_INT8, DraftForm.AS_GIVEN)
 # Prompt lengths at which AUTO times a compact form against the draft as given, shortest first: the compact form's
 # kernel pays per few rows, a float GEMM per many, so the float's lead grows with the length.
 PROMPT_LENGTHS = (32, 128)
+
+
+def auto_forms(model: PreTrainedModel, kernel: bool = True) -> tuple[DraftForm, ...]:
+    """The compact forms `DraftForm.AUTO` weighs for `model`, from its dtype, before anything is built.
+
+    The kernel's forms (`surgery.KERNEL_FORMS`) for a bf16 model, whose linears the kernel serves anyway (one build
+    for both), or where torch has no dynamic int8. Not for a float32 or float16 model: it would build the kernel (15-20
+    s on 2 cores) for a form that torch's dynamic int8 comes within about 5% of (a Qwen2.5-Coder-0.5B step: 36.2
+    against 34.5 ms on the Sapphire Rapids Xeon of docs/kernel_and_compile.md). Nor where `kernel` is False
+    (`linear_kernel="off"`: no kernel at all).
+    """
+    uses_kernel = kernel and (model.dtype == torch.bfloat16 or int8_engine() is None)
+    return COMPACT_FORMS if uses_kernel else (DraftForm.DYNAMIC_INT8,)
 
 
 class FormChoice(NamedTuple):
@@ -68,6 +86,7 @@ def choose_form(
     ids: torch.Tensor | None,
     calibration: torch.Tensor | None,
     clock_free: bool,
+    kernel: bool = True,
 ) -> FormChoice:
     """AUTO's choice among `forms` (two or more), made from `source` (the draft as given or its FR-Spec view; the
     target for "auto"), for `target` whose forwards run under `target_routing` (see the module docstring).
@@ -75,10 +94,11 @@ def choose_form(
     Args:
         ids: `(n,)` the target ids the forms' logits stand for (an FR-Spec subset), or None.
         calibration: `(length,)` target token ids of representative text, or None.
+        kernel: the forms' bf16 linears may run on the small-rows kernel (the call's `linear_kernel` is not "off").
     """
     if clock_free:
         return _chosen_without_clock(forms, target, target_routing, ids, calibration)
-    timings = time_forms(forms, source, target if calibration is not None else None, target_routing)
+    timings = time_forms(forms, source, target if calibration is not None else None, target_routing, kernel)
     seconds, target_seconds = timings.drafts, timings.target
     logger.info("hf_specsample: draft step by form: %s", {str(f): f"{t * 1e3:.1f} ms" for f, t in seconds.items()})
     if calibration is None or not math.isfinite(target_seconds or math.inf):
@@ -104,11 +124,14 @@ def time_forms(
     source: ModelFacts,
     target: ModelFacts | None,
     target_routing: KernelRouting,
+    kernel: bool = True,
 ) -> FormTimings:
     """Single-token steps of each form of a draft (and of the target, if given), as the loop runs them (bf16 models
-    on the small-rows kernel where their default routing puts one row), interleaved (`decode_step_seconds`)."""
+    on the small-rows kernel where their default routing puts one row, unless `kernel` is False), interleaved
+    (`decode_step_seconds`)."""
     facts = [source if model is source.model else ModelFacts.of(model, same_config=source) for model in forms.values()]
-    routings = [KernelRouting.for_model(form_facts, LinearKernel.AUTO, role=Role.DRAFT) for form_facts in facts]
+    choice = LinearKernel.AUTO if kernel else LinearKernel.OFF
+    routings = [KernelRouting.for_model(form_facts, choice, role=Role.DRAFT) for form_facts in facts]
     models, contexts = list(forms.values()), [plan.applied for plan in routings]
     if target is not None:
         models, contexts = [*models, target.model], [*contexts, target_routing.applied]

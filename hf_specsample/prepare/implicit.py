@@ -33,6 +33,7 @@ def draft_for_call(
     other_tokenizer: bool = False,
     calibration: torch.Tensor | None = None,
     clock_free: bool = False,
+    kernel: bool = True,
 ) -> PreparedDraft:
     """The prepared draft one `generate()` call runs: the caller's `PreparedDraft` as it is, or the implicit one.
 
@@ -49,6 +50,8 @@ def draft_for_call(
         clock_free: the call's output must not depend on the clock (a seeded call, a tensor-parallel target): AUTO
             then chooses the implicit draft's form without timing and without `calibration`, so that
             the choice depends on the draft's weights only, not on which call prepared it first.
+        kernel: AUTO may weigh the small-rows kernel's forms (`prepare.auto.auto_forms`): the call's `linear_kernel`
+            is not "off".
     """
     prepared = spec.prepared
     if other_tokenizer:
@@ -70,7 +73,7 @@ def draft_for_call(
     # Clock-free, the implicit draft is chosen from the weights alone: weighed on this call's prompt, the choice (so
     # a seeded sample) would depend on which call first prepared the draft in this process.
     calibration = None if other_tokenizer or clock_free else calibration
-    return _IMPLICIT.get(spec, target, draft, form, ids, target_routing, calibration, clock_free)
+    return _IMPLICIT.get(spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel)
 
 
 class _TensorState(NamedTuple):
@@ -119,7 +122,8 @@ class _ImplicitDrafts:
     - Weakly keyed by the model they were made from (the target for "auto"): an entry is freed with that model.
       No entry references its key (an int8 copy or a view holds submodules and tensors, never the model object):
       where AUTO's timing chose the draft as given, the entry keeps that decision and its timings without the model.
-    - Per model, keyed by exactly the options: the quantization asked for and the full vocabulary ids.
+    - Per model, keyed by exactly the options: the quantization asked for and the full vocabulary ids (under AUTO:
+      whether the choice is clock-free, and whether it may weigh the kernel's forms).
     - Valid while the model's weights are unchanged: every parameter and buffer is the same object, with the same
       storage and the same in-place version counter as when the entry was made; otherwise every entry of that
       model is rebuilt. Writes through `.data` (`p.data.copy_(...)`) bypass torch's version counter, and weights
@@ -140,21 +144,22 @@ class _ImplicitDrafts:
         target_routing: KernelRouting,
         calibration: torch.Tensor | None = None,
         clock_free: bool = False,
+        kernel: bool = True,
     ) -> PreparedDraft:
-        """The entry for these options, made (`prepared_draft.build_draft`, with `calibration` and `clock_free` for
-        AUTO) where there is none. A clock-free choice is kept apart from a timed one: the same options may choose
-        differently."""
+        """The entry for these options, made (`prepared_draft.build_draft`, with `calibration`, `clock_free` and
+        `kernel` for AUTO) where there is none. A clock-free choice is kept apart from a timed one, and one that may
+        weigh the kernel's forms from one that may not: the same options may choose differently."""
         is_self = spec.kind is DraftKind.SELF
         owner_facts = target if is_self else draft
         assert owner_facts is not None  # a model draft comes with its facts
         owner = owner_facts.model
-        how = clock_free and form is DraftForm.AUTO
+        how = (clock_free, kernel) if form is DraftForm.AUTO else None
         key = (is_self, form, None if ids is None else ids.numpy().tobytes(), how)
         weights = _named_weights(owner)
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            prepared = build_draft(spec, target, draft, form, ids, target_routing, calibration, clock_free)
+            prepared = build_draft(spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel)
             decided = prepared.step_seconds or prepared.step_bytes
             if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared

@@ -34,7 +34,7 @@ from ..model_facts import ModelFacts
 from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from ..validation import check_models, check_tokenizers
-from .auto import choose_form
+from .auto import auto_forms, choose_form
 from .self_draft import default_layers_to_keep, layer_skip_draft
 from .surgery import CANNOT_MAKE, compact_forms, restrict_vocabulary, without_siblings
 from .vocabulary import special_token_ids, vocabulary_ids
@@ -240,12 +240,12 @@ def prepare_draft(
             `form="as_given"`).
         target: the model whose `generate()` will use the draft.
         form: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed here: as
-            given, DYNAMIC_INT8 (torch's dynamic int8), INT8_WEIGHTS (int8 weights on the small-rows kernel) and,
-            with `calibration`, INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16), each weighed by its
-            measured acceptance; the draft as given elsewhere), or one of those forms (forced; CPU float drafts
-            only), or AS_GIVEN. Where AUTO chose a compact form, it also times it against the draft as given over
-            prompt lengths (`prepare.auto.PROMPT_LENGTHS`); the draft's forwards of many positions run on the faster
-            (`PreparedDraft.wide`).
+            given, DYNAMIC_INT8 (torch's dynamic int8) and, for a bf16 draft, INT8_WEIGHTS (int8 weights on the
+            small-rows kernel) and with `calibration` INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16),
+            each weighed by its measured acceptance (`prepare.auto.auto_forms`); the draft as given elsewhere), or
+            one of those forms (forced; CPU float drafts only), or AS_GIVEN. Where AUTO chose a compact form, it
+            also times it against the draft as given over prompt lengths (`prepare.auto.PROMPT_LENGTHS`); the
+            draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
             `generation_config`); None (default): every id. Not with a draft of another tokenizer.
@@ -282,7 +282,11 @@ def prepare_draft(
         vocabulary, shared_width(target_facts, draft_facts), special_token_ids(target.generation_config)
     )
     clock_free = target_facts.tensor_parallel  # every rank must choose the same form
-    target_routing = KernelRouting.for_model(target_facts, LinearKernel.AUTO, clock_free=clock_free)
+    # AUTO's timings run the target under its routing; any other form times nothing (and builds no kernel for it)
+    if form is DraftForm.AUTO:
+        target_routing = KernelRouting.for_model(target_facts, LinearKernel.AUTO, clock_free=clock_free)
+    else:
+        target_routing = KernelRouting.off("off: nothing timed")
     calibration = None if other_tokenizer else calibration
     prepared = build_draft(spec, target_facts, draft_facts, form, ids, target_routing, calibration, clock_free)
     if not other_tokenizer:
@@ -355,18 +359,20 @@ def build_draft(
     target_routing: KernelRouting,
     calibration: torch.Tensor | None = None,
     clock_free: bool = False,
+    kernel: bool = True,
 ) -> PreparedDraft:
     """Make the prepared draft: the model (the target for "auto"), its compact head, then the form asked for.
 
-    AUTO: the forms the draft can take here (as given, dynamic int8, int8 weights, with calibration text int4
-    weights; for "auto", the target's compact forms, else a view skipping its middle layers), chosen by
-    `prepare.auto.choose_form` (timed, or clock-free).
+    AUTO: the forms the draft can take here among `prepare.auto.auto_forms` (as given, dynamic int8, for a bf16
+    draft int8 weights and with calibration text int4 weights; for "auto", the target's compact forms, else a view
+    skipping its middle layers), chosen by `prepare.auto.choose_form` (timed, or clock-free).
 
     Args:
         spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`DraftKind.SELF`: draft is None).
         ids: `(n,)` the FR-Spec ids its head keeps, or None.
         target_routing: the target's kernel routing under `LinearKernel.AUTO` (clock-free where `clock_free`): the
             target's forwards in AUTO's timings and acceptance measurements run under it.
+        kernel: AUTO may weigh the small-rows kernel's forms (the call's `linear_kernel` is not "off").
     """
     is_self = spec.kind is DraftKind.SELF
     if is_self and target.tensor_parallel:  # every rank raises alike, before any collective
@@ -378,13 +384,15 @@ def build_draft(
     source = target if is_self else draft
     assert source is not None  # a model draft comes with its facts
     model, width = source.model, source.logit_width
-    makers = compact_forms(model)
+    if form is DraftForm.AUTO:  # int4 drafts worse: weighed only where acceptance is measured
+        weighed = auto_forms(model, kernel)
+        wanted = [made for made in weighed if made is not DraftForm.INT4_WEIGHTS or calibration is not None]
+    else:
+        wanted = [] if form is DraftForm.AS_GIVEN else [form]
+    makers = compact_forms(model, wanted)  # builds the kernel only where a wanted form runs on it
     if form not in (DraftForm.AUTO, DraftForm.AS_GIVEN) and form not in makers:
         raise ValueError(CANNOT_MAKE[form])
-    if form is DraftForm.AUTO:
-        compact = [made for made in makers if made is not DraftForm.INT4_WEIGHTS or calibration is not None]
-    else:
-        compact = [] if form is DraftForm.AS_GIVEN else [form]
+    compact = list(makers)
     if is_self and not compact:  # the target as given is no draft: a view skipping its middle layers
         if target.keeps_state:
             raise ValueError(
@@ -408,7 +416,7 @@ def build_draft(
         ((made, drafter),) = forms.items()
         return PreparedDraft(drafter, ids, width, made, self_draft_of)
     plain = source if model is source.model else ModelFacts.of(model, same_config=source)
-    choice = choose_form(forms, plain, target, target_routing, ids, calibration, clock_free)
+    choice = choose_form(forms, plain, target, target_routing, ids, calibration, clock_free, kernel)
     return PreparedDraft(
         forms[choice.form], ids, width, choice.form, self_draft_of, step_seconds=choice.step_seconds,
         acceptance=choice.acceptance, step_bytes=choice.step_bytes, wide=choice.wide, wide_seconds=choice.wide_seconds,

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import inspect
 import warnings
+from collections.abc import Collection
 from typing import Any, cast
 
 import torch
@@ -52,16 +53,23 @@ CANNOT_MAKE = {
 }
 
 
-def compact_forms(model: PreTrainedModel) -> dict[DraftForm, Any]:
-    """The compact forms `model` can take here, each with the function that makes it."""
+KERNEL_FORMS = (DraftForm.INT8_WEIGHTS, DraftForm.INT4_WEIGHTS)  # the forms the small-rows kernel runs
+COMPACT_FORMS = (DraftForm.DYNAMIC_INT8, *KERNEL_FORMS)
+
+
+def compact_forms(model: PreTrainedModel, forms: Collection[DraftForm] = COMPACT_FORMS) -> dict[DraftForm, Any]:
+    """Those of `forms` that `model` can take here, each with the function that makes it. The small-rows kernel is
+    built (`small_rows.load`) only where one of `forms` runs on it."""
     if not _is_plain_cpu_float(model):
         return {}
     makers = {}
-    if int8_engine() is not None:
+    if DraftForm.DYNAMIC_INT8 in forms and int8_engine() is not None:
         makers[DraftForm.DYNAMIC_INT8] = int8_dynamic_copy
-    if small_rows.load().problem is None:
-        makers[DraftForm.INT8_WEIGHTS] = int8_weights_copy
-        if small_rows.best_path(torch.uint8) is not small_rows.KernelPath.SCALAR:  # a vector path reads int4
+    if any(form in forms for form in KERNEL_FORMS) and small_rows.load().problem is None:
+        if DraftForm.INT8_WEIGHTS in forms:
+            makers[DraftForm.INT8_WEIGHTS] = int8_weights_copy
+        # int4: where a vector path reads it
+        if DraftForm.INT4_WEIGHTS in forms and small_rows.best_path(torch.uint8) is not small_rows.KernelPath.SCALAR:
             makers[DraftForm.INT4_WEIGHTS] = int4_weights_copy
     return makers
 

@@ -1,7 +1,7 @@
 """Frequent-token subsets for a draft's vocabulary (FR-Spec), counted on text that ships with Python itself.
 
-Counts are cached on disk in hf_specsample's cache folder (`default_cache_dir`), which the benchmark's checkpoint
-fetcher (`hf_specsample_bench.models`) shares.
+Counts are cached on disk in hf_specsample's cache folder (`cache_folder.default_cache_dir`), which the benchmark's
+checkpoint fetcher (`hf_specsample_bench.models`) shares.
 """
 
 from __future__ import annotations
@@ -17,18 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..cache_folder import default_cache_dir
+
 CORPUS_FILES = 200  # stdlib modules counted (sorted by name): ~0.9M tokens of code, enough for a stable top-32k
-CACHE_ENV_VAR = "HF_SPECSAMPLE_CACHE"  # overrides the cache folder; see default_cache_dir()
-
-
-def default_cache_dir() -> Path:
-    """``$HF_SPECSAMPLE_CACHE`` if set, else ``$XDG_CACHE_HOME/hf_specsample``, else ``~/.cache/hf_specsample``."""
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "hf_specsample"
 
 
 def special_token_ids(generation_config) -> list[int]:
