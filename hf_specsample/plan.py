@@ -21,6 +21,7 @@ Glossary: `docs/ARCHITECTURE.md` ("Words").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,7 +39,7 @@ from .call_inputs import CallInputs
 from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
 from .graph_choice import choose_graphs
 from .kernels.routing import KernelRouting
-from .kernels.small_rows import MAX_ROWS, best_path, loaded
+from .kernels.small_rows import MAX_ROWS, best_path, loaded, ready
 from .lookahead import RoundLookahead, largest_round
 from .model_facts import ModelFacts, Role
 from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
@@ -209,7 +210,13 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     clock_free = inputs.generator is not None or target.tensor_parallel
     # `max_time=` counts from the call's start, setup included, as plain's clock does: such a call times nothing
     # before its first round (the kernel's routing and AUTO's draft form are chosen as a clock-free call chooses).
-    untimed = clock_free or any(isinstance(criterion, MaxTimeCriteria) for criterion in inputs.stopping_criteria)
+    hurried = any(isinstance(criterion, MaxTimeCriteria) for criterion in inputs.stopping_criteria)
+    untimed = clock_free or hurried
+    # Nor does it build the kernel (15-20 s on 2 cores): under linear_kernel="auto" it runs one already built, or none.
+    unbuilt = hurried and config.linear_kernel is LinearKernel.AUTO and not ready()
+    if unbuilt:
+        inputs = dataclasses.replace(inputs, config=dataclasses.replace(config, linear_kernel=LinearKernel.OFF))
+        config = inputs.config
     kernel_ready = loaded() is not None  # else a build below is this call's, in its statistics
     # The target's kernel routing: AUTO's timing, "on" refused where the kernel cannot serve the target, before the
     # draft's form timings and calibration forwards.
@@ -246,6 +253,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     if draft_plan is not None:
         assert draft_plan.forwards.kernel is not None  # a draft's forwards always have a kernel routing
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
+    if unbuilt:
+        kernel_description += " (a call with max_time= builds no kernel: none was built yet)"
     max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     build = None if kernel_ready else loaded()
     return CallPlan(

@@ -248,3 +248,17 @@ def test_a_call_with_max_time_times_nothing_before_its_first_round(monkeypatch):
     assert "without the clock" in out.speculative_stats.draft_form
     out = greedy(target, max_time=0.0, max_new_tokens=6, draft_model=draft)  # the time is up: one round
     assert PROMPT.shape[1] < out.shape[1] < PROMPT.shape[1] + 6
+
+
+def test_a_call_with_max_time_builds_no_kernel(monkeypatch):
+    """Where no build of the small-rows kernel is ready, a bf16 call with `max_time=` (linear_kernel="auto") runs
+    without the kernel rather than spend 15-20 s building it; its statistics say so."""
+    loads = []
+    monkeypatch.setattr("hf_specsample.plan.ready", lambda: False)
+    monkeypatch.setattr("hf_specsample.kernels.small_rows.load", lambda: loads.append(1))
+    target = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    draft = tiny_lm(seed=1, vocab_size=VOCAB, dtype=torch.bfloat16)
+    out = greedy(target, max_new_tokens=6, max_time=60.0, draft_model=draft, return_dict_in_generate=True)
+    assert loads == [] and "builds no kernel" in out.speculative_stats.linear_kernel
+    assert out.speculative_stats.kernel_build_seconds == 0.0
+

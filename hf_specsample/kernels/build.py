@@ -142,6 +142,13 @@ def compiled_library(
     return Built(library, compiled, time.perf_counter() - start)
 
 
+def is_built(name: str, source: Path, cflags: Sequence[str], ldflags: Sequence[str], root: Path | None = None) -> bool:
+    """Whether a whole build of `source` with these flags waits in its key's folder (`compiled_library` would load it
+    without compiling)."""
+    key = build_key(source, cflags, ldflags)
+    return _whole(key.folder(name, root) / f"{name}_{key.digest}{SUFFIX}")
+
+
 def _whole(library: Path) -> bool:
     """Whether `library` was built whole (its folder's `DONE_FILE` is written after it) and is still there."""
     return (library.parent / DONE_FILE).exists() and library.exists()

@@ -90,6 +90,14 @@ def loaded() -> Build | None:
     return _LOADED[0] if _LOADED else None
 
 
+def ready() -> bool:
+    """Whether `load()` would cost no build: the operators are loaded in this process, or a whole build of this
+    checkout's source for this torch, Python and compiler waits on disk (builds nothing)."""
+    if _LOADED:
+        return _LOADED[0].problem is None
+    return build.is_built(NAME, SOURCE, CFLAGS, LDFLAGS)
+
+
 def _build() -> Build:
     start = time.perf_counter()
     try:
