@@ -110,7 +110,7 @@ class SpeculativeDecoder:
         keep |= {"logits"} if self.recorder.wants_raw_logits else set()
         self.trees = plan.tree_round(self.target, self.model_drafter, self.verifier.processor, keep)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
-        self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device)
+        self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
@@ -132,6 +132,8 @@ class SpeculativeDecoder:
         self.stats.target_refeed_passes = self.target.refeed_passes
         self.stats.draft_forward_passes = self.drafter.forward_passes
         self.stats.draft_positions_ended = self.lookahead.draft_positions_ended
+        processor = self.verifier.processor  # the drafter's and the trees' too
+        self.stats.processing_seconds, self.stats.processed_positions = processor.seconds, processor.positions
         if compiled is not None:
             self.stats.compile_seconds = compiled.compile_seconds - compile_before
         if step is not None:
@@ -153,6 +155,8 @@ class SpeculativeDecoder:
         """One draft -> verify -> accept -> commit round over all active rows; the policy learns its costs."""
         compilations = self._compilations()
         refeeds = self.target.refeed_passes
+        # a draft model's first forward feeds the prompt: its drafting then says nothing of a draft step
+        draft_fed_prompt = self.model_drafter is not None and self.model_drafter.forward_passes == 0
         self.timer.start()
         is_tree = self.trees is not None and budget.tree is not None
         if self.trees is not None and budget.tree is not None:  # a tree cut to the room (K: the tree's depth)
@@ -177,6 +181,8 @@ class SpeculativeDecoder:
         record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
         if is_tree:  # the target verified the tree's nodes; a static tree's walk tested the draft's ranks
             record = dataclasses.replace(record, nodes=drafted, **ranks._asdict())
+        if draft_fed_prompt and proposal.model_steps:
+            record = dataclasses.replace(record, draft_prefill=True)
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 

@@ -12,8 +12,13 @@ keeps up to date while generating:
   `StaticCosts`). It grows with K where verification is compute-bound
   (large batches, bitsandbytes 4-bit, eager bf16 on AVX2 CPUs), often convexly (compiled: flat up to a few
   positions, then steep), so it is fitted to every round's (K, v), recent rounds weighing most: a line, or a
-  parabola where the rounds show the curve (`MeasuredCosts.verify_seconds`); K grows by at most one beyond the
-  largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it).
+  parabola where the rounds show the curve (`MeasuredCosts.unprocessed_seconds`); K grows by at most one beyond the
+  largest K observed (prompt lookup, whose drafting costs nothing: starts at 4 and may double it);
+- p, the logits processors' seconds per position (`round_costs.ProcessingCost`), timed apart: d and v are fitted
+  without them and p is added back per processed position, K + 1 in v(K) (one in a plain step) and one in each
+  draft step of a model draft. A round then pays the processors 2K + 1 times for at most K + 1 tokens that plain
+  decoding pays them once for, so costly processors (a grammar engine, a Python scorer) lower K, and where p is a
+  plain step's own cost or more no draft can pay at all: the call decodes plainly, without probes.
 
 A round with K draft tokens yields E(K) = 1 + alpha + ... + alpha^K tokens per row in d K + v(K) seconds; the
 policy takes the K in 0..max_lookahead with the highest E(K) / (d K + v(K)). With `StaticCosts` (used by every
@@ -27,6 +32,14 @@ plain round or more: a draft as large as the target, or a small one on a launch-
 too; and a draft reading at least the target's weight bytes per step does not draft in the first rounds either. A
 round's measured cost counts as at most a few times the estimate before it (`MeasuredCosts.observe`): one stalled
 round does not decide a call. Choosing K from past rounds never biases the output: each round is exact for any K.
+
+Processors of unknown cost (`verify.processing.cost_unknown`: a user's, a `prefix_allowed_tokens_fn`, anything not
+one of transformers' own listed there) are timed before any draft token pays for them: the first round drafts
+nothing (`processors_unknown`), and where their time per position is already at least that round's own (the
+prompt's forward: a bound on a plain step, `ProcessingCost.step_bound`) drafting never starts. A sampling call
+(`StaticCosts`) reads the clock for that verdict alone, and only with such processors and where K may read the clock
+(not under `generator=` or tensor parallelism): its K's are otherwise the clock-free ones. On CUDA, whose rounds are
+timed by events, processors are not timed apart (`round_timer`): their cost is in the rounds' durations, as before.
 
 Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"` in a greedy call that can draft
 trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shape_policy`) and
@@ -45,10 +58,23 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+from transformers import LogitsProcessor
+
 from .options import DEFAULT_MAX_LOOKAHEAD, DynamicTree, SpeculativeConfig, TreeShape
 from .proposers.base import DraftBudget
-from .round_costs import STATIC_VERIFY_SLOPE, DecayedMean, MeasuredCosts, RoundRecord, StaticCosts, expected_rate
+from .round_costs import (
+    STATIC_VERIFY_SLOPE,
+    DecayedMean,
+    MeasuredCosts,
+    ProcessingCost,
+    RoundRecord,
+    StaticCosts,
+    expected_rate,
+)
+from .round_timer import host_clock
 from .shape_policy import ShapeDesigner
+from .verify.processing import cost_unknown
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -126,9 +152,14 @@ class AdaptiveLookahead(LookaheadPolicy):
         # `draft_shape="auto"` in a greedy call that can draft trees: each round weighs the best tree of every width
         # against the chains (`shape_policy`); None: chains
         trees: ShapeDesigner | None = None,
+        # the call's processors include one of unknown cost (`verify.processing.cost_unknown`) whose time the costs
+        # measure: the first round drafts nothing, so that they are timed before a draft token pays for them
+        processors_unknown: bool = False,
+        draft_processes: bool = True,  # the drafter processes each drafted position (False: a prompt lookup)
     ):
         self.max_lookahead = max_lookahead
-        self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds, growth)
+        self.costs = costs if costs is not None else MeasuredCosts(decay, draft_step_seconds, growth, draft_processes)
+        self.processors_unknown = processors_unknown
         self.first_lookahead = min(first_lookahead, max_lookahead)
         self.draft_cost_ratio = draft_cost_ratio
         self.probe_every = probe_every
@@ -141,7 +172,7 @@ class AdaptiveLookahead(LookaheadPolicy):
 
     @property
     def needs_timing(self) -> bool:
-        return isinstance(self.costs, MeasuredCosts)
+        return isinstance(self.costs, MeasuredCosts) or self.costs.processing is not None
 
     def observe(self, record: RoundRecord) -> None:
         if record.tested and record.nodes is None:  # a tree's ranks are the designer's
@@ -182,6 +213,11 @@ class AdaptiveLookahead(LookaheadPolicy):
 
     def choose(self) -> int:
         self._tree = None
+        processing = self.costs.processing
+        if self.processors_unknown and processing is not None and not processing.measured:
+            return 0  # the first round times the processors (see the module docstring)
+        if self.costs.processing_outweighs_step:
+            return 0  # no draft can pay, however good (`ProcessingCost`): no probes either
         if self.costs.ready:
             choice = self.best_lookahead()
         elif self.draft_cost_ratio is None or self.draft_cost_ratio < 1:
@@ -217,6 +253,7 @@ def make_policy(
     lookup_only: bool = False,
     tree: TreeShape | DynamicTree | None = None,
     tree_ranks: int = 0,
+    processors_unknown: bool = False,
 ) -> LookaheadPolicy:
     """A fresh policy for one generate() call (`RoundLookahead.for_call` calls it and caps its K).
 
@@ -235,6 +272,12 @@ def make_policy(
         tree: every round drafts this tree (`FixedTree`); None: see `tree_ranks`.
         tree_ranks: `draft_shape="auto"` may draft trees of up to this many of the draft's choices a node, chosen
             round by round (`shape_policy.ShapeDesigner`); 0: chains.
+        processors_unknown: the call's processors include one of unknown cost (`verify.processing.cost_unknown`)
+            and the policy may time it (`times_unknown_processors`: not under `generator=`, tensor parallelism or
+            CUDA): the first round drafts nothing and times them, and a clock-free policy times them too, for
+            `StaticCosts.processing_outweighs_step` alone. Ignored with `lookup_only`: lookup drafts are not
+            processed, so processors cost a lookup round only its verified positions (a lookup that is always right
+            pays whatever they cost).
     """
     if tree is not None:
         return FixedTree(tree)
@@ -243,14 +286,30 @@ def make_policy(
     if config.num_lookahead is not None:
         return FixedLookahead(config.num_lookahead)
     trees = ShapeDesigner(tree_ranks, config.max_lookahead) if tree_ranks else None
+    processors_unknown = processors_unknown and not lookup_only  # lookup drafts are not processed: see the docstring
     if clock_free:
-        costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-        return AdaptiveLookahead(config.max_lookahead, costs=costs, trees=trees)
-    if lookup_only:
-        return AdaptiveLookahead(config.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0)
+        processing = ProcessingCost() if processors_unknown else None
+        costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size, processing=processing)
+        return AdaptiveLookahead(config.max_lookahead, costs=costs, trees=trees, processors_unknown=processors_unknown)
+    if lookup_only:  # processors cost a lookup only their verification (p in v(K)): no verdict, no plain first round
+        return AdaptiveLookahead(
+            config.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0, draft_processes=False
+        )
     return AdaptiveLookahead(
-        config.max_lookahead, draft_step_seconds=draft_step_seconds, draft_cost_ratio=cost_ratio, trees=trees
+        config.max_lookahead,
+        draft_step_seconds=draft_step_seconds,
+        draft_cost_ratio=cost_ratio,
+        trees=trees,
+        processors_unknown=processors_unknown,
     )
+
+
+def times_unknown_processors(processors: Sequence[LogitsProcessor], clock_free: bool, device: torch.device) -> bool:
+    """Whether a call's processors include one of unknown cost (`verify.processing.cost_unknown`) that the policy
+    may time (`make_policy`'s `processors_unknown`): not where K must never read the clock (`generator=`, tensor
+    parallelism), nor where rounds are timed by CUDA events, which a processor's host seconds cannot be set against
+    (`round_timer.host_clock`)."""
+    return cost_unknown(processors) and not clock_free and host_clock(device)
 
 
 def _most_draft_tokens(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool) -> int:
@@ -331,6 +390,7 @@ class RoundLookahead:
         draft_step_seconds: float | None = None,
         tree: TreeShape | DynamicTree | None = None,
         tree_ranks: int = 0,
+        processors_unknown: bool = False,
     ) -> RoundLookahead:
         """The K owner of one `generate()` call, with a fresh policy (`make_policy`).
 
@@ -348,15 +408,22 @@ class RoundLookahead:
             draft_step_seconds: the draft's step time measured before the call (`PreparedDraft.
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
             tree, tree_ranks: the rounds' trees (`make_policy`; `shape_choice.ShapeChoice`).
+            processors_unknown: a processor of unknown cost, which the clock may judge (`make_policy`).
         """
         if lookup_only:
             config = replace(config, max_lookahead=_most_draft_tokens(config, lookup_tokens, lookup_only=True))
             policy = make_policy(config, clock_free, cost_ratio=0.0, batch_size=batch_size, lookup_only=True)
             return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
         policy = make_policy(
-            config, clock_free, cost_ratio, batch_size, draft_step_seconds=draft_step_seconds, tree=tree,
+            config,
+            clock_free,
+            cost_ratio,
+            batch_size,
+            draft_step_seconds=draft_step_seconds,
+            tree=tree,
             tree_ranks=tree_ranks,
-        )  # fmt: skip
+            processors_unknown=processors_unknown,
+        )
         return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
 
     @property

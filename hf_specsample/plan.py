@@ -40,7 +40,7 @@ from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it
 from .graph_choice import choose_graphs
 from .kernels.routing import KernelRouting
 from .kernels.small_rows import MAX_ROWS, best_path, loaded, ready
-from .lookahead import RoundLookahead, largest_round
+from .lookahead import RoundLookahead, largest_round, times_unknown_processors
 from .model_facts import ModelFacts, Role
 from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
 from .prepare.implicit import draft_for_call
@@ -244,6 +244,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         cost_ratio=step_cost_ratio(prepared.model, target.model, launch_bound) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
         tree=shape.tree, tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
+        processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
     )  # fmt: skip
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the

@@ -4,8 +4,9 @@ Greedy calls only (`shape_choice.choose_shape`): greedy text is the target's arg
 clock may decide. Each round, for every node budget n up to one beyond the widest round measured (as K grows
 today, `MeasuredCosts.largest_lookahead`), the best tree of n nodes (`tree_design.best_trees`, its depth capped by
 `max_lookahead`) is weighed by its rate E(n) / (d * depth + v(n)): E its expected tokens, d a draft forward (a tree
-drafts one forward per level, over its frontier: about a chain's step on the CPU), v(n) the rest of a round
-verifying n + 1 positions, one table for chains and trees (`RoundRecord.width`). The best n wins; where its tree is
+drafts one forward per level, over its frontier: about a chain's step on the CPU) with its processing (one
+position per parent, `DesignedTree.parents`), v(n) the rest of a round verifying n + 1 positions, one table for
+chains and trees (`RoundRecord.width`). The best n wins; where its tree is
 a chain, a chain round of K = n runs (the chain's own path: causal verification, no tree mask).
 
 Acceptance by rank: `RankAcceptance` keeps, per rank r of the draft's choices, the decayed hazard h[r] = P(the
@@ -82,11 +83,13 @@ class ShapeDesigner:
         """The next round's tree (None: a chain) and its depth (a chain's K; 0: plain decoding), at the best rate."""
         widest = costs.largest_lookahead(self.max_nodes)
         designed = best_trees(self.acceptance.accept(), widest, self.max_depth)
-        draft = costs.draft_seconds()
+        draft, processing = costs.draft_seconds(), costs.draft_processing_seconds()
         best = 1.0 / costs.verify_seconds(0)  # plain decoding's rate
         chosen = None
         for nodes, tree in enumerate(designed, start=1):
-            rate = tree.expected / (draft * tree.depth + costs.verify_seconds(nodes))
+            # d counts one processed position a level, where a tree's levels process each of their parents
+            drafting = draft * tree.depth + processing * (tree.parents - tree.depth)
+            rate = tree.expected / (drafting + costs.verify_seconds(nodes))
             if rate > best:  # ties: the narrower round
                 best, chosen = rate, tree
         if chosen is None:

@@ -56,6 +56,10 @@ class SpeculativeStats:
     # A draft with a learned position table (GPT-2's `n_positions`) shorter than the text: the longest row's length
     # (prompt included) when the table ended the draft's rounds, after which the target finished alone; else None.
     draft_positions_ended: int | None = None
+    # The logits processors' host seconds in this call, at the draft's positions and the target's, and the positions
+    # they processed (rows x positions: plain decoding processes one per row and new token); 0 without processors.
+    processing_seconds: float = 0.0
+    processed_positions: int = 0
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -152,6 +156,12 @@ class SpeculativeStats:
         passes = sum(self.row_target_passes)
         return self.new_tokens / passes if passes else 0.0
 
+    @property
+    def processing_seconds_per_position(self) -> float:
+        """The logits processors' seconds per position processed (0.0 where none was), what the policy weighs
+        drafting against (`round_costs.ProcessingCost`)."""
+        return self.processing_seconds / self.processed_positions if self.processed_positions else 0.0
+
     def row_acceptance_rate(self, row: int) -> float:
         drafted = self.row_draft_tokens[row]
         return self.row_accepted_tokens[row] / drafted if drafted else 0.0
@@ -167,6 +177,7 @@ class SpeculativeStats:
             alpha=self.alpha,
             mean_lookahead=self.mean_lookahead,
             tokens_per_target_pass=self.tokens_per_target_pass,
+            processing_seconds_per_position=self.processing_seconds_per_position,
         )
         return out
 
@@ -193,6 +204,12 @@ class SpeculativeStats:
             + (
                 f", compiled draft steps ({self.draft_compile_seconds:.1f} s compiling)"
                 if self.draft_compile_seconds is not None
+                else ""
+            )
+            + (
+                f", logits processors {1e3 * self.processing_seconds_per_position:.2f} ms per position "
+                f"({self.processed_positions} positions)"
+                if self.processed_positions
                 else ""
             )
         )

@@ -39,6 +39,11 @@ class DesignedTree(NamedTuple):
     is_chain: bool
 
     @property
+    def parents(self) -> int:
+        """Its nodes with children and the root: the positions the draft processes (a chain's K)."""
+        return len({path[:-1] for path in self.paths})
+
+    @property
     def shape(self) -> TreeShape:
         """The tree (made when asked: a round weighs every budget and drafts one)."""
         return TreeShape.from_paths(self.paths)

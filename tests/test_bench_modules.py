@@ -22,6 +22,7 @@ from hf_specsample_bench import (
     compiled_verification,
     draft_weight_forms,
     hybrid_rollback,
+    processor_cost,
     rank_oracle,
     round_profile,
 )
@@ -54,6 +55,14 @@ def test_round_profile_on_the_tiny_pair(capsys):
     out = capsys.readouterr().out
     assert "rollback (crop both caches)" in out.splitlines()[-1]
     assert "target forward, 3 position(s)" in out
+
+
+def test_processor_cost_on_the_poor_pair(capsys):
+    processor_cost.main(
+        ["--processor-ms", "0", "--pairs", "poor", "--modes", "greedy", "--new-tokens", "4", "--repeats", "1"]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("poor  0 ms processor") and "ratio" in out[-1]
 
 
 def test_draft_weight_forms_on_a_tiny_shape(capsys):

@@ -261,4 +261,3 @@ def test_a_call_with_max_time_builds_no_kernel(monkeypatch):
     out = greedy(target, max_new_tokens=6, max_time=60.0, draft_model=draft, return_dict_in_generate=True)
     assert loads == [] and "builds no kernel" in out.speculative_stats.linear_kernel
     assert out.speculative_stats.kernel_build_seconds == 0.0
-

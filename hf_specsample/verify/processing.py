@@ -22,12 +22,19 @@ with zeros and their output is discarded. A processor whose row depends on *othe
 applied exactly to draft positions; none of transformers' processors does this outside beam search. A round of
 many rows is processed in row chunks (`verify.round_verifier`): each chunk's rows are called as above, so a processor
 may be called once per chunk and prefix length.
+
+A round processes K + 1 positions where plain decoding processes one, and a model draft processes its K drafted
+positions too, so what processors cost decides how far drafting may go (`round_costs.ProcessingCost`).
+`PositionwiseProcessor` counts the host seconds its calls take and the positions they process; `cost_unknown` says
+whether a list holds a processor that is not one of transformers' own known here (a user's, a
+`prefix_allowed_tokens_fn`, ...), whose cost nothing bounds before it is timed.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
@@ -72,6 +79,15 @@ ROW_LOCAL_PROCESSORS: tuple[type, ...] = (
 
 # Processors that read only the prefix length: EOS is forbidden while the sequence is shorter than a threshold.
 LENGTH_ONLY_PROCESSORS: tuple[type, ...] = (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
+
+# transformers' processors whose cost is known to be small: vectorised over the vocabulary, or a short loop over the
+# prefix. Any other processor (exact type: a subclass may do anything) may cost more than a target step per call.
+KNOWN_COST_PROCESSORS: tuple[type, ...] = PREFIX_FREE_PROCESSORS + ROW_LOCAL_PROCESSORS + LENGTH_ONLY_PROCESSORS
+
+
+def cost_unknown(processors: Sequence[lp.LogitsProcessor]) -> bool:
+    """Whether `processors` hold one whose cost is unknown until timed (not in `KNOWN_COST_PROCESSORS`)."""
+    return any(type(processor) not in KNOWN_COST_PROCESSORS for processor in processors)
 
 
 class RunKind(enum.Enum):
@@ -144,6 +160,9 @@ class PositionwiseProcessor:
         self.fast = fast
         # Exact type, as for prefix-freedom: a subclass may read token ids.
         self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
+        # what the calls cost (the policy's `round_costs.ProcessingCost` reads the seconds per round phase)
+        self.seconds = 0.0  # host seconds inside calls that had processors to apply
+        self.positions = 0  # positions processed: rows x positions of each such call
 
     def __call__(
         self,
@@ -165,6 +184,20 @@ class PositionwiseProcessor:
         """
         if not self.runs:
             return scores
+        started = time.perf_counter()
+        processed = self._apply(tokens, prefix_lengths, scores, callers)
+        self.seconds += time.perf_counter() - started
+        self.positions += scores.shape[0] * scores.shape[1]
+        return processed
+
+    def _apply(
+        self,
+        tokens: torch.Tensor,
+        prefix_lengths: Sequence[int],
+        scores: torch.Tensor,
+        callers: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """`__call__`'s work: each run of processors in turn."""
         batch, positions, vocab = scores.shape
         for kind, processors in self.runs:
             if kind is RunKind.PREFIX_FREE:
