@@ -439,15 +439,15 @@ class RoundLookahead:
             draft_room: the most tokens the draft model's position table lets it draft (`DraftModelProposer.room`);
                 None: no limit (or no draft model).
         """
+        if draft_room == 0 and self.draft_positions_ended is None:
+            self.draft_positions_ended = max(lengths)
         first_round, self._first_round = self._first_round, False
         if first_round and self.prompt_ends_in_padding:
             return DraftBudget(lookahead=0, lookup_lookahead=0)
         room = self.max_length - max(lengths) - 1
         lookahead = max(0, min(self.policy.choose(), room))
-        if draft_room is not None and draft_room < lookahead:
-            if draft_room == 0 and self.draft_positions_ended is None:
-                self.draft_positions_ended = max(lengths)
-            lookahead = draft_room
+        if draft_room is not None:
+            lookahead = min(lookahead, draft_room)
         tree = self.policy.chosen_tree() if lookahead > 0 else None
         if tree is not None:  # trees draft with a model alone (`validation.tree_problems`)
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0, tree=tree.truncated(lookahead))

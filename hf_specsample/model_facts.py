@@ -183,17 +183,22 @@ def logit_width(model: PreTrainedModel) -> int:
 def position_limit(model: PreTrainedModel) -> int | None:
     """The positions `model`'s learned position table embeds, or None where positions have no hard end.
 
-    A table is an embedding other than the input embedding with as many rows as the config's
-    `max_position_embeddings` (GPT-2's `n_positions`), or up to two more (OPT and BioGPT offset positions by 2).
-    Rotary models name a `max_position_embeddings` too, but hold no such table: they run past it, as plain
-    `generate()` lets them.
+    A table has as many rows as the config's `max_position_embeddings` (GPT-2's `n_positions`), or up to two more (OPT
+    and BioGPT offset positions by 2): an embedding other than the input embedding (GPT-2, OPT, GPT-Neo, BioGPT), or a
+    fixed buffer of positions (GPT-J's and CodeGen's sines and cosines, CTRL's encoding). Rotary models name a
+    `max_position_embeddings` too, but hold no such table: they run past it, as plain `generate()` lets them.
     """
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if not isinstance(limit, int):
         return None
     inputs = model.get_input_embeddings()
-    tables = (module for module in model.modules() if isinstance(module, torch.nn.Embedding) and module is not inputs)
-    return limit if any(limit <= table.num_embeddings <= limit + 2 for table in tables) else None
+    rows = [
+        module.num_embeddings
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module is not inputs
+    ]
+    rows += [buffer.shape[0] for name, buffer in model.named_buffers() if "pos" in name and buffer.dim() == 2]
+    return limit if any(limit <= count <= limit + 2 for count in rows) else None
 
 
 def _forward_cache_name(model: PreTrainedModel) -> str | None:

@@ -213,7 +213,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     hurried = any(isinstance(criterion, MaxTimeCriteria) for criterion in inputs.stopping_criteria)
     untimed = clock_free or hurried
     # Nor does it build the kernel (15-20 s on 2 cores): under linear_kernel="auto" it runs one already built, or none.
-    unbuilt = hurried and config.linear_kernel is LinearKernel.AUTO and not ready()
+    bf16 = any(facts is not None and facts.model.dtype == torch.bfloat16 for facts in (target, draft))
+    unbuilt = hurried and bf16 and config.linear_kernel is LinearKernel.AUTO and not ready()
     if unbuilt:
         inputs = dataclasses.replace(inputs, config=dataclasses.replace(config, linear_kernel=LinearKernel.OFF))
         config = inputs.config

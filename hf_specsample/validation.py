@@ -40,10 +40,11 @@ def check_models(target: ModelFacts, draft: ModelFacts | None) -> None:
             )
         if not facts.model.can_generate():
             raise ValueError(
-                f"The {role} model ({type(facts.model).__name__}) has no language-modelling head, so it makes no "
-                "logits to draft or verify with (transformers' own generate() is not available on it either). Pass "
-                "the causal LM that holds it (e.g. the `...ForCausalLM` from `AutoModelForCausalLM`), not its base "
-                "model (`model.model`)."
+                f"The {role} model ({type(facts.model).__name__}) cannot generate: it has no language-modelling "
+                "head, so it makes no next-token logits to draft or verify with (transformers' own generate() is not "
+                "available on it either). Pass a causal LM (the `...ForCausalLM` class `AutoModelForCausalLM` "
+                "loads), not a base model taken out of one (`model.model`, `model.transformer`) nor a model with "
+                "another head."
             )
         if facts.unloaded:
             raise ValueError(
@@ -150,14 +151,16 @@ def check_tokenizers(
                 "whose vocabulary overlaps the target's."
             )
         return differ
-    # the tokenizer's tokens the target scores (a tokenizer may hold added tokens beyond a model's head)
-    tokens = min(len(target_tokenizer), target_width) if target_tokenizer is not None else 0
+    # The tokenizer's base vocabulary, as far as the target scores it: added tokens (a fine-tune's new special
+    # token, with the target's embeddings resized) may lie beyond a draft of the same tokenizer.
+    base = (getattr(target_tokenizer, "vocab_size", None) or len(target_tokenizer)) if target_tokenizer else 0
+    tokens = min(base, target_width)
     if draft_width < tokens:
         raise ValueError(
-            f"The draft scores {draft_width} token ids, fewer than the {tokens} tokens of the target's tokenizer "
-            "(`tokenizer=`), so it is not a model of that tokenizer: its ids mean other strings. Pass the draft's own "
-            "tokenizer as `draft_tokenizer=` (or `assistant_tokenizer=`): the draft then drafts over the tokens both "
-            "vocabularies share, exactly."
+            f"The draft scores {draft_width} token ids, fewer than the {tokens} tokens of the target's tokenizer's "
+            "vocabulary (`tokenizer=`), so it is not a model of that tokenizer: its ids mean other strings. Pass the "
+            "draft's own tokenizer as `draft_tokenizer=` (or `assistant_tokenizer=`): the draft then drafts over the "
+            "tokens both vocabularies share, exactly."
         )
     if abs(target_width - draft_width) >= max(PADDING_SLACK, max(target_width, draft_width) // 100):
         raise ValueError(

@@ -10,7 +10,16 @@ import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, char_tokenizer, prepared_processors, tiny_lm
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import (
+    CodeGenConfig,
+    CodeGenForCausalLM,
+    CTRLConfig,
+    CTRLLMHeadModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTJConfig,
+    GPTJForCausalLM,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specsample
@@ -131,7 +140,9 @@ def test_a_draft_drafts_while_its_positions_fit_then_the_target_finishes_alone(
     assert torch.equal(out.sequences, expected)
     stats = out.speculative_stats
     if prompt_length + new_tokens > positions:  # the text outgrows the table: said where it stopped the draft
-        assert stats.draft_positions_ended is not None and stats.draft_positions_ended >= min(positions, prompt_length)
+        # a round drafts at most the room left and commits one token more: the text ends it at the table's end + 1
+        ended = [prompt_length] if prompt_length > positions else [positions, positions + 1]
+        assert stats.draft_positions_ended in ended
         assert "position table" in str(stats)
     else:
         assert stats.draft_positions_ended is None
@@ -139,6 +150,35 @@ def test_a_draft_drafts_while_its_positions_fit_then_the_target_finishes_alone(
         assert stats.draft_tokens == 0
     else:
         assert stats.draft_tokens > 0
+
+
+def _fixed_position_buffer_draft(kind: str, positions: int):
+    """Drafts whose positions come from a fixed buffer, not an embedding: GPT-J's and CodeGen's sines and cosines,
+    CTRL's encoding."""
+    torch.manual_seed(1)
+    common = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=positions, pad_token_id=PAD)
+    if kind == "gptj":
+        return GPTJForCausalLM(GPTJConfig(rotary_dim=4, **common)).eval()
+    if kind == "codegen":
+        return CodeGenForCausalLM(CodeGenConfig(rotary_dim=4, n_ctx=positions, **common)).eval()
+    return CTRLLMHeadModel(CTRLConfig(dff=64, **common)).eval()
+
+
+@pytest.mark.parametrize("kind", ["gptj", "codegen", "ctrl"])
+def test_drafts_with_a_fixed_buffer_of_positions_stop_drafting_at_its_end(target, kind):
+    draft = _fixed_position_buffer_draft(kind, positions=16)
+    prompt = torch.randint(2, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    expected = greedy(target, prompt, max_new_tokens=20)
+    out = greedy(target, prompt, max_new_tokens=20, draft_model=draft, num_lookahead=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and out.speculative_stats.draft_positions_ended in (16, 17)
+
+
+@pytest.mark.parametrize("positions", [2, 3, 4])
+def test_a_draft_with_a_tiny_position_table_is_timed_without_overrunning_it(gpt2_target, positions):
+    """AUTO's timing of the draft's forms fits its forwards into the table (or times nothing)."""
+    prompt = torch.tensor([[3, 4, 5]])
+    expected = greedy(gpt2_target, prompt, max_new_tokens=6)
+    assert torch.equal(greedy(gpt2_target, prompt, max_new_tokens=6, draft_model=_gpt2(1, positions)), expected)
 
 
 def test_a_draft_whose_table_ends_mid_call_samples_exactly():
@@ -214,6 +254,17 @@ def test_a_draft_narrower_than_the_targets_tokenizer_is_refused_with_the_tokeniz
     with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match="draft_tokenizer="):
         greedy(target, max_new_tokens=5, draft_model=draft, tokenizer=char_tokenizer(VOCAB))
     assert counter.calls == 0
+
+
+def test_a_draft_of_the_base_vocabulary_runs_beside_a_target_with_an_added_token():
+    """A fine-tune that added a special token (its embeddings resized by one) with a draft of the base vocabulary:
+    the same tokenizer, whose added token the draft never proposes. `tokenizer=` (for stop strings) must not refuse it.
+    """
+    tokenizer = char_tokenizer(VOCAB)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    target, draft = tiny_lm(seed=0, vocab_size=VOCAB + 1), tiny_lm(seed=3, vocab_size=VOCAB)
+    expected = greedy(target, max_new_tokens=8)
+    assert torch.equal(greedy(target, max_new_tokens=8, draft_model=draft, tokenizer=tokenizer), expected)
 
 
 @pytest.mark.parametrize("width", [64, 72])

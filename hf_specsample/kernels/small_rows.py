@@ -40,6 +40,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..cache_folder import CACHE_ENV_VAR, default_cache_dir
 from . import build
 
 MAX_ROWS = 16  # rows (batch * positions) of the forwards a round runs, at most; the kernel's design point
@@ -104,7 +105,10 @@ def _build() -> Build:
         built = build.compiled_library(NAME, SOURCE, CFLAGS, LDFLAGS)
     except Exception as error:  # noqa: BLE001 (any build failure means: run eagerly, and say why)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        problem = f"the small-rows kernel could not be built ({type(error).__name__}: {first_line})"
+        problem = (
+            f"the small-rows kernel could not be built ({type(error).__name__}: {first_line}; it builds under "
+            f"{default_cache_dir() / 'kernels'}, which ${CACHE_ENV_VAR} moves)"
+        )
         return Build(problem, time.perf_counter() - start)
     _register_fakes()
     return Build(None, built.seconds, built.compiled)

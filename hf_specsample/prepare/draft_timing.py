@@ -51,7 +51,11 @@ def decode_step_seconds(
     """
     device = next(models[0].parameters()).device
     vocab = min(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0] for model in models)
-    context = max(1, min(context, _positions(models) - steps - 1))  # a short position table: a shorter context
+    positions = _positions(models)  # a short position table: fewer steps, a shorter context
+    if positions < 3:  # no context and step fit: nothing to time
+        return [math.inf] * len(models)
+    steps = max(1, min(steps, positions - 2))
+    context = max(1, min(context, positions - steps - 1))
     ids = (torch.arange(context + steps + 1, device=device) % vocab)[None, :]  # (1, context + steps + 1)
     contexts = contexts or [lambda rows: contextlib.nullcontext()] * len(models)
     caches = [_forward(model, ids[:, :context], None, contexts[index](context)) for index, model in enumerate(models)]
