@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from tiny import PAD, char_tokenizer, tiny_lm
+from tiny import PAD, ForwardCounter, char_tokenizer, tiny_lm
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -30,21 +30,6 @@ def target():
 @pytest.fixture()
 def draft():
     return tiny_lm(seed=1, vocab_size=32)
-
-
-class ForwardCounter:
-    """Counts forward calls of the given models (to prove errors come before any work)."""
-
-    def __init__(self, *models):
-        self.calls = 0
-        self.handles = [model.register_forward_hook(self._hook) for model in models]
-
-    def _hook(self, *args):
-        self.calls += 1
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 def assert_fails_before_work(target, draft, match, error=ValueError, **kwargs):

@@ -9,7 +9,7 @@ tokenizer.
 import pytest
 import torch
 from exact import chisquare_pvalue, continuations, exact_distribution
-from tiny import PAD, char_tokenizer, prepared_processors, tiny_lm
+from tiny import PAD, ForwardCounter, char_tokenizer, prepared_processors, tiny_lm
 from transformers import (
     CodeGenConfig,
     CodeGenForCausalLM,
@@ -27,24 +27,6 @@ from hf_specsample import speculative_generate
 
 VOCAB = 64
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])
-
-
-class ForwardCounter:
-    """Counts forward calls of the given models (a refusal must come before any)."""
-
-    def __init__(self, *models):
-        self.calls = 0
-        self.handles = [model.register_forward_hook(self._hook) for model in models]
-
-    def _hook(self, *args):
-        self.calls += 1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
 
 
 class RecordingStreamer(BaseStreamer):

@@ -75,6 +75,27 @@ def tiny_lm(
                       eos_token_id=eos_token_id, dtype=dtype)  # fmt: skip
 
 
+class ForwardCounter:
+    """Counts forward calls of the given models (a refusal must come before any); `remove()`, or use it in `with`."""
+
+    def __init__(self, *models):
+        self.calls = 0
+        self.handles = [model.register_forward_hook(self._hook) for model in models]
+
+    def _hook(self, *args):
+        self.calls += 1
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
 def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float) -> LlamaForCausalLM:
     """A copy of `model` with Gaussian noise of relative size `scale` on every weight: a draft close to it."""
     copied = copy.deepcopy(model)
