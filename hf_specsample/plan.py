@@ -225,7 +225,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
     lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
-    graphs = choose_graphs(target.input_device, config.compile, None)
+    graphs = choose_graphs(target.input_device, config.compile)
     draft_plan = (
         None
         if lookup_only

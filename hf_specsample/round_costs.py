@@ -52,7 +52,7 @@ class RoundRecord:
     refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
     # A tree round (`shape_policy`): its nodes (the target verified nodes + 1 positions; `lookahead` is its depth,
     # the draft's forwards), and per rank of the draft's choices, the nodes' ranks tested and accepted
-    # (`shape_policy.rank_observations`). None: a chain round, `lookahead` wide.
+    # (`draft_tree.rank_observations`). None: a chain round, `lookahead` wide.
     nodes: int | None = None
     rank_tested: tuple[int, ...] = ()
     rank_accepted: tuple[int, ...] = ()

@@ -46,7 +46,7 @@ class SpeculativeStats:
     # draft forms, linear_kernel="off" with a draft form other than int8 / int4 weights).
     kernel_build_seconds: float = 0.0
     # Whether the rounds' forwards ran as graphs (compiled runners, CUDA graphs) or eagerly, and why in plain words
-    # (`graph_choice.choose_graphs`: the device, compile=True, or the capture's cost against the time it saves).
+    # (`graph_choice.choose_graphs`: the device, then whether compile=True asks for them).
     graphs: str = ""
     # What a round drafted (`SpeculativeConfig.draft_shape`): "chain", or the tree's size and depth; and why a tree
     # asked for or considered did not run; under "auto" in a greedy call, how many rounds drafted trees and chains.
@@ -161,10 +161,6 @@ class SpeculativeStats:
         """The logits processors' seconds per position processed (0.0 where none was), what the policy weighs
         drafting against (`round_costs.ProcessingCost`)."""
         return self.processing_seconds / self.processed_positions if self.processed_positions else 0.0
-
-    def row_acceptance_rate(self, row: int) -> float:
-        drafted = self.row_draft_tokens[row]
-        return self.row_accepted_tokens[row] / drafted if drafted else 0.0
 
     def to_dict(self) -> dict:
         """Plain dict of every counter and the derived rates (for JSON)."""

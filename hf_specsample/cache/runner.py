@@ -20,8 +20,7 @@ Backends (`RunnerBackend`), one discipline:
 - `EAGER`: the model's eager forward on the buffers (the default on the CPU, so every CPU test runs the buffers);
 - `COMPILED`: `torch.compile(fullgraph=True, dynamic=False)`, `mode="reduce-overhead"` (CUDA graphs) on CUDA and
   inductor's CPU settings (`cache.compiled.CPU_INDUCTOR_OPTIONS`, frozen weights: a weight change compiles afresh)
-  on the CPU; each runner compiles its own code object, so a new shape is a first compilation, never a recompile;
-- `CUDA_GRAPH`: the eager forward captured by hand (`torch.cuda.CUDAGraph`, no compile time), CUDA only.
+  on the CPU; each runner compiles its own code object, so a new shape is a first compilation, never a recompile.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ class RunnerBackend(Enum):
 
     EAGER = "eager"
     COMPILED = "compiled"
-    CUDA_GRAPH = "cuda_graph"
 
 
 @dataclass(frozen=True)
@@ -100,8 +98,6 @@ class ForwardRunner:
         takes_position_ids: bool,
         device: torch.device,
     ):
-        if backend is RunnerBackend.CUDA_GRAPH and device.type != "cuda":
-            raise ValueError(f"A hand-captured CUDA graph needs a CUDA device; this model runs on {device}.")
         # Weak: a runner is kept with its cache (`runners_for`), which may outlive the call in the pool, kept per
         # model weakly; a strong reference here would keep the model alive for ever.
         self.model_ref = weakref.ref(model)
@@ -122,8 +118,6 @@ class ForwardRunner:
         self.runs, self.compile_seconds = 0, 0.0
         self._function: Callable | None = None
         self._fingerprint: tuple | None = None
-        self._graph: Any = None
-        self._graph_logits: torch.Tensor | None = None
 
     def run(
         self, cache: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, slot_is_real: torch.Tensor
@@ -182,8 +176,6 @@ class ForwardRunner:
     def _forward(self, model: torch.nn.Module, cache: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         if self.backend is RunnerBackend.EAGER:
             return model(**kwargs).logits
-        if self.backend is RunnerBackend.CUDA_GRAPH:
-            return self._replay(model, cache, kwargs)
         return self._compiled(model, cache, kwargs)
 
     def _compiled(self, model: torch.nn.Module, cache: Any, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -204,35 +196,6 @@ class ForwardRunner:
         if stale:
             self.compile_seconds += time.perf_counter() - start
         return logits
-
-    def _replay(self, model: torch.nn.Module, cache: Any, kwargs: dict[str, Any]) -> torch.Tensor:
-        if self._graph is None:  # the cache's tensors keep their addresses while its rows do (`runners_for`)
-            self._capture(model, cache, kwargs)
-        self._graph.replay()
-        assert self._graph_logits is not None
-        return self._graph_logits
-
-    def _capture(self, model: torch.nn.Module, cache: Any, kwargs: dict[str, Any]) -> None:
-        """Record the eager forward once (after two warm-up forwards on a side stream, as CUDA graphs need); the
-        write pointers are put back after each, so capturing moves nothing (the warm-ups' keys land past it)."""
-        start = time.perf_counter()
-        pointers = [layer.cumulative_length for layer in row_ops.attention_layers(cache)]
-        saved = [pointer.clone() for pointer in pointers]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model(**kwargs)
-                for pointer, value in zip(pointers, saved):
-                    pointer.copy_(value)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._graph_logits = model(**kwargs).logits
-        for pointer, value in zip(pointers, saved):
-            pointer.copy_(value)
-        self._graph = graph
-        self.compile_seconds += time.perf_counter() - start
 
 
 # cache -> {(rows, width): its runner}. Weak: a runner lives as long as the cache it serves, so a cache kept between

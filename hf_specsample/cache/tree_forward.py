@@ -118,7 +118,7 @@ class CachedTree:
             if shape is not None:
                 host_tree = DraftTree.of_shape(shape, torch.zeros((rows, shape.num_nodes), dtype=torch.long))
             else:
-                host_tree = DraftTree(tree.parents.cpu(), tree.parents.cpu(), tree.depths.cpu())
+                host_tree = DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu())
             self.ancestors = host_tree.ancestors()  # (rows, N, N)
             depths = host_tree.depths
         self.node_positions = root_positions[:, None] + depths  # (rows, N)

@@ -61,7 +61,7 @@ class PreparedDraft:
         step_seconds: where AUTO timed the forms: seconds per single-token step of each, the faster of which is
             `model`; empty where nothing was timed.
         step_bytes: where AUTO chose without the clock (a seeded call, a tensor-parallel target): the weight bytes a
-            single-token step of each form reads (`lookahead.weight_bytes`), its stand-in for time; else empty.
+            single-token step of each form reads (`round_costs.weight_bytes`), its stand-in for time; else empty.
         tokenizers: for a draft with another tokenizer, (the target's, the draft's) as given to `prepare_draft`:
             `generate()` uses them when it is given no tokenizers, or these very objects.
         shared_vocabulary: the tokens those tokenizers share (`proposers.cross_tokenizer.shared_vocabulary`, built once

@@ -161,8 +161,8 @@ def speculative_accept(
         point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass (its row of
             `draft_probs` is then ignored); None: none is, unless `draft_probs` is None.
         sample_draws: optional `(batch, 1)` float64 uniforms of the recovered/bonus sample (`sample_uniform`); drawn
-            with `generator` after `uniform` if None. (`verify.verification` draws both for all rows at once, then
-            applies the rule row chunk by row chunk.)
+            with `generator` after `uniform` if None. (`verify.round_verifier.RoundVerifier` draws both for all rows
+            at once, then applies the rule row chunk by row chunk.)
 
     Returns:
         A :class:`Verdict`. A zero draft probability rejects (never divides); an all-zero residual falls back to the
