@@ -113,7 +113,11 @@ def resolve_inputs(
             "speculative_generate needs `draft_model=` (a small causal LM sharing the target's tokenizer)."
         )
     return CallInputs(
-        model=model, input_ids=input_ids, generation_config=generation_config,
+        model=model,
+        input_ids=input_ids,
+        generation_config=generation_config,
         config=SpeculativeConfig.resolve(speculative_config, num_lookahead),
-        lookup_tokens=lookup_tokens, max_ngram=max_ngram, **fields,
-    )  # fmt: skip
+        lookup_tokens=lookup_tokens,
+        max_ngram=max_ngram,
+        **fields,
+    )

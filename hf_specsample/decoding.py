@@ -66,15 +66,32 @@ def speculative_generate(
     """
     if input_ids.shape[-1] == 0 and speculative_routed:  # nothing to draft from: plain's own loop, tokens or error
         return transformers_api.plain_decoding(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, speculative_streamer,
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            speculative_streamer,
             model_kwargs,
-        )  # fmt: skip
+        )
     inputs = resolve_inputs(
-        model, input_ids, generation_config, speculative_config, num_lookahead, speculative_prompt_lookup_num_tokens,
-        speculative_max_matching_ngram_size, speculative_routed, draft_model=draft_model, model_kwargs=model_kwargs,
-        logits_processor=logits_processor, stopping_criteria=stopping_criteria, generator=generator,
-        streamer=speculative_streamer, caller_cache=speculative_caller_cache, tokenizers=speculative_tokenizers,
-    )  # fmt: skip
+        model,
+        input_ids,
+        generation_config,
+        speculative_config,
+        num_lookahead,
+        speculative_prompt_lookup_num_tokens,
+        speculative_max_matching_ngram_size,
+        speculative_routed,
+        draft_model=draft_model,
+        model_kwargs=model_kwargs,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        generator=generator,
+        streamer=speculative_streamer,
+        caller_cache=speculative_caller_cache,
+        tokenizers=speculative_tokenizers,
+    )
     return SpeculativeDecoder(plan_call(inputs)).run()
 
 
@@ -100,9 +117,15 @@ class SpeculativeDecoder:
         self.recorder = OutputRecorder(generation_config, batch_size)
         verification = cast(Verification, plan.config.verification)  # a string given is parsed into the enum
         self.verifier = RoundVerifier.for_call(
-            inputs.logits_processor, batch_size, plan.config.fast_processors, bool(generation_config.do_sample),
-            verification, plan.generator, self.recorder.keep_scores, plan.target.tensor_parallel,
-        )  # fmt: skip
+            inputs.logits_processor,
+            batch_size,
+            plan.config.fast_processors,
+            bool(generation_config.do_sample),
+            verification,
+            plan.generator,
+            self.recorder.keep_scores,
+            plan.target.tensor_parallel,
+        )
         self.model_drafter, self.drafter = plan.drafters(
             self.sequences, self.verifier.processor, bool(generation_config.do_sample)
         )
@@ -211,9 +234,15 @@ class SpeculativeDecoder:
         with self.target.head.deferred(chunked and not self.recorder.wants_raw_logits):
             raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
         verdict, scores = self.verifier(
-            self.sequences.tokens, lengths, self.target.head.take(raw_logits), self.sequences.rows.active,
-            proposal.tokens, proposal.probs, proposal.point_mass, next_draws,
-        )  # fmt: skip
+            self.sequences.tokens,
+            lengths,
+            self.target.head.take(raw_logits),
+            self.sequences.rows.active,
+            proposal.tokens,
+            proposal.probs,
+            proposal.point_mass,
+            next_draws,
+        )
         return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
 
     def commit(

@@ -239,14 +239,19 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     sampling = bool(inputs.generation_config.do_sample)
     launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
     lookahead = RoundLookahead.for_call(
-        config, clock_free=clock_free or sampling, batch_size=inputs.batch_size, max_length=int(max_length),
-        prompt_ends_in_padding=inputs.prompt_ends_in_padding, lookup_tokens=inputs.lookup_tokens,
+        config,
+        clock_free=clock_free or sampling,
+        batch_size=inputs.batch_size,
+        max_length=int(max_length),
+        prompt_ends_in_padding=inputs.prompt_ends_in_padding,
+        lookup_tokens=inputs.lookup_tokens,
         lookup_only=lookup_only,
         cost_ratio=step_cost_ratio(prepared.model, target.model, launch_bound) if prepared is not None else 0.0,
         draft_step_seconds=prepared.measured_step_seconds if prepared is not None else None,
-        tree=shape.tree, tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
+        tree=shape.tree,
+        tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
-    )  # fmt: skip
+    )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
     # caller passed in as it returns it: so do we. Otherwise finished rows' caches are not worth keeping.
@@ -260,9 +265,22 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
     build = None if kernel_ready else loaded()
     return CallPlan(
-        inputs, target, cache, forwards, draft_plan, max_ngram, generator, clock_free, lookahead, keep_cache,
-        kernel_description, graphs.reason, pooled, shape, build.seconds if build is not None else 0.0,
-    )  # fmt: skip
+        inputs,
+        target,
+        cache,
+        forwards,
+        draft_plan,
+        max_ngram,
+        generator,
+        clock_free,
+        lookahead,
+        keep_cache,
+        kernel_description,
+        graphs.reason,
+        pooled,
+        shape,
+        build.seconds if build is not None else 0.0,
+    )
 
 
 def _refuse(
@@ -289,11 +307,13 @@ def _refuse(
     if config.compile_draft and spec.kind is not DraftKind.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
     problems = validation.tree_problems(
-        target, draft if draft is not None or spec.kind is DraftKind.PROMPT_LOOKUP else target,
+        target,
+        draft if draft is not None or spec.kind is DraftKind.PROMPT_LOOKUP else target,
         lookup=spec.kind is DraftKind.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
-        other_tokenizer=tokenizers is not None, config=config,
+        other_tokenizer=tokenizers is not None,
+        config=config,
         static_cache=row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs)),
-    )  # fmt: skip
+    )
     depth = config.num_lookahead if config.num_lookahead is not None else config.max_lookahead
     drafting = draft if draft is not None else target
     vocabulary = config.draft_vocabulary
@@ -319,11 +339,18 @@ def _draft_plan(
     auto_routing = target_kernel if config.linear_kernel is not LinearKernel.ON else None  # "off": timed eagerly
     auto_routing = auto_routing or KernelRouting.for_model(target, LinearKernel.AUTO, clock_free, Role.TARGET)
     prepared = draft_for_call(
-        spec, target, draft, cast(DraftForm, config.draft_form), config.draft_vocabulary,
+        spec,
+        target,
+        draft,
+        cast(DraftForm, config.draft_form),
+        config.draft_vocabulary,
         special_token_ids(inputs.generation_config),
-        auto_routing, other_tokenizer=tokenizers is not None, clock_free=clock_free,
-        calibration=inputs.calibration, kernel=config.linear_kernel is not LinearKernel.OFF,
-    )  # fmt: skip
+        auto_routing,
+        other_tokenizer=tokenizers is not None,
+        clock_free=clock_free,
+        calibration=inputs.calibration,
+        kernel=config.linear_kernel is not LinearKernel.OFF,
+    )
     if target.tensor_parallel:
         distributed.check_same_draft(prepared.form, prepared.vocabulary, inputs.input_ids.device)
     same_config = draft if draft is not None else target

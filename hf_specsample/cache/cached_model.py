@@ -298,9 +298,15 @@ class CachedModel:
         assert self.runner_plan is not None and self.capacity is not None
         rows, device = row_ops.allocated_rows(self.cache), self.input_device  # finished rows' slots: spare rows
         runner = runner_for(
-            self.cache, self.model, rows, size, self.runner_plan.backend, self._cache_name,
-            self.facts.takes_position_ids, device,
-        )  # fmt: skip
+            self.cache,
+            self.model,
+            rows,
+            size,
+            self.runner_plan.backend,
+            self._cache_name,
+            self.facts.takes_position_ids,
+            device,
+        )
         input_ids = columns.input_ids.to(device)
         if self.forwards.embeddable is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.forwards.embeddable, 0)

@@ -196,9 +196,13 @@ def select_rows(layer: LinearLayer, index: torch.Tensor) -> None:
 
 # A linear-attention layer's per-state-index dicts.
 _STATE_DICTS = (
-    "conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
-    "has_previous_state", "conv_kernel_size",
-)  # fmt: skip
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)
 
 
 def copy_states(layer: LinearLayer) -> LinearLayer:

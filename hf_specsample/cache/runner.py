@@ -107,8 +107,10 @@ class ForwardRunner:
         self.position_ids = torch.zeros((rows, width), dtype=torch.long, device=device)
         self.attention_mask = torch.zeros((rows, capacity), dtype=torch.long, device=device)
         self.kwargs: dict[str, Any] = {
-            "input_ids": self.input_ids, "use_cache": True, "attention_mask": self.attention_mask,
-        }  # fmt: skip
+            "input_ids": self.input_ids,
+            "use_cache": True,
+            "attention_mask": self.attention_mask,
+        }
         if takes_position_ids:
             self.kwargs["position_ids"] = self.position_ids
         self.freezes = backend is RunnerBackend.COMPILED and device.type == "cpu"

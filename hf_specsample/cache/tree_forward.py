@@ -94,9 +94,15 @@ class CachedTree:
     """
 
     def __init__(
-        self, model: CachedModel, tree: DraftTree, committed: Sequence[int], root_positions: torch.Tensor,
-        first_slot: int, shape: TreeShape | None = None, grows: bool = False,
-    ):  # fmt: skip
+        self,
+        model: CachedModel,
+        tree: DraftTree,
+        committed: Sequence[int],
+        root_positions: torch.Tensor,
+        first_slot: int,
+        shape: TreeShape | None = None,
+        grows: bool = False,
+    ):
         """
         Args:
             committed: per row, its committed length (the buffer positions fed before the nodes, root included).

@@ -221,10 +221,12 @@ def fuse_siblings(linears: list[torch.nn.Linear], make) -> list[SiblingProjectio
     weight = torch.cat([linear.weight.detach() for linear in linears])
     bias = None
     if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([
-            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
-            for linear in linears
-        ])  # fmt: skip
+        bias = torch.cat(
+            [
+                linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+                for linear in linears
+            ]
+        )
     joined = linear_holding(weight, bias)
     fused = make(joined)
     starts = [sum(linear.out_features for linear in linears[:index]) for index in range(len(linears))]

@@ -121,8 +121,9 @@ class KernelRouting:
         if clock_free:
             if path is KernelPath.SCALAR:
                 return cls.off(f"off: a seeded call decides without the clock (no vector path here){built}")
-            return cls.every_round(f"on for 1-{MAX_ROWS} rows, {path} path: a seeded call decides without the clock"
-                                   f"{built}")  # fmt: skip
+            return cls.every_round(
+                f"on for 1-{MAX_ROWS} rows, {path} path: a seeded call decides without the clock{built}"
+            )
         routings = _ROUTINGS.setdefault(model, {})
         if key not in routings:
             routings[key] = _timed_routing(weight)
@@ -222,8 +223,9 @@ def _timed_routing(weight: torch.Tensor) -> KernelRouting:
     shown = f"{small_rows.best_path()} path, {on_weight}, ms eager/kernel by rows: {shown}"
     if not served and not prompt_rows:
         return KernelRouting.off(f"off: eager is faster at every row count here ({shown})")
-    return KernelRouting(served, f"on for {_ranges(served)} rows{' and prompts' if prompt_rows else ''} ({shown})",
-                      prompt_rows)  # fmt: skip
+    return KernelRouting(
+        served, f"on for {_ranges(served)} rows{' and prompts' if prompt_rows else ''} ({shown})", prompt_rows
+    )
 
 
 def _ranges(counts: frozenset[int]) -> str:

@@ -91,8 +91,11 @@ class _TensorState(NamedTuple):
 
     def matches(self, name: str, tensor: torch.Tensor) -> bool:
         return (name, _version(tensor), tensor.data_ptr(), tensor.dtype) == (
-            self.name, self.version, self.data_ptr, self.dtype
-        ) and self.tensor() is tensor  # fmt: skip
+            self.name,
+            self.version,
+            self.data_ptr,
+            self.dtype,
+        ) and self.tensor() is tensor
 
 
 def _version(tensor: torch.Tensor) -> int | None:

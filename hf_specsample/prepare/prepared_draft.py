@@ -418,9 +418,17 @@ def build_draft(
     plain = source if model is source.model else ModelFacts.of(model, same_config=source)
     choice = choose_form(forms, plain, target, target_routing, ids, calibration, clock_free, kernel)
     return PreparedDraft(
-        forms[choice.form], ids, width, choice.form, self_draft_of, step_seconds=choice.step_seconds,
-        acceptance=choice.acceptance, step_bytes=choice.step_bytes, wide=choice.wide, wide_seconds=choice.wide_seconds,
-    )  # fmt: skip
+        forms[choice.form],
+        ids,
+        width,
+        choice.form,
+        self_draft_of,
+        step_seconds=choice.step_seconds,
+        acceptance=choice.acceptance,
+        step_bytes=choice.step_bytes,
+        wide=choice.wide,
+        wide_seconds=choice.wide_seconds,
+    )
 
 
 def _megabytes(size: int) -> str:

@@ -17,9 +17,14 @@ from transformers import PreTrainedModel
 
 # Hook registries of an nn.Module: a clone starts with empty ones, so hooks on the target never fire for the draft.
 _HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
-)  # fmt: skip
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)

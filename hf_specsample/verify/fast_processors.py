@@ -169,9 +169,12 @@ def fast_typical(warper: lp.TypicalLogitsWarper, scores: torch.Tensor) -> torch.
             break
         negative, indices = torch.topk(-shifted[pending], size, dim=-1)  # (part, size): smallest shifts first
         found, done = typical_thresholds(
-            -negative, scores[pending].gather(1, indices), log_normalizer[pending], warper.mass,
+            -negative,
+            scores[pending].gather(1, indices),
+            log_normalizer[pending],
+            warper.mass,
             warper.min_tokens_to_keep,
-        )  # fmt: skip
+        )
         threshold[pending] = torch.where(done, found, threshold[pending])
         settled[pending] = done
     out = scores.masked_fill(settled[:, None] & (shifted > threshold[:, None]), warper.filter_value)
