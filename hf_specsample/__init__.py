@@ -11,13 +11,12 @@
 Outputs follow the target's own distribution exactly (greedy: token for token), under every logits processor.
 """
 
-from .transformers_api import CACHE, check_installed
+from .core.transformers_api import CACHE, check_installed
 
 check_installed()  # before anything else: an unsupported transformers is refused here, with what to do
 
 from .cache.compiled import release_compiled
 from .decoding import speculative_generate
-from .lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .options import (
     DraftForm,
     DraftShape,
@@ -29,6 +28,7 @@ from .options import (
     Verification,
 )
 from .outputs import SpeculativeDecoderOnlyOutput
+from .policy.lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
 from .registration import generate, is_registered, register, unregister

@@ -13,18 +13,18 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import transformers_api
 from .cache.cached_model import CachedModel
+from .core import transformers_api
+from .core.sequences import Sequences
 from .options import SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
-from .plan import CallPlan, plan_call, resolve_inputs
+from .plan.call_plan import CallPlan, plan_call, resolve_inputs
+from .policy.round_timer import PhaseTimer
 from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal
-from .round_timer import PhaseTimer
-from .sequences import Sequences
+from .stopping import RoundRead, StopCheck
 from .verify.rejection import Verdict
 from .verify.round_verifier import RoundVerifier
-from .verify.stopping import RoundRead, StopCheck
 
 
 def speculative_generate(
@@ -46,7 +46,7 @@ def speculative_generate(
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`: resolve the
-    call's inputs (`plan.resolve_inputs`), plan it (`plan.plan_call`: every refusal before any forward, every decision
+    call's inputs (`call_plan.resolve_inputs`), plan it (`call_plan.plan_call`: every refusal before any forward, every decision
     once), run its rounds (`SpeculativeDecoder`).
 
     Call it through `model.generate(..., draft_model=small)` once `hf_specsample` is imported, or, with
@@ -315,7 +315,7 @@ class SpeculativeDecoder:
     def caller_view(self, length: int, ends: dict[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """What plain `generate()` passes its stopping criteria once rows hold `length` columns: `(batch, length)`
         ids in the caller's row order (`Sequences.caller_prefixes`; `ends`: active rows stopped within the round,
-        padded past their end, their scores shown blanked) and the scores so far (`verify.stopping`). Reads only:
+        padded past their end, their scores shown blanked) and the scores so far (`stopping`). Reads only:
         the recorder drops the stopped rows' steps in `stop`, once the round's stops are known."""
         seqs = self.sequences
         ended = {seqs.rows.caller(row): end - seqs.prompt_length for row, end in ends.items()}

@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import transformers_api
+from .core import transformers_api
 from .stats import SpeculativeStats
 
 

@@ -33,9 +33,10 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from . import transformers_api, validation
+from .core import transformers_api
 from .decoding import speculative_generate
-from .plan import makes_target_cache
+from .plan.call_plan import makes_target_cache
+from .policy import validation
 
 _ORIGINAL_GENERATE = GenerationMixin.generate
 SPECULATIVE_ARGUMENTS = ("num_lookahead", "speculative_config", "generator")

@@ -34,8 +34,8 @@ import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward, positions_to_keep
 from hf_specsample.cache.row_ops import full_static_cache
+from hf_specsample.core.transformers_api import cache_kwargs
 from hf_specsample.kernels import small_rows
-from hf_specsample.transformers_api import cache_kwargs
 
 from .measure import cpu_name, median_ms
 from .methods import Mode, sampling_kwargs

@@ -22,9 +22,9 @@ import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
 from hf_specsample import LinearKernel, SpeculativeConfig, SpeculativeStats
+from hf_specsample.core.model_facts import ModelFacts, Role
+from hf_specsample.core.transformers_api import cache_kwargs, output_cache
 from hf_specsample.kernels.routing import KernelRouting
-from hf_specsample.model_facts import ModelFacts, Role
-from hf_specsample.transformers_api import cache_kwargs, output_cache
 
 from .measure import cpu_name, read_bandwidth
 from .methods import Mode, sampling_kwargs

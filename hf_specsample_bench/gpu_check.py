@@ -92,7 +92,7 @@ def exactness_checks(device: torch.device) -> list[tuple[str, str]]:
 
 
 def second_turn(target, draft, config, device: torch.device) -> str:
-    from hf_specsample.transformers_api import CACHE
+    from hf_specsample.core.transformers_api import CACHE
     from hf_specsample_bench.tiny import PAD_ID
 
     prompt = torch.tensor([[1, 5, 2, 5]], device=device)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hf_specsample.transformers_api import cache_kwargs, output_cache
+from hf_specsample.core.transformers_api import cache_kwargs, output_cache
 
 
 def median_ms(function, repeats: int, warm_up: int = 0) -> float:

@@ -47,7 +47,7 @@ class Sampling(str, Enum):
     """Greedy; sampling at T=0.8 with top-p 0.95 (and transformers' default top-k 50); the same with top-p alone.
 
     Random weights give nearly uniform distributions: top-p alone then keeps most of the vocabulary, beyond what
-    the sort-free top-p settles (`verify.fast_processors`), so every row is sorted, as plain `generate()` sorts it.
+    the sort-free top-p settles (`sampling.fast_processors`), so every row is sorted, as plain `generate()` sorts it.
     """
 
     GREEDY = "greedy"

@@ -44,7 +44,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from hf_specsample.cache_folder import CACHE_ENV_VAR, default_cache_dir  # the library's cache folder, shared
+from hf_specsample.core.cache_folder import CACHE_ENV_VAR, default_cache_dir  # the library's cache folder, shared
 
 VERIFIED_MARKER = "VERIFIED"  # written next to the GGUF file once its size and sha256 matched
 COMPLETE_MARKER = "COMPLETE"  # written into a safetensors copy once save_pretrained() returned

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from hf_specsample.round_costs import expected_tokens
+from hf_specsample.policy.round_costs import expected_tokens
 
 from .measure import Measurement
 
@@ -16,7 +16,7 @@ def expected_speedup(alpha: float, lookahead: float, c: float) -> float:
 
     (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1)), with alpha the acceptance probability of a tested draft token,
     K the draft tokens per round (a mean over rounds) and c the draft/target cost ratio; the tokens per round are
-    `hf_specsample.round_costs.expected_tokens`. It ignores the extra cost of verifying K+1 positions instead of one
+    `round_costs.expected_tokens`. It ignores the extra cost of verifying K+1 positions instead of one
     (small when decoding is memory-bound).
     """
     if lookahead <= 0:

@@ -32,14 +32,14 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 import hf_specsample  # noqa: F401  (registers draft_model=)
 from hf_specsample import DraftForm, LinearKernel
 from hf_specsample.cache.compiled import CompileSettings, compiled_forward
+from hf_specsample.core.model_facts import ModelFacts, Role
+from hf_specsample.core.transformers_api import cache_kwargs, output_cache
 from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
 from hf_specsample.kernels.routing import KernelRouting
-from hf_specsample.model_facts import ModelFacts, Role
+from hf_specsample.policy.round_costs import weight_bytes
 from hf_specsample.prepare.surgery import compact_forms, without_siblings
-from hf_specsample.round_costs import weight_bytes
-from hf_specsample.transformers_api import cache_kwargs, output_cache
-from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
+from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import speculative_accept
 
 from .measure import cpu_name, median_ms, read_bandwidth

@@ -51,7 +51,7 @@ def modules() -> dict[str, object]:
 
 @functools.cache
 def short_names() -> dict[str, list[str]]:
-    """The last part of each module's name -> the full names with it (`plan` is `hf_specsample.plan` and
+    """The last part of each module's name -> the full names with it (`plan` is `hf_specsample.plan.call_plan` and
     `hf_specsample.kernels.routing`)."""
     names: dict[str, list[str]] = {}
     for full in modules():

@@ -32,7 +32,7 @@ def exact_distribution(
             plain `generate()` gives (padding 0, new tokens continuing from the last prompt column).
     """
     if attention_mask is not None:
-        from hf_specsample.sequences import generate_position_ids
+        from hf_specsample.core.sequences import generate_position_ids
 
         prompt_positions = generate_position_ids(attention_mask)
     frontier: dict[Continuation, float] = {(): 1.0}

@@ -10,15 +10,15 @@ import pytest
 import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 
-import hf_specsample.lookahead as lookahead_module
-import hf_specsample.plan as plan_module
+import hf_specsample.plan.call_plan as plan_module
+import hf_specsample.policy.lookahead as lookahead_module
 from hf_specsample import SpeculativeConfig, TreeShape
-from hf_specsample.draft_tree import rank_observations
-from hf_specsample.lookahead import AdaptiveLookahead, LookaheadPolicy
-from hf_specsample.round_costs import RoundRecord, StaticCosts
-from hf_specsample.shape_choice import SAMPLING_KEEPS_CHAINS
-from hf_specsample.shape_policy import RankAcceptance, ShapeDesigner
-from hf_specsample.tree_design import best_trees, expected_count
+from hf_specsample.core.draft_tree import rank_observations
+from hf_specsample.policy.lookahead import AdaptiveLookahead, LookaheadPolicy
+from hf_specsample.policy.round_costs import RoundRecord, StaticCosts
+from hf_specsample.policy.shape_choice import SAMPLING_KEEPS_CHAINS
+from hf_specsample.policy.shape_policy import RankAcceptance, ShapeDesigner
+from hf_specsample.policy.tree_design import best_trees, expected_count
 
 # --- the design -----------------------------------------------------------------------------------------------------
 

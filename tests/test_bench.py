@@ -245,8 +245,8 @@ def test_run_benchmark_with_a_draft_of_another_tokenizer(tiny_setup):
 def test_demo_times_eager_verification_on_a_tiny_model():
     # The demo's --compile auto probe: it must run on the cache API transformers ships (crop takes a negative count).
     from hf_specsample import LinearKernel
+    from hf_specsample.core.model_facts import ModelFacts
     from hf_specsample.kernels.routing import KernelRouting
-    from hf_specsample.model_facts import ModelFacts
     from hf_specsample_bench.demo import eager_verification_cost
 
     model = tiny_lm(seed=0, vocab_size=32)

@@ -5,8 +5,8 @@ import torch
 from tiny import tiny_arch
 
 from hf_specsample.cache.cached_model import CachedModel
-from hf_specsample.model_facts import ModelFacts
-from hf_specsample.sequences import Sequences
+from hf_specsample.core.model_facts import ModelFacts
+from hf_specsample.core.sequences import Sequences
 
 VOCAB = 32
 

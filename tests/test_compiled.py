@@ -369,7 +369,7 @@ def test_auto_puts_the_kernel_in_the_graph_where_its_plan_serves_every_round():
     forward of a round of this batch (one position runs as two), all within the kernel's 16 rows."""
     from hf_specsample.kernels.routing import KernelRouting
     from hf_specsample.options import LinearKernel
-    from hf_specsample.plan import _kernel_in_graph
+    from hf_specsample.plan.call_plan import _kernel_in_graph
 
     every = KernelRouting.every_round("timed")
     holed = KernelRouting(frozenset(range(1, 17)) - {6}, "timed")
@@ -418,7 +418,7 @@ def test_compile_auto_follows_the_kernel_plan(built, light, monkeypatch, kernel_
 
 
 def test_most_draft_tokens_a_round_verifies():
-    from hf_specsample.lookahead import DEFAULT_LOOKUP_TOKENS, largest_round
+    from hf_specsample.policy.lookahead import DEFAULT_LOOKUP_TOKENS, largest_round
 
     def most_draft_tokens(config, lookup_tokens, lookup_only):
         return largest_round(config, lookup_tokens, lookup_only) - 1

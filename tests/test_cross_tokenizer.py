@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_specsample.proposers.draft_model as draft_model_module
 from hf_specsample import SpeculativeConfig, prepare_draft
 from hf_specsample.proposers.cross_tokenizer import ABSENT, TokenForm, shared_vocabulary, token_contents, token_form
-from hf_specsample.verify.processing import probabilities
+from hf_specsample.sampling.processing import probabilities
 
 TARGET_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "ab", "ca"]
 DRAFT_TOKENS = ["b", "</s>", "x", "a", "<pad>", "<s>", "c", "bc", "xa", "y"]

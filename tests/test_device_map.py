@@ -9,7 +9,7 @@ import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import AutoModelForCausalLM
 
-from hf_specsample.model_facts import input_device
+from hf_specsample.core.model_facts import input_device
 from hf_specsample.prepare.self_draft import layer_skip_draft
 
 PROMPTS = torch.tensor([[0, 0, 1, 5, 9, 17], [1, 2, 3, 4, 5, 6]])

@@ -10,9 +10,9 @@ from tiny import PAD, char_tokenizer, implicit_draft, perturbed_copy, tiny_lm
 from hf_specsample import SpeculativeConfig, frequent_tokens
 from hf_specsample.kernels.quantized_linear import Int8Linear, SiblingProjection
 from hf_specsample.options import DraftForm
+from hf_specsample.policy.round_costs import weight_bytes
 from hf_specsample.prepare.prepared_draft import prepare_draft
 from hf_specsample.prepare.surgery import int8_dynamic_copy, restrict_vocabulary
-from hf_specsample.round_costs import weight_bytes
 
 INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
 PROMPT = torch.tensor([[1, 17, 42, 5, 9]])

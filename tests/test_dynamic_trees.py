@@ -20,9 +20,9 @@ from test_trees import ALPHA, SETTINGS, assert_greedy_identity_or_refused, exact
 from tiny import ARCHITECTURES, PAD, tiny_lm
 
 from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
-from hf_specsample.draft_tree import DraftTree
+from hf_specsample.core.draft_tree import DraftTree
+from hf_specsample.policy.shape_choice import choose_shape
 from hf_specsample.proposers.dynamic_tree import DynamicPool
-from hf_specsample.shape_choice import choose_shape
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=DynamicTree(nodes=6, depth=3, expand=2), draft_form="as_given")

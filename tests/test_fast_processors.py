@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.generation import logits_process as lp
 
-from hf_specsample.verify import fast_processors
-from hf_specsample.verify.fast_processors import fast_top_p, fast_typical
+from hf_specsample.sampling import fast_processors
+from hf_specsample.sampling.fast_processors import fast_top_p, fast_typical
 
 NO_IDS = torch.empty((0, 0), dtype=torch.long)
 

@@ -5,7 +5,7 @@ from tiny import PAD, perturbed_copy, tiny_lm
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.cache.runner import RunnerBackend
-from hf_specsample.graph_choice import choose_graphs
+from hf_specsample.policy.graph_choice import choose_graphs
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -14,9 +14,11 @@ import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_specsample import SpeculativeConfig, decoding, plan, sequences
+from hf_specsample import SpeculativeConfig, decoding
 from hf_specsample.cache.forwards import Forwards
 from hf_specsample.cache.runner import RunnerBackend, RunnerPlan
+from hf_specsample.core import sequences
+from hf_specsample.plan import call_plan as plan
 
 FIXED = SpeculativeConfig(num_lookahead=3, draft_form="as_given")
 # Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design) and

@@ -28,8 +28,9 @@ from test_architectures import (
 )
 from tiny import PAD, cache_of, perturbed_copy, prepared_processors, second_turns, tiny_arch, with_cache
 
-from hf_specsample import SpeculativeConfig, transformers_api
+from hf_specsample import SpeculativeConfig
 from hf_specsample.cache import checkpoints, linear_states
+from hf_specsample.core import transformers_api
 from hf_specsample_bench.hybrids import HYBRID_FAMILIES, Kind, Status, available, tiny_hybrid, transformers_families
 
 VOCAB = 48
@@ -385,7 +386,7 @@ def test_a_hybrid_draft_with_another_tokenizer_is_refused():
 def test_the_lookahead_policy_sees_each_rounds_refeeds():
     """Every round's record carries the forwards its rollback re-fed (the clock-free costs count them; measured costs
     time them as part of the round), and they add up to the call's statistics."""
-    from hf_specsample.lookahead import FixedLookahead
+    from hf_specsample.policy.lookahead import FixedLookahead
 
     policies = []
 

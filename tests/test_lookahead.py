@@ -9,10 +9,10 @@ import torch
 from exact import sampled_pvalue
 from tiny import PAD, perturbed_copy, tiny_lm
 
-import hf_specsample.lookahead as lookahead_module
-import hf_specsample.round_costs as round_costs
+import hf_specsample.policy.lookahead as lookahead_module
+import hf_specsample.policy.round_costs as round_costs
 from hf_specsample import SpeculativeConfig
-from hf_specsample.lookahead import (
+from hf_specsample.policy.lookahead import (
     AdaptiveLookahead,
     FixedLookahead,
     LookaheadPolicy,
@@ -21,8 +21,8 @@ from hf_specsample.lookahead import (
     StaticCosts,
     make_policy,
 )
+from hf_specsample.policy.round_costs import SETTLED_ROUNDS, MeasuredCosts
 from hf_specsample.proposers.base import DraftBudget
-from hf_specsample.round_costs import SETTLED_ROUNDS, MeasuredCosts
 
 
 def feed(policy: AdaptiveLookahead, rounds: int, alpha: float, draft_step: float, verify) -> list[int]:
@@ -255,7 +255,7 @@ def test_expected_tokens_is_one_formula_for_the_policy_the_forms_and_the_report(
     """E(K) (Theorem 3.8) lives in `round_costs.expected_tokens`: the sum 1 + alpha + ... + alpha^K for a whole K,
     the closed form for a mean K between whole ones, K + 1 at alpha = 1; the policy's rate, AUTO's expected speedup
     and the benchmark report's prediction all read it."""
-    from hf_specsample.round_costs import expected_speedup, expected_tokens
+    from hf_specsample.policy.round_costs import expected_speedup, expected_tokens
     from hf_specsample_bench.report import expected_speedup as predicted_speedup
 
     for alpha in (0.0, 0.3, 0.8, 0.999999):

@@ -5,9 +5,9 @@ import pytest
 from tiny import ARCHITECTURES, tiny_arch
 from transformers import DynamicCache, StaticCache
 
-from hf_specsample import transformers_api
 from hf_specsample.cache import row_ops
-from hf_specsample.model_facts import _cache_kind, linear_layers, unsupported_layers
+from hf_specsample.core import transformers_api
+from hf_specsample.core.model_facts import _cache_kind, linear_layers, unsupported_layers
 from hf_specsample_bench.hybrids import HYBRID_FAMILIES, available, tiny_hybrid
 
 MODELS = [("arch", name) for name in ARCHITECTURES] + [("hybrid", name) for name in HYBRID_FAMILIES]

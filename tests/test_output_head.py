@@ -13,8 +13,8 @@ from transformers import LlamaForCausalLM, LogitsProcessorList
 
 from hf_specsample.cache import output_head
 from hf_specsample.cache.output_head import HeadLogits, Tail
-from hf_specsample.verify import rejection
-from hf_specsample.verify.processing import PositionwiseProcessor
+from hf_specsample.sampling import draws
+from hf_specsample.sampling.processing import PositionwiseProcessor
 from hf_specsample.verify.rejection import speculative_accept
 from hf_specsample.verify.round_verifier import RoundVerifier
 
@@ -45,7 +45,7 @@ def deferred(monkeypatch):
 
     def force(vocab: int, rows: int = 3):
         record["limit"] = rows * (LOOKAHEAD + 1) * vocab
-        monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", record["limit"] + 1)
+        monkeypatch.setattr(draws, "ROW_CHUNK_ELEMENTS", record["limit"] + 1)
 
     record["force"] = force
     return record

@@ -287,7 +287,7 @@ def test_a_call_with_max_time_builds_no_kernel(monkeypatch):
     """Where no build of the small-rows kernel is ready, a bf16 call with `max_time=` (linear_kernel="auto") runs
     without the kernel rather than spend 15-20 s building it; its statistics say so."""
     loads = []
-    monkeypatch.setattr("hf_specsample.plan.ready", lambda: False)
+    monkeypatch.setattr("hf_specsample.plan.call_plan.ready", lambda: False)
     monkeypatch.setattr("hf_specsample.kernels.small_rows.load", lambda: loads.append(1))
     target = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
     draft = tiny_lm(seed=1, vocab_size=VOCAB, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""A call's plan (`plan.py`): each model inspected once, the plan's decisions, and the refusal of what it does not
+"""A call's plan (`plan/call_plan.py`): each model inspected once, the plan's decisions, and the refusal of what it does not
 know."""
 
 import collections
@@ -8,8 +8,11 @@ import torch
 from tiny import PAD, cache_of, perturbed_copy, tiny_arch, tiny_lm, with_cache
 from transformers import ClassifierFreeGuidanceLogitsProcessor, DynamicCache, LogitsProcessorList, cache_utils
 
-from hf_specsample import DraftForm, SpeculativeConfig, model_facts, plan, prepare_draft, validation
+from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
+from hf_specsample.core import model_facts
 from hf_specsample.kernels.routing import KernelRouting
+from hf_specsample.plan import call_plan as plan
+from hf_specsample.policy import validation
 from hf_specsample.prepare import prepared_draft
 from hf_specsample_bench.hybrids import tiny_hybrid
 

@@ -12,8 +12,8 @@ from tiny import PAD, implicit_draft, perturbed_copy, tiny_lm
 
 import hf_specsample
 from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
+from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.kernels.routing import KernelRouting
-from hf_specsample.model_facts import ModelFacts
 from hf_specsample.options import LinearKernel
 from hf_specsample.prepare.implicit import _IMPLICIT
 from hf_specsample.prepare.surgery import SharedFloat32Embedding, int8_dynamic_copy
@@ -363,8 +363,8 @@ def test_a_seeded_calls_draft_does_not_depend_on_earlier_calls(pair):
 def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_given_steps_faster):
     """`prepare_draft(..., calibration=)` for a tensor-parallel target: no clock; the best expected speedup with
     each form's cost taken as its weight bytes per step over the target's."""
+    from hf_specsample.policy.round_costs import expected_speedup, weight_bytes
     from hf_specsample.prepare.prepared_draft import build_draft, resolve_draft
-    from hf_specsample.round_costs import expected_speedup, weight_bytes
 
     target, _ = pair
     draft = perturbed_copy(target, seed=10, scale=0.1)

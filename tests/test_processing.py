@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as lp
 
-from hf_specsample.verify.processing import PositionwiseProcessor, RunKind
+from hf_specsample.sampling.processing import PositionwiseProcessor, RunKind
 
 VOCAB, BATCH, POSITIONS = 50, 3, 4
 PREFIX_LENGTHS = [6, 9, 7]  # ragged rows, as in a batch after different acceptance

@@ -12,10 +12,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
 from hf_specsample import SpeculativeConfig
-from hf_specsample.lookahead import AdaptiveLookahead, make_policy, times_unknown_processors
-from hf_specsample.round_costs import ProcessingCost, RoundRecord, StaticCosts
-from hf_specsample.round_timer import PhaseTimer
-from hf_specsample.verify.processing import PositionwiseProcessor, cost_unknown
+from hf_specsample.policy.lookahead import AdaptiveLookahead, make_policy, times_unknown_processors
+from hf_specsample.policy.round_costs import ProcessingCost, RoundRecord, StaticCosts
+from hf_specsample.policy.round_timer import PhaseTimer
+from hf_specsample.sampling.processing import PositionwiseProcessor, cost_unknown
 
 DRAFT_STEP, PLAIN_STEP = 0.02, 0.2  # a draft forward and a target step without processors, in seconds
 

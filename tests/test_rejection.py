@@ -4,15 +4,8 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_specsample.verify.rejection import (
-    Verdict,
-    block_accept,
-    first_argmax,
-    flag_nonfinite,
-    greedy_accept,
-    sample_from_weights,
-    speculative_accept,
-)
+from hf_specsample.sampling.draws import first_argmax, sample_from_weights
+from hf_specsample.verify.rejection import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept
 
 V = 6
 

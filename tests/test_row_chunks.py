@@ -1,4 +1,4 @@
-"""A round verified in row chunks (`verify.round_verifier`, `rejection.ROW_CHUNK_ELEMENTS`) gives what an unchunked
+"""A round verified in row chunks (`verify.round_verifier`, `draws.ROW_CHUNK_ELEMENTS`) gives what an unchunked
 round gives: the same draws from the same generator, the same verdicts and tokens, and samples that follow the target
 (chi-square, with power), greedy identical to plain `generate()`. A tiny threshold forces the chunks."""
 
@@ -11,16 +11,11 @@ from transformers.generation import logits_process as lp
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.cache.output_head import HeadLogits
+from hf_specsample.sampling import draws
+from hf_specsample.sampling.draws import round_chunks, row_chunks, sample_from_weights
+from hf_specsample.sampling.processing import PositionwiseProcessor
 from hf_specsample.verify import rejection, round_verifier
-from hf_specsample.verify.processing import PositionwiseProcessor
-from hf_specsample.verify.rejection import (
-    Verdict,
-    block_accept,
-    round_chunks,
-    row_chunks,
-    sample_from_weights,
-    speculative_accept,
-)
+from hf_specsample.verify.rejection import Verdict, block_accept, speculative_accept
 from hf_specsample.verify.round_verifier import RoundVerifier
 
 RULES = {"token": speculative_accept, "block": block_accept}
@@ -140,8 +135,8 @@ def tiny_chunks(monkeypatch):
         return chunks
 
     def force(vocab: int, rows: int = 7):
-        monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", rows * (LOOKAHEAD + 1) * vocab + 1)
-        monkeypatch.setattr(rejection, "round_chunks", counted)
+        monkeypatch.setattr(draws, "ROW_CHUNK_ELEMENTS", rows * (LOOKAHEAD + 1) * vocab + 1)
+        monkeypatch.setattr(draws, "round_chunks", counted)
         monkeypatch.setattr(HeadLogits, "__getitem__", counted_read)
 
     force.chunk_counts = chunk_counts

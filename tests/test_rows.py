@@ -6,8 +6,8 @@ import weakref
 import pytest
 import torch
 
-from hf_specsample.rows import RowBook
-from hf_specsample.sequences import Sequences
+from hf_specsample.core.rows import RowBook
+from hf_specsample.core.sequences import Sequences
 
 
 class Recorder:

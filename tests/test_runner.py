@@ -8,14 +8,15 @@ from tiny import PAD, arch_draft, perturbed_copy, tiny_arch, tiny_lm, with_cache
 from transformers import StaticCache
 
 import hf_specsample.cache.compiled as compiled
-from hf_specsample import SpeculativeConfig, plan
+from hf_specsample import SpeculativeConfig
 from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.forwards import Forwards
 from hf_specsample.cache.runner import ForwardRunner, RunnerBackend, RunnerPlan
-from hf_specsample.graph_choice import GraphChoice
-from hf_specsample.model_facts import ModelFacts
-from hf_specsample.transformers_api import CACHE
+from hf_specsample.core.model_facts import ModelFacts
+from hf_specsample.core.transformers_api import CACHE
+from hf_specsample.plan import call_plan as plan
+from hf_specsample.policy.graph_choice import GraphChoice
 
 PROMPT = torch.tensor([[1, 5, 2, 5], [3, 7, 2, 6]])
 CAPACITY = 16

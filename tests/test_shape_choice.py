@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_specsample import DraftShape, SpeculativeConfig, TreeShape
-from hf_specsample.draft_tree import DraftTree
-from hf_specsample.shape_choice import choose_shape
+from hf_specsample.core.draft_tree import DraftTree
+from hf_specsample.policy.shape_choice import choose_shape
 
 
 def test_the_default_tree():

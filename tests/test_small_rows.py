@@ -21,12 +21,12 @@ from exact import chisquare_pvalue, continuations, exact_distribution
 from tiny import PAD, FakeClock, perturbed_copy, prepared_processors, tiny_lm
 
 from hf_specsample import LinearKernel, SpeculativeConfig, prepare_draft
+from hf_specsample.core.model_facts import ModelFacts, Role
 from hf_specsample.kernels import routing as kernel_routing
 from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import Int4Linear
 from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.kernels.small_rows import KernelPath, SmallRowsLinear
-from hf_specsample.model_facts import ModelFacts, Role
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])
 DRAFT_AS_GIVEN = dict(draft_form="as_given")
@@ -700,9 +700,9 @@ def test_sibling_projections_compute_what_separate_ones_do(built, form):
     for bit (per-row scales round each row as alone), in and out of inference mode (an inference tensor has no
     version counter: the step timing of `draft_form="auto"` runs there), one token or several."""
     from hf_specsample.kernels.quantized_linear import SiblingProjection
+    from hf_specsample.policy.round_costs import weight_bytes
     from hf_specsample.prepare.draft_timing import decode_step_seconds
     from hf_specsample.prepare.surgery import int4_weights_copy, int8_weights_copy
-    from hf_specsample.round_costs import weight_bytes
 
     if form == "int4_weights" and small_rows.best_path(torch.uint8) is KernelPath.SCALAR:
         pytest.skip("int4 weights need a vector path that reads them")

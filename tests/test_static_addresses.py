@@ -18,7 +18,7 @@ import hf_specsample.cache.compiled as compiled
 from hf_specsample import SpeculativeConfig, decoding
 from hf_specsample.cache import row_ops, static_addresses
 from hf_specsample.cache.cached_model import CachedModel
-from hf_specsample.lookahead import largest_round
+from hf_specsample.policy.lookahead import largest_round
 
 COMPILE = SpeculativeConfig(compile=True, num_lookahead=3)
 PROMPT = torch.tensor([[1, 5, 2, 5]])

@@ -21,7 +21,7 @@ from transformers.cache_utils import StaticLayer
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.cache import row_ops
-from hf_specsample.lookahead import LookaheadPolicy
+from hf_specsample.policy.lookahead import LookaheadPolicy
 
 VOCAB = 48
 STATIC = dict(cache_implementation="static", max_cache_len=64)  # room for a second chat turn

@@ -1,4 +1,4 @@
-"""The one seam to transformers (`transformers_api.py`): the installed version's names, the version check, the
+"""The one seam to transformers (`core/transformers_api.py`): the installed version's names, the version check, the
 caller's cache under every name plain `generate()` accepts, and the suite's deprecation guard (conftest.py)."""
 
 import ast
@@ -17,7 +17,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils.deprecation import deprecate_kwarg
 
 import hf_specsample
-from hf_specsample import transformers_api
+from hf_specsample.core import transformers_api
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = torch.tensor([[1, 5, 2, 5, 3]])
@@ -119,7 +119,7 @@ def test_pyproject_states_the_tested_range():
 
 
 def test_no_module_but_the_seam_spells_transformers_cache_names():
-    """Code outside `transformers_api.py` never spells the names transformers renames: no such string, keyword
+    """Code outside `core/transformers_api.py` never spells the names transformers renames: no such string, keyword
     argument or attribute (prose in docstrings may name them; `cache=` of the library's own classes is theirs)."""
     old, names = {"past_key_values", "cache_params"}, {"past_key_values", "cache_params", "cache"}
     offenders = []

@@ -8,10 +8,10 @@ from test_tree_forward import MIXED, accept, committed_tokens, new_cache, padded
 from tiny import PAD, prepared_processors
 
 from hf_specsample.cache.forwards import Forwards
-from hf_specsample.model_facts import ModelFacts
+from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.options import TreeShape
 from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
-from hf_specsample.verify.processing import PositionwiseProcessor
+from hf_specsample.sampling.processing import PositionwiseProcessor
 
 VOCAB = 32
 PROCESSORS = {

@@ -9,10 +9,10 @@ from tiny import ARCHITECTURES, PAD, tiny_arch
 from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.tree_forward import feed_tree, tree_problem
-from hf_specsample.draft_tree import DraftTree
-from hf_specsample.model_facts import ModelFacts
+from hf_specsample.core.draft_tree import DraftTree
+from hf_specsample.core.model_facts import ModelFacts
+from hf_specsample.core.sequences import Sequences
 from hf_specsample.options import TreeShape
-from hf_specsample.sequences import Sequences
 
 VOCAB = 32
 ATOL = 1e-5

@@ -22,9 +22,10 @@ import torch
 from exact import chisquare_pvalue
 from transformers.generation import logits_process as lp
 
-from hf_specsample.draft_tree import DraftTree
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
-from hf_specsample.verify.rejection import NonFinite, sample_from_weights, sample_uniform
+from hf_specsample.sampling.draws import sample_from_weights, sample_uniform
+from hf_specsample.verify.rejection import NonFinite
 from hf_specsample.verify.tree_rule import (
     TreeVerdict,
     expected_tokens,

@@ -9,11 +9,12 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 
-from hf_specsample.draft_tree import DraftTree
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
-from hf_specsample.verify.keyed_draws import call_key, keyed_uniforms, positions_from
-from hf_specsample.verify.processing import PositionwiseProcessor, probabilities
-from hf_specsample.verify.rejection import NonFinite, first_argmax
+from hf_specsample.sampling.draws import first_argmax
+from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, positions_from
+from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
+from hf_specsample.verify.rejection import NonFinite
 from hf_specsample.verify.tree_rule import tree_accept, tree_greedy_accept
 from hf_specsample.verify.tree_verifier import TreeVerifier
 

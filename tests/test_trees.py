@@ -16,7 +16,7 @@ from tiny import ARCHITECTURES, PAD, arch_draft, prepared_processors, tiny_arch,
 
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.cache.tree_forward import tree_problem
-from hf_specsample.model_facts import ModelFacts
+from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.verify import tree_rule
 
 TREE = SpeculativeConfig(draft_shape="tree", draft_form="as_given")
@@ -187,7 +187,7 @@ def test_rows_in_chunks_verify_as_one_chunk(target, drafts, monkeypatch):
     """Many rows: verified row chunk by row chunk, their logits made from the hidden states when read
     (`cache.output_head`): the tokens are those of one chunk, greedy and seeded sampling alike."""
     from hf_specsample.cache.output_head import HeadLogits
-    from hf_specsample.verify import rejection
+    from hf_specsample.sampling import draws
 
     prompt = PROMPT.expand(12, -1)
     kwargs = dict(max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["far"], speculative_config=TREE)
@@ -200,7 +200,7 @@ def test_rows_in_chunks_verify_as_one_chunk(target, drafts, monkeypatch):
     read = HeadLogits.__getitem__
     monkeypatch.setattr(HeadLogits, "__getitem__", lambda self, rows: made.append(rows) or read(self, rows))
     nodes = TreeShape.default().truncated(5).num_nodes  # the room of 6 new tokens
-    monkeypatch.setattr(rejection, "ROW_CHUNK_ELEMENTS", 5 * (nodes + 1) * target.config.vocab_size + 1)
+    monkeypatch.setattr(draws, "ROW_CHUNK_ELEMENTS", 5 * (nodes + 1) * target.config.vocab_size + 1)
     chunked = [
         target.generate(prompt, do_sample=False, **kwargs),
         target.generate(prompt, generator=torch.Generator().manual_seed(3), **sampled, **kwargs),

@@ -12,14 +12,14 @@ from tiny import PAD, cache_of, implicit_draft, perturbed_copy, prepared_process
 
 from hf_specsample.cache.cached_model import CachedModel
 from hf_specsample.cache.forwards import Forwards, WideForwards
-from hf_specsample.model_facts import ModelFacts
+from hf_specsample.core.model_facts import ModelFacts
+from hf_specsample.core.sequences import Sequences
 from hf_specsample.options import DraftForm
 from hf_specsample.prepare import auto
 from hf_specsample.prepare.auto import PROMPT_LENGTHS
 from hf_specsample.prepare.draft_timing import forward_seconds
 from hf_specsample.prepare.implicit import _IMPLICIT
 from hf_specsample.prepare.prepared_draft import prepare_draft
-from hf_specsample.sequences import Sequences
 
 PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2]])
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from transformers import LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
 
-from hf_specsample.transformers_api import CACHE
+from hf_specsample.core.transformers_api import CACHE
 from hf_specsample_bench.tiny import BOS_ID as BOS
 from hf_specsample_bench.tiny import PAD_ID as PAD
 from hf_specsample_bench.tiny import char_tokenizer, tiny_llama  # noqa: F401  (re-exported for the tests)
@@ -223,9 +223,9 @@ def arch_draft(target, seed: int, scale: float = 0.3):
 
 def implicit_draft(draft, target, form="auto", vocabulary=None, clock_free=False):
     """The prepared draft `generate(draft_model=draft)` runs with these options (the implicit cache's), as the
-    call's routing asks for it (`plan._draft_plan`)."""
+    call's routing asks for it (`call_plan._draft_plan`)."""
+    from hf_specsample.core.model_facts import ModelFacts
     from hf_specsample.kernels.routing import KernelRouting
-    from hf_specsample.model_facts import ModelFacts
     from hf_specsample.options import DraftForm, LinearKernel
     from hf_specsample.prepare.implicit import draft_for_call
     from hf_specsample.prepare.prepared_draft import resolve_draft

@@ -42,10 +42,10 @@ from typing import Any, cast
 import torch
 from transformers import Cache, DynamicCache
 
-from .. import transformers_api
-from ..devices import to_device
-from ..model_facts import ModelFacts, unsupported_layers
-from ..sequences import Columns, Sequences
+from ..core import transformers_api
+from ..core.devices import to_device
+from ..core.model_facts import ModelFacts, unsupported_layers
+from ..core.sequences import Columns, Sequences
 from . import linear_states, row_ops
 from .checkpoints import StateCheckpoints
 from .compiled import contiguous_attention, fresh_input, positions_to_keep

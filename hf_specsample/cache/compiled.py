@@ -74,7 +74,7 @@ class CompileSettings:
 
         Args:
             kernel: on CPU, the linears of round sizes (at most `MAX_ROWS` kernel rows) are the small-rows kernel's
-                (`linear_kernel="on"`, or "auto" where the plan serves the rounds: `plan._kernel_in_graph`),
+                (`linear_kernel="on"`, or "auto" where the plan serves the rounds: `call_plan._kernel_in_graph`),
                 and inductor fuses the rest of the forward (norms, rotary, attention's reshapes, residuals: the
                 eager glue around the kernel's linears), rounding its intermediates to bf16 where eager code does
                 (`emulate_precision_casts`: fused, they would stay float32, and greedy output could part from plain

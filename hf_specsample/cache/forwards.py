@@ -1,4 +1,4 @@
-"""How a model's forwards run, decided once per call by its plan (`plan.py`) and read by `cache.cached_model`."""
+"""How a model's forwards run, decided once per call by its plan (`plan/call_plan.py`) and read by `cache.cached_model`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class WideForwards(NamedTuple):
 
 @dataclass(frozen=True)
 class Forwards:
-    """How a model's forwards run, as the call's plan decided (`plan.py`).
+    """How a model's forwards run, as the call's plan decided (`plan/call_plan.py`).
 
     Attributes:
         kernel: eager forwards over `rows * positions` rows run in `kernel.applied(rows * positions)` (None: plain

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
-from ..model_facts import LinearLayer, linear_layers  # noqa: F401  (`linear_layers` also read as ours)
+from ..core.model_facts import LinearLayer, linear_layers  # noqa: F401  (`linear_layers` also read as ours)
 
 
 class StateField(str, enum.Enum):

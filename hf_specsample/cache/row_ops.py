@@ -44,9 +44,9 @@ from transformers.cache_utils import (
 )
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-from ..devices import to_device
-from ..model_facts import ATTENTION_PART, linear_layers
-from ..transformers_api import cache_layer_classes
+from ..core.devices import to_device
+from ..core.model_facts import ATTENTION_PART, linear_layers
+from ..core.transformers_api import cache_layer_classes
 from . import linear_states
 
 

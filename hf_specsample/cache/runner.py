@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..devices import to_device
+from ..core.devices import to_device
 from . import compiled as compiled_module
 from . import row_ops, static_addresses
 
@@ -49,7 +49,7 @@ class RunnerBackend(Enum):
 
 @dataclass(frozen=True)
 class RunnerPlan:
-    """Which forwards of a model run through runners, decided once per call (`plan.py`).
+    """Which forwards of a model run through runners, decided once per call (`plan/call_plan.py`).
 
     Attributes:
         backend: what runs them.

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
-from ..model_facts import ModelFacts
+from ..core.model_facts import ModelFacts
 from .compiled import CompiledForward, contiguous_attention
 
 

@@ -30,11 +30,11 @@ from functools import partial
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from .. import transformers_api
-from ..draft_tree import DraftTree
-from ..model_facts import ModelFacts
+from ..core import transformers_api
+from ..core.draft_tree import DraftTree
+from ..core.model_facts import ModelFacts
+from ..core.sequences import Columns, Sequences
 from ..options import TreeShape
-from ..sequences import Columns, Sequences
 from . import row_ops
 from .cached_model import CachedModel
 from .compiled import positions_to_keep

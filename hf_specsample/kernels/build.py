@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache_folder import default_cache_dir
+from ..core.cache_folder import default_cache_dir
 
 DONE_FILE = "key.json"  # written last: its presence says the library in the folder is whole
 SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # what torch's builder names a library

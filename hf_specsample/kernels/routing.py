@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model_facts import ModelFacts, Role
+from ..core.model_facts import ModelFacts, Role
 from ..options import LinearKernel
 from . import small_rows  # through the module: its build and paths are what tests stand in for
 from .small_rows import MAX_ROWS, PROMPT_PROBE_ROWS, PROMPT_ROWS, KernelPath, SmallRowsLinear

@@ -40,7 +40,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..cache_folder import CACHE_ENV_VAR, default_cache_dir
+from ..core.cache_folder import CACHE_ENV_VAR, default_cache_dir
 from . import build
 
 MAX_ROWS = 16  # rows (batch * positions) of the forwards a round runs, at most; the kernel's design point

@@ -27,10 +27,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.forwards import WideForwards
+from ..core.model_facts import ModelFacts, Role
 from ..kernels.routing import KernelRouting
-from ..model_facts import ModelFacts, Role
 from ..options import DraftForm, LinearKernel
-from ..round_costs import expected_speedup, weight_bytes
+from ..policy.round_costs import expected_speedup, weight_bytes
 from .draft_timing import acceptance, decode_step_seconds, forward_seconds
 from .surgery import COMPACT_FORMS, int8_engine
 

@@ -21,8 +21,8 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from .. import transformers_api
-from ..model_facts import position_limit
+from ..core import transformers_api
+from ..core.model_facts import position_limit
 
 TIMED_STEPS = 3  # single-token forwards timed per form (after one untimed warm-up step); the minimum counts
 TIMED_CONTEXT = 32  # tokens in the cache the timed steps attend to

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, cast
 import torch
 from transformers import PreTrainedModel
 
+from ..core.model_facts import ModelFacts
 from ..kernels.routing import KernelRouting
-from ..model_facts import ModelFacts
 from ..options import DraftForm
 from .prepared_draft import OTHER_TOKENIZER_VOCABULARY, DraftKind, DraftSpec, PreparedDraft, build_draft, shared_width
 from .vocabulary import vocabulary_ids

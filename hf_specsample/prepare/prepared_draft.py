@@ -29,11 +29,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.forwards import WideForwards
+from ..core.model_facts import ModelFacts
 from ..kernels.routing import KernelRouting
-from ..model_facts import ModelFacts
 from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
+from ..policy.validation import check_models, check_tokenizers
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
-from ..validation import check_models, check_tokenizers
 from .auto import auto_forms, choose_form
 from .self_draft import default_layers_to_keep, layer_skip_draft
 from .surgery import CANNOT_MAKE, compact_forms, restrict_vocabulary, without_siblings
@@ -301,7 +301,7 @@ _NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.P
 def check_draft(
     spec: DraftSpec, target: ModelFacts, draft: ModelFacts | None, tokenizers: tuple[Any, Any] | None
 ) -> tuple[Any, Any] | None:
-    """The refusals of a draft for a target that need no forward, asked by `prepare_draft` and by `plan.plan_call`
+    """The refusals of a draft for a target that need no forward, asked by `prepare_draft` and by `call_plan.plan_call`
     alike (nothing else makes them): both models (`validation.check_models`), then which token ids the draft reads
     (`validation.check_tokenizers`; a `PreparedDraft` holding its tokenizers was compared by `prepare_draft`).
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache_folder import default_cache_dir
+from ..core.cache_folder import default_cache_dir
 
 CORPUS_FILES = 200  # stdlib modules counted (sorted by name): ~0.9M tokens of code, enough for a stable top-32k
 

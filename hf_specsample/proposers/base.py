@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.sequences import Sequences
 from ..options import DynamicTree, TreeShape
-from ..sequences import Sequences
 
 
 class DraftBudget(NamedTuple):

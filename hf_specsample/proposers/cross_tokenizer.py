@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..sequences import Sequences
+from ..core.sequences import Sequences
 
 ABSENT = -1  # a lookup's value for an id the other vocabulary lacks
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece's raw-byte tokens

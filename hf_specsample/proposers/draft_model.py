@@ -3,7 +3,7 @@
 It implements `proposers.base.Proposer`: `get_candidates` mirrors transformers' `CandidateGenerator.get_candidates`,
 batched over rows of different lengths and returning the draft's *processed* probabilities, which exactness needs.
 `rollback_to_committed` only rolls the draft's cache back to the committed tokens (transformers'
-`update_candidate_strategy` also adapts K; here `lookahead.py` does that).
+`update_candidate_strategy` also adapts K; here `policy/lookahead.py` does that).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from transformers import Cache, DynamicCache
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
 from ..cache.tree_forward import CachedTree
-from ..draft_tree import DraftTree
-from ..model_facts import ModelFacts
+from ..core.draft_tree import DraftTree
+from ..core.model_facts import ModelFacts
+from ..core.sequences import Sequences
 from ..options import DynamicTree, TreeShape
-from ..sequences import Sequences
-from ..verify.processing import PositionwiseProcessor, probabilities
-from ..verify.rejection import first_argmax, sample_from_weights
+from ..sampling.draws import first_argmax, sample_from_weights
+from ..sampling.processing import PositionwiseProcessor, probabilities
 from .base import DraftBudget, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
 from .dynamic_tree import DynamicPool, KeptNodes, processed_at_frontier

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from ..cache.tree_forward import CachedTree
-from ..draft_tree import DraftTree
+from ..core.draft_tree import DraftTree
 from ..options import DynamicTree
-from ..verify.processing import PositionwiseProcessor, RunKind
+from ..sampling.processing import PositionwiseProcessor, RunKind
 from .tree_drafting import choices
 
 

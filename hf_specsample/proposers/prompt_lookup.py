@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sequences import Sequences
+from ..core.sequences import Sequences
 from .base import DraftBudget, Proposal, Proposer
 from .draft_model import DraftModelProposer
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from ..options import TreeShape
-from ..verify.processing import PositionwiseProcessor, RunKind
-from ..verify.rejection import first_argmax
+from ..sampling.draws import first_argmax
+from ..sampling.processing import PositionwiseProcessor, RunKind
 
 
 def processed_at_parents(

@@ -3,7 +3,7 @@
 The target's logits of a round are `(batch, K + 1, vocab)`; the processors, the probabilities and the acceptance
 rule each make tensors of that size (a warper's temporaries, processed scores, probabilities, residuals and float64
 running sums). Made for all rows at once they multiply a round's peak memory. Here the rows are verified in chunks
-of at most `rejection.ROW_CHUNK_ELEMENTS` logits, and each chunk's wide tensors are gone before the next:
+of at most `draws.ROW_CHUNK_ELEMENTS` logits, and each chunk's wide tensors are gone before the next:
 
 - greedy: processors, then `first_argmax`, per chunk;
 - sampling: where the rows come in several chunks, the round's random draws are made first, for all rows, in the
@@ -27,21 +27,13 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import LogitsProcessorList
 
-from .. import distributed
 from ..cache.output_head import HeadLogits
 from ..options import Verification
-from . import rejection
-from .processing import PositionwiseProcessor, probabilities
-from .rejection import (
-    Verdict,
-    block_accept,
-    first_argmax,
-    flag_nonfinite,
-    greedy_accept,
-    sample_uniform,
-    speculative_accept,
-    uniform_like,
-)
+from ..sampling import draws
+from ..sampling.draws import first_argmax, sample_uniform, uniform_like
+from ..sampling.processing import PositionwiseProcessor, probabilities
+from . import distributed
+from .rejection import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept
 
 Rule = Callable[..., Verdict]  # `speculative_accept` or `block_accept`
 
@@ -68,7 +60,7 @@ class RoundVerifier:
                 (``uniform=``, ``sample_draws=``) where its rows come in several chunks.
             generator: the call's generator for the round's draws.
             keep_scores: return the processed scores (the caller records them).
-            chunk_elements: the most logits verified at a time (None: `rejection.ROW_CHUNK_ELEMENTS`, read at each
+            chunk_elements: the most logits verified at a time (None: `draws.ROW_CHUNK_ELEMENTS`, read at each
                 round, so that a test can force chunks).
             tensor_parallel: the target is split over ranks: every rank takes rank 0's verdict
                 (`distributed.broadcast_verdict`).
@@ -97,7 +89,7 @@ class RoundVerifier:
 
     def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
         """The row chunks a round of `(batch, positions, vocab)` logits is verified in."""
-        return rejection.round_chunks(batch, positions, vocab, self.chunk_elements)
+        return draws.round_chunks(batch, positions, vocab, self.chunk_elements)
 
     def __call__(
         self,

@@ -6,7 +6,7 @@ buffer after each row's committed tokens, as a chain's drafts are) and a `Verdic
 target's draw where the walk ended). Committing, stopping, streaming, recording and rolling back are then the
 chain's (`decoding.SpeculativeDecoder.commit`).
 
-A sampling call's draws are keyed by (the call's key, the caller row, the buffer position), `verify.keyed_draws`:
+A sampling call's draws are keyed by (the call's key, the caller row, the buffer position), `sampling.keyed_draws`:
 the tree rounds' (`TreeVerifier`) and those of the rounds of a tree call that draft nothing (the room is 0, or a
 first round whose prompt ends in padding: a chain round of K = 0, its one token drawn with `root_draws`). So every
 token of the call is the target's draw at its position with that position's uniform, whatever the draft drafted.
@@ -18,13 +18,13 @@ import torch
 
 from ..cache import tree_forward
 from ..cache.cached_model import CachedModel
-from ..draft_tree import DraftTree, RankCounts, rank_observations
+from ..core.draft_tree import DraftTree, RankCounts, rank_observations
+from ..core.sequences import Sequences
 from ..options import DynamicTree, TreeShape
 from ..proposers.base import Proposal
 from ..proposers.draft_model import DraftModelProposer
-from ..sequences import Sequences
-from .keyed_draws import keyed_uniforms, positions_from
-from .processing import PositionwiseProcessor
+from ..sampling.keyed_draws import keyed_uniforms, positions_from
+from ..sampling.processing import PositionwiseProcessor
 from .rejection import Verdict
 from .tree_verifier import TreeVerifier, along_path
 

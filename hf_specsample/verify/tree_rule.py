@@ -14,8 +14,8 @@ distinct). Greedy is the same walk with the target's argmax as the draw.
 Positions: the target scores N + 1 positions of a tree of N nodes, index 0 the root (the distribution of the first
 new token) and index i + 1 node i (the distribution after node i's token, given its path).
 
-The draws: one uniform per depth level per row, `(rows, max_depth + 1, 1)` float64 (`rejection.sample_uniform`),
-level d's draw made at the node where the walk stands after d accepted nodes, by `rejection.sample_from_weights`
+The draws: one uniform per depth level per row, `(rows, max_depth + 1, 1)` float64 (`draws.sample_uniform`),
+level d's draw made at the node where the walk stands after d accepted nodes, by `draws.sample_from_weights`
 (inverse CDF). The walk runs over the levels on the device, vectorised over rows, with no host read.
 """
 
@@ -26,8 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..draft_tree import DraftTree
-from .rejection import NonFinite, sample_from_weights
+from ..core.draft_tree import DraftTree
+from ..sampling.draws import sample_from_weights
+from .rejection import NonFinite
 
 
 class TreeVerdict(NamedTuple):
@@ -98,7 +99,7 @@ def tree_accept(tree: DraftTree, target_probs: torch.Tensor, draws: torch.Tensor
     Args:
         tree: the round's tree, tokens and parents `(rows, N)`.
         target_probs: `(rows, N + 1, vocab)` the target's processed probabilities (index 0: the root, i + 1: node i).
-        draws: `(rows, max_depth + 1, 1)` float64 uniforms in [0, 1) (`rejection.sample_uniform`), one per level;
+        draws: `(rows, max_depth + 1, 1)` float64 uniforms in [0, 1) (`draws.sample_uniform`), one per level;
             their count sets the walk's depth, `max_depth`, which must reach the tree's deepest node.
 
     Returns:
@@ -120,7 +121,7 @@ def tree_greedy_accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: 
 
     Args:
         tree: the round's tree, tokens and parents `(rows, N)`.
-        target_tokens: `(rows, N + 1)` long, the target's argmax at each position (`rejection.first_argmax`: ties go
+        target_tokens: `(rows, N + 1)` long, the target's argmax at each position (`draws.first_argmax`: ties go
             to the first id).
         max_depth: the deepest node's depth.
 

@@ -8,12 +8,12 @@ position each, whose prefixes are written into a buffer of their own, and handed
 processors per prefix, `PositionwiseProcessor` (a caller row's siblings share a prefix length: it calls a processor
 that reads the caller's whole batch once per sibling). Then the rule of `verify.tree_rule`.
 
-The draws are keyed (`verify.keyed_draws`): the uniform of depth level d of a row is the one of (the call's key, the
+The draws are keyed (`sampling.keyed_draws`): the uniform of depth level d of a row is the one of (the call's key, the
 row's caller index, its committed length + d), the buffer position the token drawn there is written to. Every
 token a tree commits is the target's draw at its position, so a seeded call's text depends on the key and the
 target alone, not on the draft, the tree's shape or its truncation. Greedy draws nothing, not even the key.
 
-Rows come in chunks of at most `rejection.ROW_CHUNK_ELEMENTS` logits, as in `RoundVerifier`: the round's draws are
+Rows come in chunks of at most `draws.ROW_CHUNK_ELEMENTS` logits, as in `RoundVerifier`: the round's draws are
 made first, for all rows (one uniform per depth level per row), then each chunk is processed, turned into
 probabilities and walked with its own draws; every step is row-local, so the verdict is the one an unchunked call
 gives, draw for draw.
@@ -25,14 +25,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import distributed
 from ..cache.output_head import HeadLogits
-from ..draft_tree import DraftTree
+from ..core.draft_tree import DraftTree
 from ..options import TreeShape
-from . import rejection
-from .keyed_draws import call_key, keyed_uniforms, positions_from
-from .processing import PositionwiseProcessor, RunKind, probabilities
-from .rejection import first_argmax
+from ..sampling import draws
+from ..sampling.draws import first_argmax
+from ..sampling.keyed_draws import call_key, keyed_uniforms, positions_from
+from ..sampling.processing import PositionwiseProcessor, RunKind, probabilities
+from . import distributed
 from .tree_rule import TreeVerdict, flag_tree_nonfinite, path_tokens, tree_accept, tree_greedy_accept
 
 
@@ -54,7 +54,7 @@ class TreeVerifier:
                 argmax.
             keep_scores: return the processed scores at the root and along the accepted path (the caller records
                 them).
-            chunk_elements: the most logits verified at a time (None: `rejection.ROW_CHUNK_ELEMENTS`, read at each
+            chunk_elements: the most logits verified at a time (None: `draws.ROW_CHUNK_ELEMENTS`, read at each
                 round, so that a test can force chunks).
             tensor_parallel: the target is split over ranks: every rank takes rank 0's verdict
                 (`distributed.broadcast_tree_verdict`).
@@ -81,7 +81,7 @@ class TreeVerifier:
 
     def chunks(self, batch: int, positions: int, vocab: int) -> list[slice]:
         """The row chunks a round of `(batch, N + 1, vocab)` logits is verified in."""
-        return rejection.round_chunks(batch, positions, vocab, self.chunk_elements)
+        return draws.round_chunks(batch, positions, vocab, self.chunk_elements)
 
     def __call__(
         self,

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..sampling.processing import PositionwiseProcessor
 from .round_costs import RoundRecord
-from .verify.processing import PositionwiseProcessor
 
 
 def host_clock(device: torch.device) -> bool:

@@ -29,33 +29,35 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-from . import distributed, transformers_api, validation
-from .cache import row_ops, static_addresses
-from .cache.cached_model import CachedModel
-from .cache.compiled import CompiledForward, CompileSettings, compiled_forward
-from .cache.forwards import Forwards
-from .cache.runner import RunnerBackend, RunnerPlan
+from ..cache import row_ops, static_addresses
+from ..cache.cached_model import CachedModel
+from ..cache.compiled import CompiledForward, CompileSettings, compiled_forward
+from ..cache.forwards import Forwards
+from ..cache.runner import RunnerBackend, RunnerPlan
+from ..core import transformers_api
+from ..core.model_facts import ModelFacts, Role
+from ..core.sequences import Sequences
+from ..kernels.routing import KernelRouting
+from ..kernels.small_rows import MAX_ROWS, best_path, loaded, ready
+from ..options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
+from ..policy import validation
+from ..policy.graph_choice import choose_graphs
+from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_processors
+from ..policy.round_costs import step_cost_ratio
+from ..policy.shape_choice import ShapeChoice, choose_shape
+from ..prepare.implicit import draft_for_call
+from ..prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
+from ..prepare.vocabulary import special_token_ids
+from ..proposers.base import Proposer
+from ..proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
+from ..proposers.draft_model import DraftModelProposer, DraftVocabulary
+from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
+from ..sampling.processing import PositionwiseProcessor, check_supported
+from ..stats import SpeculativeStats
+from ..verify import distributed
+from ..verify.tree_round import TreeRound
 from .call_inputs import CallInputs
 from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
-from .graph_choice import choose_graphs
-from .kernels.routing import KernelRouting
-from .kernels.small_rows import MAX_ROWS, best_path, loaded, ready
-from .lookahead import RoundLookahead, largest_round, times_unknown_processors
-from .model_facts import ModelFacts, Role
-from .options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
-from .prepare.implicit import draft_for_call
-from .prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
-from .prepare.vocabulary import special_token_ids
-from .proposers.base import Proposer
-from .proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
-from .proposers.draft_model import DraftModelProposer, DraftVocabulary
-from .proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
-from .round_costs import step_cost_ratio
-from .sequences import Sequences
-from .shape_choice import ShapeChoice, choose_shape
-from .stats import SpeculativeStats
-from .verify.processing import PositionwiseProcessor, check_supported
-from .verify.tree_round import TreeRound
 
 DRAFT_STEP_SIZES = (1, 2)  # a draft's step, and a round's first step catching up on the last committed tokens
 

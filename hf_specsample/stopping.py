@@ -37,8 +37,8 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from ..devices import tensor_on
-from .rejection import Verdict, raise_if_nonfinite
+from .core.devices import tensor_on
+from .verify.rejection import Verdict, raise_if_nonfinite
 
 # A prefix length -> what plain `generate()` passes its stopping criteria after that many columns: `(batch, length)`
 # input ids of every caller row, and its scores so far (a tuple of `(batch, vocab)`, or None).

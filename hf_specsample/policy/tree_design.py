@@ -20,7 +20,7 @@ import heapq
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .options import TreeShape
+from ..options import TreeShape
 
 
 class DesignedTree(NamedTuple):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .options import DraftShape, DynamicTree, TreeShape
+from ..options import DraftShape, DynamicTree, TreeShape
 from .shape_policy import AUTO_RANKS
 
 # Why a sampling call keeps chains under "auto": its chain rounds verify with the draft's probabilities (block

@@ -10,7 +10,7 @@ The key is one draw per sampling call from the call's generator (`call_key`; gre
 is a pure function of (key, row, position): two rounds of the splitmix64 finalizer (a bijection of 64-bit integers
 with full avalanche) over the counter ``row * 2^32 + position``, each keyed by XOR, in torch int64 operations on the
 tensors' device (multiplications wrap modulo 2^64; right shifts are made logical by masking the sign's copies off).
-Its top 53 bits give a float64 in [0, 1), what `rejection.sample_uniform` gives `sample_from_weights`.
+Its top 53 bits give a float64 in [0, 1), what `draws.sample_uniform` gives `sample_from_weights`.
 """
 
 from __future__ import annotations

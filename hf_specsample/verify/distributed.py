@@ -14,8 +14,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from .verify.rejection import Verdict
-from .verify.tree_rule import TreeVerdict
+from .rejection import Verdict
+from .tree_rule import TreeVerdict
 
 
 def _broadcast_device(device: torch.device) -> torch.device:

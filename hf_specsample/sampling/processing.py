@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from transformers.generation import logits_process as lp
 
-from ..devices import tensor_on, to_device
+from ..core.devices import tensor_on, to_device
 from .fast_processors import fast_equivalent
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
@@ -152,7 +152,7 @@ class PositionwiseProcessor:
             batch_size: rows of the caller's batch (`callers` index them): the batch given to processors that are
                 not row-local.
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
-                (`verify.fast_processors.fast_equivalent`); any other processor runs as given.
+                (`sampling.fast_processors.fast_equivalent`); any other processor runs as given.
         """
         check_supported(processors)
         self.runs = _runs(processors)

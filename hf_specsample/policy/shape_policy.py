@@ -19,7 +19,7 @@ start from a prior that lets the first wide rounds try a tree; they only move in
 
 from __future__ import annotations
 
-from .options import TreeShape
+from ..options import TreeShape
 from .round_costs import DecayedMean, MeasuredCosts, RoundRecord, StaticCosts
 from .tree_design import best_trees
 

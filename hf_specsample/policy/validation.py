@@ -10,11 +10,11 @@ from transformers import Cache, GenerationConfig, StaticCache, StoppingCriteriaL
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
-from . import transformers_api
-from .cache import row_ops, tree_forward
-from .model_facts import ModelFacts, Role, unsupported_layers
-from .options import NamedDraft, SpeculativeConfig
-from .proposers.cross_tokenizer import shared_vocabulary
+from ..cache import row_ops, tree_forward
+from ..core import transformers_api
+from ..core.model_facts import ModelFacts, Role, unsupported_layers
+from ..options import NamedDraft, SpeculativeConfig
+from ..proposers.cross_tokenizer import shared_vocabulary
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset(
@@ -338,7 +338,7 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
 def check_cache_plan(
     target: ModelFacts, cache: Any, generation_config: GenerationConfig, config: SpeculativeConfig
 ) -> None:
-    """Refuse a static or compiled target cache the loop cannot run, before any work (`plan.py` then builds it): an
+    """Refuse a static or compiled target cache the loop cannot run, before any work (`plan/call_plan.py` then builds it): an
     offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of convolutions fused
     with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
     """

@@ -33,7 +33,7 @@ too; and a draft reading at least the target's weight bytes per step does not dr
 round's measured cost counts as at most a few times the estimate before it (`MeasuredCosts.observe`): one stalled
 round does not decide a call. Choosing K from past rounds never biases the output: each round is exact for any K.
 
-Processors of unknown cost (`verify.processing.cost_unknown`: a user's, a `prefix_allowed_tokens_fn`, anything not
+Processors of unknown cost (`sampling.processing.cost_unknown`: a user's, a `prefix_allowed_tokens_fn`, anything not
 one of transformers' own listed there) are timed before any draft token pays for them: the first round drafts
 nothing (`processors_unknown`), and where their time per position is already at least that round's own (the
 prompt's forward: a bound on a plain step, `ProcessingCost.step_bound`) drafting never starts. A sampling call
@@ -61,8 +61,9 @@ from dataclasses import replace
 import torch
 from transformers import LogitsProcessor
 
-from .options import DEFAULT_MAX_LOOKAHEAD, DynamicTree, SpeculativeConfig, TreeShape
-from .proposers.base import DraftBudget
+from ..options import DEFAULT_MAX_LOOKAHEAD, DynamicTree, SpeculativeConfig, TreeShape
+from ..proposers.base import DraftBudget
+from ..sampling.processing import cost_unknown
 from .round_costs import (
     STATIC_VERIFY_SLOPE,
     DecayedMean,
@@ -74,7 +75,6 @@ from .round_costs import (
 )
 from .round_timer import host_clock
 from .shape_policy import ShapeDesigner
-from .verify.processing import cost_unknown
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -152,7 +152,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         # `draft_shape="auto"` in a greedy call that can draft trees: each round weighs the best tree of every width
         # against the chains (`shape_policy`); None: chains
         trees: ShapeDesigner | None = None,
-        # the call's processors include one of unknown cost (`verify.processing.cost_unknown`) whose time the costs
+        # the call's processors include one of unknown cost (`sampling.processing.cost_unknown`) whose time the costs
         # measure: the first round drafts nothing, so that they are timed before a draft token pays for them
         processors_unknown: bool = False,
         draft_processes: bool = True,  # the drafter processes each drafted position (False: a prompt lookup)
@@ -272,7 +272,7 @@ def make_policy(
         tree: every round drafts this tree (`FixedTree`); None: see `tree_ranks`.
         tree_ranks: `draft_shape="auto"` may draft trees of up to this many of the draft's choices a node, chosen
             round by round (`shape_policy.ShapeDesigner`); 0: chains.
-        processors_unknown: the call's processors include one of unknown cost (`verify.processing.cost_unknown`)
+        processors_unknown: the call's processors include one of unknown cost (`sampling.processing.cost_unknown`)
             and the policy may time it (`times_unknown_processors`: not under `generator=`, tensor parallelism or
             CUDA): the first round drafts nothing and times them, and a clock-free policy times them too, for
             `StaticCosts.processing_outweighs_step` alone. Ignored with `lookup_only`: lookup drafts are not
@@ -305,7 +305,7 @@ def make_policy(
 
 
 def times_unknown_processors(processors: Sequence[LogitsProcessor], clock_free: bool, device: torch.device) -> bool:
-    """Whether a call's processors include one of unknown cost (`verify.processing.cost_unknown`) that the policy
+    """Whether a call's processors include one of unknown cost (`sampling.processing.cost_unknown`) that the policy
     may time (`make_policy`'s `processors_unknown`): not where K must never read the clock (`generator=`, tensor
     parallelism), nor where rounds are timed by CUDA events, which a processor's host seconds cannot be set against
     (`round_timer.host_clock`)."""

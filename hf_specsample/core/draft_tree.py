@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .options import TreeShape
+from ..options import TreeShape
 
 
 @dataclass

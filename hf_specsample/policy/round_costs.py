@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .kernels.quantized_linear import Int4Linear, Int8Linear
-from .options import DEFAULT_MAX_LOOKAHEAD
+from ..kernels.quantized_linear import Int4Linear, Int8Linear
+from ..options import DEFAULT_MAX_LOOKAHEAD
 
 # Clock-free verification cost per extra draft token and row, relative to a one-token target step: verifying
 # K+1 positions of one row is nearly free while decoding is memory-bound (bf16 1.5B on CPU: 5 tokens ~ 1 token),

@@ -1,4 +1,4 @@
-"""One speculative `generate()` call's inputs, resolved and validated once at entry (`plan.plan_call`).
+"""One speculative `generate()` call's inputs, resolved and validated once at entry (`call_plan.plan_call`).
 
 `generate()` hands its prepared inputs to the `custom_generate` callable as keyword arguments (the library's own
 ones prefixed `speculative_`, so that transformers passes them through); `CallInputs` holds them under one name each
@@ -14,8 +14,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import validation
-from .options import SpeculativeConfig
+from ..options import SpeculativeConfig
+from ..policy import validation
 
 CALIBRATION_TOKENS = 128  # the most prompt tokens an implicit draft's forms are weighed on
 CALIBRATION_MIN_TOKENS = 16  # shorter prompts say too little of acceptance: the forms are compared by step time alone

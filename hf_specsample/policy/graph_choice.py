@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache.runner import RunnerBackend
+from ..cache.runner import RunnerBackend
 
 
 class GraphChoice(NamedTuple):

@@ -1,0 +1,1 @@
+"""A call's inputs turned into a frozen plan: every refusal before any forward, every decision once."""
