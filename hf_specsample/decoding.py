@@ -46,8 +46,8 @@ def speculative_generate(
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`: resolve the
-    call's inputs (`call_plan.resolve_inputs`), plan it (`call_plan.plan_call`: every refusal before any forward, every decision
-    once), run its rounds (`SpeculativeDecoder`).
+    call's inputs (`call_plan.resolve_inputs`), plan it (`call_plan.plan_call`: every refusal before any forward, every
+    decision once), run its rounds (`SpeculativeDecoder`).
 
     Call it through `model.generate(..., draft_model=small)` once `hf_specsample` is imported, or, with
     transformers' own `generate()` put back (`hf_specsample.unregister()`), as `hf_specsample.generate(model, ...,

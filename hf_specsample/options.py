@@ -273,11 +273,10 @@ class SpeculativeConfig:
         draft_vocabulary: FR-Spec: the token ids the draft may propose, e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`; an int N means the N lowest ids (BPE merge order) plus the EOS, padding and BOS ids.
             None (default): the whole vocabulary. With a `PreparedDraft`, set it in `prepare_draft` instead.
-        fast_processors: apply top-p and typical sampling without sorting the vocabulary (`sampling/fast_processors.py`):
-            the kept tokens are exactly transformers' (rows the first candidates cannot settle go to transformers'
-            own warper), at a quarter of the cost or less per position on a 152k vocabulary. True (default); False
-            runs every processor
-            as given.
+        fast_processors: apply top-p and typical sampling without sorting the vocabulary
+            (`sampling/fast_processors.py`): the kept tokens are exactly transformers' (rows the first candidates
+            cannot settle go to transformers' own warper), at a quarter of the cost or less per position on a 152k
+            vocabulary. True (default); False runs every processor as given.
         verification: "block" (default: Sun et al. 2024's block verification, which never accepts fewer draft
             tokens in expectation) or "token" (token by token, Leviathan et al. / Chen et al.). Both are exact;
             greedy decoding verifies by argmax either way.

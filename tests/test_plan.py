@@ -1,5 +1,5 @@
-"""A call's plan (`plan/call_plan.py`): each model inspected once, the plan's decisions, and the refusal of what it does not
-know."""
+"""A call's plan (`plan/call_plan.py`): each model inspected once, the plan's decisions, and the refusal of what it
+does not know."""
 
 import collections
 

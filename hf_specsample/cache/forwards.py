@@ -1,4 +1,5 @@
-"""How a model's forwards run, decided once per call by its plan (`plan/call_plan.py`) and read by `cache.cached_model`."""
+"""How a model's forwards run, decided once per call by its plan (`plan/call_plan.py`) and read by
+`cache.cached_model`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 A call asks many questions of each model it runs: how wide its logits are, what its cache is made of (attention,
 convolution and recurrent state layers), whether it can be compiled, where its inputs go, what its forward takes,
 whether it is sharded. Each is answered here, once, into a frozen `ModelFacts` that the call's plan
-(`plan/call_plan.py`) hands to whoever needs it; nothing else inspects a model. The cache layer types the library can roll
-back row by row are named here too (`SUPPORTED_LAYERS`), below every module that moves them (`cache/`).
+(`plan/call_plan.py`) hands to whoever needs it; nothing else inspects a model. The cache layer types the library can
+roll back row by row are named here too (`SUPPORTED_LAYERS`), below every module that moves them (`cache/`).
 
 Glossary (`docs/ARCHITECTURE.md` has the whole list): a model's **logit width** is the size of its logits' last
 dimension, `vocab_size` of its config or more (a padded head), the ids it scores.

@@ -338,9 +338,9 @@ def check_stopping(stopping_criteria: StoppingCriteriaList, batch_size: int) -> 
 def check_cache_plan(
     target: ModelFacts, cache: Any, generation_config: GenerationConfig, config: SpeculativeConfig
 ) -> None:
-    """Refuse a static or compiled target cache the loop cannot run, before any work (`plan/call_plan.py` then builds it): an
-    offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of convolutions fused
-    with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
+    """Refuse a static or compiled target cache the loop cannot run, before any work (`plan/call_plan.py` then
+    builds it): an offloaded one, `compile=True` for a model that cannot be compiled here, and a static cache of
+    convolutions fused with sliding-window attention (Inkling's, which transformers' own static decoding fails on).
     """
     implementation = generation_config.cache_implementation
     if not row_ops.runs_static(cache, implementation, config.compile):
