@@ -199,9 +199,9 @@ def test_every_module_is_named_in_the_design_page():
 def test_sub_packages_never_import_the_loop():
     """The parts a round calls (drafters, verification, caches, draft preparation) never import the loop or the
     call's entry points: the dependencies run one way, from `decoding.py` down."""
-    top = {"decoding", "registration", "call_inputs"}
+    top = {"decoding", "registration", "plan"}
     offenders = []
-    for path in sorted(LIBRARY.glob("*/*.py")):
+    for path in sorted(set(LIBRARY.glob("*/*.py")) - set(LIBRARY.glob("plan/*.py"))):
         # `from ..decoding import x`, `from .. import decoding`, `from hf_specsample import registration`
         for line, module in every_import(path):
             parts = module.split(".")
