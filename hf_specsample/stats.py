@@ -19,7 +19,10 @@ class SpeculativeStats:
     # (`cache.checkpoints`); 0 for attention-only and convolution-only targets.
     target_refeed_passes: int = 0
     draft_forward_passes: int = 0  # draft forward calls
-    lookahead_per_round: list[int] = field(default_factory=list)  # draft tokens (a tree's nodes) in each round
+    # Per round, its lookahead K: the draft tokens a row could accept (a chain's length, a tree's depth).
+    lookahead_per_round: list[int] = field(default_factory=list)
+    # Per round, the draft tokens each row was offered: a chain's K, a tree's nodes.
+    nodes_per_round: list[int] = field(default_factory=list)
     # Per round, the mean over its rows of the draft tokens accepted (a tree's accepted depth).
     accepted_depth_per_round: list[float] = field(default_factory=list)
     row_draft_tokens: list[int] = field(default_factory=list)  # draft tokens proposed to each row
@@ -51,7 +54,7 @@ class SpeculativeStats:
     # What a round drafted (`SpeculativeConfig.draft_shape`): "chain", or the tree's size and depth; and why a tree
     # asked for or considered did not run; under "auto" in a greedy call, how many rounds drafted trees and chains.
     shape: str = ""
-    # Per round, "tree" or "chain" (`options.DraftShape`'s words): what it drafted (its size: `lookahead_per_round`).
+    # Per round, "tree" or "chain" (`options.DraftShape`'s words): what it drafted (its size: `nodes_per_round`).
     shape_per_round: list[str] = field(default_factory=list)
     # A draft with a learned position table (GPT-2's `n_positions`) shorter than the text: the longest row's length
     # (prompt included) when the table ended the draft's rounds, after which the target finished alone; else None.
@@ -78,7 +81,7 @@ class SpeculativeStats:
         lookahead: int,
         num_accepted: Sequence[int],
         counts: Sequence[int],
-        drafted: int | None = None,
+        nodes: int | None = None,
         tree: bool = False,
     ) -> None:
         """Count one round.
@@ -88,16 +91,17 @@ class SpeculativeStats:
             lookahead: the most draft tokens a row could accept (a chain's K, a tree's depth): fewer is a rejection.
             num_accepted: per active row, draft tokens accepted.
             counts: per active row, tokens committed (after stopping).
-            drafted: draft tokens proposed to every row (a tree's nodes; None: `lookahead`).
+            nodes: draft tokens proposed to every row (a tree's nodes; None: a chain's `lookahead`).
             tree: the round drafted a tree (else a chain).
         """
-        drafted = lookahead if drafted is None else drafted
+        nodes = lookahead if nodes is None else nodes
         self.rounds += 1
-        self.lookahead_per_round.append(drafted)
+        self.lookahead_per_round.append(lookahead)
+        self.nodes_per_round.append(nodes)
         self.shape_per_round.append("tree" if tree else "chain")
         self.accepted_depth_per_round.append(sum(num_accepted) / len(num_accepted) if num_accepted else 0.0)
         for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
-            self.row_draft_tokens[row] += drafted
+            self.row_draft_tokens[row] += nodes
             self.row_accepted_tokens[row] += accepted
             self.row_rejections[row] += int(accepted < lookahead)
             self.row_new_tokens[row] += count
@@ -108,7 +112,7 @@ class SpeculativeStats:
         e.g. "auto: a tree in 40 of 52 rounds (most often 11 nodes), a chain in 12 (most often K = 6)"."""
         parts: list[str] = []
         for shape, size in (("tree", "{} nodes"), ("chain", "K = {}")):
-            sizes = [n for kind, n in zip(self.shape_per_round, self.lookahead_per_round) if kind == shape]
+            sizes = [n for kind, n in zip(self.shape_per_round, self.nodes_per_round) if kind == shape]
             if sizes:
                 common = max(sorted(set(sizes)), key=sizes.count)
                 of = f" of {self.rounds} rounds" if not parts else ""
@@ -147,7 +151,7 @@ class SpeculativeStats:
 
     @property
     def mean_lookahead(self) -> float:
-        """Mean draft tokens asked for per round."""
+        """Mean lookahead K per round (a tree's depth; its nodes are `nodes_per_round`)."""
         return sum(self.lookahead_per_round) / len(self.lookahead_per_round) if self.lookahead_per_round else 0.0
 
     @property

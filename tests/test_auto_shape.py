@@ -193,7 +193,7 @@ def test_greedy_auto_is_plain_greedy_with_trees_and_chains_in_one_call(pair, mon
     stats = out.speculative_stats
     assert {"tree", "chain"} <= set(stats.shape_per_round)
     assert stats.shape.startswith("auto: a tree in") and "a chain in" in stats.shape
-    trees = [n for shape, n in zip(stats.shape_per_round, stats.lookahead_per_round) if shape == "tree"]
+    trees = [n for shape, n in zip(stats.shape_per_round, stats.nodes_per_round) if shape == "tree"]
     assert set(trees) <= {n.num_nodes for n in (Alternating.TREE, *map(Alternating.TREE.truncated, (1, 2)))}
 
 

@@ -345,7 +345,7 @@ def test_max_lookahead_cuts_a_dynamic_tree(target, drafts):
     out = target.generate(PROMPT_SHORT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
                           speculative_config=config, return_dict_in_generate=True)  # fmt: skip
     assert out.speculative_stats.shape == "dynamic tree: 15 nodes, depth 2, expand 4"
-    assert max(out.speculative_stats.lookahead_per_round) == 15
+    assert max(out.speculative_stats.nodes_per_round) == 15
 
 
 PROMPT_SHORT = torch.tensor([[1, 5, 2, 5]])

@@ -175,7 +175,7 @@ def test_statistics_add_up(target, draft):
     stats = out.speculative_stats
     assert stats.new_tokens == 40 == out.sequences.shape[1] - PROMPT.shape[1]
     assert stats.rounds == stats.target_forward_passes == len(stats.lookahead_per_round)
-    assert stats.draft_tokens == sum(stats.lookahead_per_round) == stats.draft_forward_passes
+    assert stats.draft_tokens == sum(stats.nodes_per_round) == stats.draft_forward_passes
     assert 0 < stats.accepted_tokens <= stats.draft_tokens
     assert stats.accepted_tokens + stats.rounds == stats.new_tokens  # every round: accepted + 1 recovered/bonus
     assert stats.tokens_per_target_pass == pytest.approx(40 / stats.target_forward_passes)

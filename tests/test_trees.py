@@ -236,4 +236,4 @@ def test_max_lookahead_cuts_a_tree(target, drafts):
     out = target.generate(PROMPT, max_new_tokens=6, pad_token_id=PAD, draft_model=drafts["close"],
                           speculative_config=config, return_dict_in_generate=True)  # fmt: skip
     assert out.speculative_stats.shape == TreeShape.default().truncated(2).describe()
-    assert max(out.speculative_stats.lookahead_per_round) == TreeShape.default().truncated(2).num_nodes
+    assert max(out.speculative_stats.nodes_per_round) == TreeShape.default().truncated(2).num_nodes
