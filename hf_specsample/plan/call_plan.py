@@ -46,7 +46,7 @@ from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_proc
 from ..policy.round_costs import step_cost_ratio
 from ..policy.shape_choice import ShapeChoice, choose_shape
 from ..prepare.implicit import draft_for_call
-from ..prepare.prepared_draft import DraftKind, DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
+from ..prepare.prepared_draft import DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from ..prepare.vocabulary import special_token_ids
 from ..proposers.base import Proposer
 from ..proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
@@ -225,7 +225,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
     kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
-    lookup_only = spec.kind is DraftKind.PROMPT_LOOKUP
+    lookup_only = spec.kind is NamedDraft.PROMPT_LOOKUP
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
     graphs = choose_graphs(target.input_device, config.compile)
     draft_plan = (
@@ -299,19 +299,19 @@ def _refuse(
     validation.check_cache_plan(target, transformers_api.generate_cache(inputs.model_kwargs), generation_config, config)
     validation.check_stopping(inputs.stopping_criteria, inputs.batch_size)
     check_supported(inputs.logits_processor)
-    if spec.kind is DraftKind.PROMPT_LOOKUP and (
+    if spec.kind is NamedDraft.PROMPT_LOOKUP and (
         config.draft_form is not DraftForm.AUTO or config.draft_vocabulary is not None
     ):
         raise ValueError(
             "draft_model='prompt_lookup' runs no draft model: draft_form / draft_vocabulary have nothing to act on. "
             "Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
         )
-    if config.compile_draft and spec.kind is not DraftKind.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
+    if config.compile_draft and spec.kind is not NamedDraft.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
     problems = validation.tree_problems(
         target,
-        draft if draft is not None or spec.kind is DraftKind.PROMPT_LOOKUP else target,
-        lookup=spec.kind is DraftKind.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
+        draft if draft is not None or spec.kind is NamedDraft.PROMPT_LOOKUP else target,
+        lookup=spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
         other_tokenizer=tokenizers is not None,
         config=config,
         static_cache=row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs)),

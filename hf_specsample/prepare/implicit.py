@@ -17,8 +17,8 @@ from transformers import PreTrainedModel
 
 from ..core.model_facts import ModelFacts
 from ..kernels.routing import KernelRouting
-from ..options import DraftForm
-from .prepared_draft import OTHER_TOKENIZER_VOCABULARY, DraftKind, DraftSpec, PreparedDraft, build_draft, shared_width
+from ..options import DraftForm, NamedDraft
+from .prepared_draft import OTHER_TOKENIZER_VOCABULARY, DraftSpec, PreparedDraft, build_draft, shared_width
 from .vocabulary import vocabulary_ids
 
 
@@ -152,7 +152,7 @@ class _ImplicitDrafts:
         """The entry for these options, made (`prepared_draft.build_draft`, with `calibration`, `clock_free` and
         `kernel` for AUTO) where there is none. A clock-free choice is kept apart from a timed one, and one that may
         weigh the kernel's forms from one that may not: the same options may choose differently."""
-        is_self = spec.kind is DraftKind.SELF
+        is_self = spec.kind is NamedDraft.AUTO
         owner_facts = target if is_self else draft
         assert owner_facts is not None  # a model draft comes with its facts
         owner = owner_facts.model

@@ -165,12 +165,11 @@ class PreparedDraft:
 
 
 class DraftKind(str, enum.Enum):
-    """What `draft_model=` is (`resolve_draft`)."""
+    """What a model object passed as `draft_model=` is (`resolve_draft`); a draft named by a string is a
+    `NamedDraft`."""
 
     MODEL = "model"  # a causal LM, prepared by the call (`prepare.implicit`)
     PREPARED = "prepared"  # a `PreparedDraft`, run as it is
-    SELF = "self"  # "auto": a draft made from the target
-    PROMPT_LOOKUP = "prompt_lookup"  # no model: n-gram continuations from the prompt and the text so far
 
     def __str__(self) -> str:
         return self.value
@@ -180,11 +179,11 @@ class DraftSpec(NamedTuple):
     """`draft_model=` resolved once (`resolve_draft`); every later step reads it instead of asking again.
 
     Attributes:
-        kind: what it is.
+        kind: what it is: a model object's `DraftKind`, or the `NamedDraft` a string names.
         given: the model or the `PreparedDraft` passed; None for "auto" and "prompt_lookup".
     """
 
-    kind: DraftKind
+    kind: DraftKind | NamedDraft
     given: PreTrainedModel | PreparedDraft | None = None
 
     @property
@@ -208,7 +207,7 @@ def resolve_draft(draft_model: Any) -> DraftSpec:
     if isinstance(draft_model, PreTrainedModel):
         return DraftSpec(DraftKind.MODEL, draft_model)
     if isinstance(draft_model, str) and draft_model in (NamedDraft.AUTO, NamedDraft.PROMPT_LOOKUP):
-        return DraftSpec(DraftKind.SELF if draft_model == NamedDraft.AUTO else DraftKind.PROMPT_LOOKUP)
+        return DraftSpec(NamedDraft(draft_model))
     raise TypeError(
         f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
         f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' "
@@ -269,7 +268,7 @@ def prepare_draft(
             form for a draft that is not a float model on the CPU.
     """
     spec = resolve_draft(draft)
-    if spec.kind not in (DraftKind.MODEL, DraftKind.SELF):
+    if spec.kind not in (DraftKind.MODEL, NamedDraft.AUTO):
         raise TypeError(f"prepare_draft takes a causal LM or '{NamedDraft.AUTO}', got {draft!r}.")
     target_facts = ModelFacts.of(target)
     draft_facts = ModelFacts.of(spec.model) if spec.kind is DraftKind.MODEL and spec.model is not None else None
@@ -293,9 +292,6 @@ def prepare_draft(
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, target_facts.logit_width, prepared.logit_width)
     return replace(prepared, tokenizers=tokenizers, shared_vocabulary=shared)
-
-
-_NAMED = {DraftKind.SELF: NamedDraft.AUTO, DraftKind.PROMPT_LOOKUP: NamedDraft.PROMPT_LOOKUP}
 
 
 def check_draft(
@@ -328,7 +324,8 @@ def check_draft(
     if held is not None and (both is None or same_tokenizers(both, held)):
         return held
     width = prepared.logit_width if prepared is not None else draft.logit_width if draft is not None else None
-    other_tokenizer = check_tokenizers(target.logit_width, width, both, _NAMED.get(spec.kind), target_tokenizer)
+    named = spec.kind if isinstance(spec.kind, NamedDraft) else None
+    other_tokenizer = check_tokenizers(target.logit_width, width, both, named, target_tokenizer)
     return both if other_tokenizer else None
 
 
@@ -368,13 +365,13 @@ def build_draft(
     skipping its middle layers), chosen by `prepare.auto.choose_form` (timed, or clock-free).
 
     Args:
-        spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`DraftKind.SELF`: draft is None).
+        spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`NamedDraft.AUTO`: draft is None).
         ids: `(n,)` the FR-Spec ids its head keeps, or None.
         target_routing: the target's kernel routing under `LinearKernel.AUTO` (clock-free where `clock_free`): the
             target's forwards in AUTO's timings and acceptance measurements run under it.
         kernel: AUTO may weigh the small-rows kernel's forms (the call's `linear_kernel` is not "off").
     """
-    is_self = spec.kind is DraftKind.SELF
+    is_self = spec.kind is NamedDraft.AUTO
     if is_self and target.tensor_parallel:  # every rank raises alike, before any collective
         raise ValueError(
             "draft_model='auto' builds the draft from the target's weights, which a tensor-parallel target holds in "
