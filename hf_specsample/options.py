@@ -294,7 +294,7 @@ class SpeculativeConfig:
             `compile_config=` asks for, as plain `generate()` does it. Output stays exact either way (compiled
             logits differ by rounding only).
         compile_draft: run the draft's single-token steps as one compiled forward (`torch.compile`, inductor, on
-            the draft's dynamic cache; `cache.compiled.CompileSettings.for_draft_steps`). A compact draft's step
+            the draft's dynamic cache; `cache.compiled.CompileSettings.for_draft_steps`). A quantized draft's step
             streams a few hundred MB and then spends about a third of its time in hundreds of small eager operators
             (norms, rotary, attention's reshapes): compiled, they fuse (Qwen2.5-0.5B int8 weights on a 2-core Xeon:
             35.2 -> 27.1 ms a step). The first call compiles, before its first round (44-78 s on 2 cores for a 0.5B

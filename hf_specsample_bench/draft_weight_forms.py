@@ -1,4 +1,4 @@
-"""The draft's compact weight forms on each kernel path this CPU runs: int8 and int4 linears of Qwen2.5-0.5B's shapes.
+"""The draft's quantized weight forms on each kernel path this CPU runs: int8 and int4 linears of Qwen2.5-0.5B's shapes.
 
     python -m hf_specsample_bench.draft_weight_forms
 
@@ -23,7 +23,7 @@ from hf_specsample.kernels.small_rows import KernelPath
 
 from .measure import cpu_name, median_ms, read_bandwidth
 
-SHAPES = {  # (out, in) of Qwen2.5-0.5B's linears, as the compact forms hold them
+SHAPES = {  # (out, in) of Qwen2.5-0.5B's linears, as the quantized forms hold them
     "q/k/v fused": (1152, 896),
     "o_proj": (896, 896),
     "gate/up fused": (9728, 896),

@@ -93,7 +93,7 @@ def forward_seconds(model, input_ids: torch.Tensor, new_tokens: int = 1, repeats
 
 
 def method_cost_ratios(drafts, methods, input_ids: torch.Tensor, target_seconds: float) -> dict[str, float]:
-    """c of each hf_specsample method, timing the prepared draft it runs (e.g. the int8 copy, the compact head).
+    """c of each hf_specsample method, timing the prepared draft it runs (e.g. the int8 copy, the restricted head).
 
     Args:
         drafts: the run's `MethodDrafts` (the very objects the methods pass to generate()).

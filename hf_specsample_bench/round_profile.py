@@ -38,7 +38,7 @@ from hf_specsample.kernels import small_rows
 from hf_specsample.kernels.quantized_linear import Int4Linear, Int8Linear
 from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.policy.round_costs import weight_bytes
-from hf_specsample.prepare.surgery import compact_forms, without_siblings
+from hf_specsample.prepare.surgery import quantized_forms, without_siblings
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import speculative_accept
 
@@ -133,7 +133,7 @@ def forward_profile(model, ids, context_ids, width: int, routing: KernelRouting,
 
 
 def compiled_step_seconds(model, ids, context_ids, repeats: int) -> tuple[float, float]:
-    """Median seconds of a compiled single-token step of a compact draft after `context_ids` (its sibling-free view,
+    """Median seconds of a compiled single-token step of a quantized draft after `context_ids` (its sibling-free view,
     `CompileSettings.for_draft_steps`, as the loop runs it), and the seconds its compilation took."""
     view = without_siblings(model)  # held here: the compiled forward refers to it weakly
     compiled = compiled_forward(view, CompileSettings.for_draft_steps())
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((phase, seconds * 1e3, read_bytes, floor))
 
     # 1. the draft's single-token step, in each form
-    forms = {DraftForm.AS_GIVEN: draft, **{form: make(draft) for form, make in compact_forms(draft).items()}}
+    forms = {DraftForm.AS_GIVEN: draft, **{form: make(draft) for form, make in quantized_forms(draft).items()}}
     for form, model in forms.items():
         routing = KernelRouting.for_model(ModelFacts.of(model), LinearKernel.AUTO, role=Role.DRAFT)
         profile = forward_profile(model, ids, context_ids, 1, routing, args.repeats)

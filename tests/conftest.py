@@ -128,7 +128,7 @@ def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: fl
     """Make `DraftForm.AUTO`'s timing report these figures per form (tiny models step fastest as given);
     returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened.
 
-    Prompt forwards (`prepare.auto.time_wide_forwards`, called with [the chosen compact form, the draft as given])
+    Prompt forwards (`prepare.auto.time_wide_forwards`, called with [the chosen quantized form, the draft as given])
     are timed faster on the draft as given from `wide_faster_from` positions on (None: never)."""
     from hf_specsample import DraftForm
     from hf_specsample.prepare.auto import FormTimings

@@ -273,15 +273,15 @@ def test_greedy_prompt_lookup_ragged_batch_with_eos(name, side):
 @pytest.mark.parametrize("form", ["dynamic_int8", "int8_weights", "int4_weights"])
 @pytest.mark.parametrize("name", [_family(name) for name in REPRESENTATIVES])
 @torch.no_grad()
-def test_compact_hybrid_drafts(name, form):
-    """A hybrid draft's compact forms (dynamic int8, the kernel's int8 / int4 weights; a linear whose weight tensor the
-    forward reads stays float: Mamba-2's head casts its input to that weight's dtype)."""
+def test_quantized_hybrid_drafts(name, form):
+    """A hybrid draft's quantized forms (dynamic int8, the kernel's int8 / int4 weights; a linear whose weight tensor
+    the forward reads stays float: Mamba-2's head casts its input to that weight's dtype)."""
     from hf_specsample.options import DraftForm
-    from hf_specsample.prepare.surgery import compact_forms
+    from hf_specsample.prepare.surgery import quantized_forms
 
     target = tiny_hybrid(name, seed=0, vocab_size=VOCAB)
     draft = perturbed_copy(target, seed=1, scale=CLOSE)
-    if DraftForm(form) not in compact_forms(draft):
+    if DraftForm(form) not in quantized_forms(draft):
         pytest.skip(f"draft_form={form!r} cannot be made on this machine")
     ids, mask = batch(PROMPTS, "left")
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, do_sample=False)

@@ -50,7 +50,7 @@ def counted(monkeypatch):
 @pytest.mark.parametrize("form", ["as_given", "dynamic_int8", "auto"])
 def test_each_model_is_inspected_once_per_call(counted, form):
     """Within one generate() call each model's logit width, cache kind (hybrid layers included) and kernel routing are
-    worked out once: the target's, the draft's as given, and the prepared draft's (a compact copy: its cache
+    worked out once: the target's, the draft's as given, and the prepared draft's (a quantized copy: its cache
     questions are its source's, not asked again). A call that builds the implicit draft (the first) also inspects
     the forms it times; the target and the draft as given still once."""
     target = tiny_lm(seed=0, vocab_size=64)

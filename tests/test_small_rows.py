@@ -634,7 +634,7 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     from hf_specsample.prepare import auto, prepared_draft
 
     forms = {Form.AS_GIVEN: 0.030, Form.DYNAMIC_INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
-    monkeypatch.setattr(prepared_draft, "compact_forms", lambda model, wanted: {
+    monkeypatch.setattr(prepared_draft, "quantized_forms", lambda model, wanted: {
         form: (lambda model: model) for form in wanted
     })  # fmt: skip
     monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan, kernel: auto.FormTimings(
@@ -672,7 +672,7 @@ def test_int8_weights_take_every_activation_and_bias_dtype(built, path, x_dtype,
 
 
 def sibling_copy_pair(make):
-    """A tiny Llama (q/k/v with biases, gate/up) and its compact copy with and without fused siblings."""
+    """A tiny Llama (q/k/v with biases, gate/up) and its quantized copy with and without fused siblings."""
     import hf_specsample.prepare.surgery as surgery
 
     model = tiny_lm(seed=0, vocab_size=32, layers=2, hidden=64).to(torch.bfloat16)
@@ -696,7 +696,7 @@ def sibling_copy_pair(make):
 @pytest.mark.parametrize("form", ["int8_weights", "int4_weights"])
 @torch.no_grad()
 def test_sibling_projections_compute_what_separate_ones_do(built, form):
-    """q/k/v and gate/up of a compact draft run as one kernel call each and give the separate layers' outputs bit
+    """q/k/v and gate/up of a quantized draft run as one kernel call each and give the separate layers' outputs bit
     for bit (per-row scales round each row as alone), in and out of inference mode (an inference tensor has no
     version counter: the step timing of `draft_form="auto"` runs there), one token or several."""
     from hf_specsample.kernels.quantized_linear import SiblingProjection

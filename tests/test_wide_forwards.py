@@ -1,4 +1,4 @@
-"""A compact draft's wide forwards (the prompt) on its float original: routed by rows, timed by AUTO, exact."""
+"""A quantized draft's wide forwards (the prompt) on its float original: routed by rows, timed by AUTO, exact."""
 
 import gc
 import math

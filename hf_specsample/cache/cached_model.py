@@ -14,7 +14,7 @@ mask over all the cache's slots (masked beyond the pointer), so shapes stay fixe
 most `compiled_widths` positions (verification rounds, not the prefill) go through the compiled forward, if any;
 a compiled forward with a symbolic query length (one graph for every width) also encodes the prompt. Eager forwards
 run in the context of the model's `kernels.routing.KernelRouting`, if any (the small-rows linear kernel for rounds).
-A model may also have `WideForwards`: another model of the same layout (a compact draft's float original) that runs
+A model may also have `WideForwards`: another model of the same layout (a quantized draft's float original) that runs
 its eager forwards of many positions (the prompt), where that was timed faster; both write the same cache.
 
 Sliding-window layers record their past (`activate_past_recording`) so that a forward's new slots can be rolled

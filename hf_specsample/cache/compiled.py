@@ -99,9 +99,9 @@ class CompileSettings:
     def for_draft_steps(cls) -> "CompileSettings":
         """What `SpeculativeConfig(compile_draft=True)` uses for a draft's single-token steps on its dynamic cache:
         inductor fuses the step's many small operators (norms, rotary, attention's reshapes, residuals), about a
-        third of a compact draft's step on a CPU. Symbolic sizes (the cache grows every step; dynamo specialises
+        third of a quantized draft's step on a CPU. Symbolic sizes (the cache grows every step; dynamo specialises
         one row apart from several). No freezing: the weights stay inputs, so a change to them is read, and a
-        compact draft's linears are the small-rows kernel's operators either way."""
+        quantized draft's linears are the small-rows kernel's operators either way."""
         return cls(compile_kwargs=(("dynamic", True),))
 
     @classmethod

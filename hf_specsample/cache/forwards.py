@@ -16,7 +16,7 @@ from .runner import RunnerPlan
 class WideForwards(NamedTuple):
     """Eager forwards of at least `from_rows` rows (batch * positions: a prompt) run on `model` instead.
 
-    `model` has the same architecture, config, dtype and logit layout as the model it stands in for (a compact
+    `model` has the same architecture, config, dtype and logit layout as the model it stands in for (a quantized
     draft's float original: `prepare.prepared_draft.PreparedDraft.wide`), so the cache either writes serves the
     other. Only for a draft: what a draft computes changes how often its proposals are accepted, never what is
     sampled.

@@ -1,4 +1,4 @@
-"""Linear layers holding quantized weights, run by the small-rows kernel: a draft's compact forms.
+"""Linear layers holding quantized weights, run by the small-rows kernel: a draft's quantized forms.
 
 A draft's single-token step streams all of its weights and is memory-bound on the CPU: int8 weights halve the bytes
 of bf16 ones, int4 weights quarter them. The weights are rounded symmetrically, per output row (`Int8Linear`,
@@ -126,7 +126,7 @@ class Int4Linear(torch.nn.Module):
 
 
 # Sibling projections that every architecture of this shape feeds the same input (attention's q/k/v, a gated MLP's
-# gate/up): a compact draft computes each group in one kernel call (`SiblingProjection`).
+# gate/up): a quantized draft computes each group in one kernel call (`SiblingProjection`).
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -15,7 +15,7 @@
 //   avx2_fma:    8 fp32 lanes, bf16 weights widened by a shift;
 //   scalar:      the loop every CPU runs (other architectures: only this one).
 // Weight forms: bf16 (`small_rows_linear`); int8 with one fp32 scale per weight row (`small_rows_linear_int8`, a
-// draft's compact form: half the bytes; avx512f / avx2_fma / scalar paths); int4 with one fp32 scale per group of
+// draft's quantized form: half the bytes; avx512f / avx2_fma / scalar paths); int4 with one fp32 scale per group of
 // k's (`small_rows_linear_int4`: a quarter of the bytes; avx512_bf16, whose table lookup and pair products keep up
 // with memory, and scalar).
 //

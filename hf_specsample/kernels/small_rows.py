@@ -9,9 +9,9 @@ row. No compilation of the model, no copy of the weights: the kernel reads the m
 - `load()`: builds the C++ operator once per build key (about 15 s with a C++ compiler; `kernels.build` keeps the
   binary in a folder of the library's cache named by what it depends on, for later processes and other
   environments of the same torch and Python) and registers `torch.ops.hf_specsample.small_rows_linear` (bf16
-  weights), `small_rows_linear_int8` (int8 weights, one scale per row: a draft's compact form) and
+  weights), `small_rows_linear_int8` (int8 weights, one scale per row: a draft's quantized form) and
   `small_rows_linear_int4`. Returns why it cannot. Called only where a call's plan runs the kernel (a CPU bf16
-  model's routing, a compact form on it), never to find out whether it would.
+  model's routing, a quantized form on it), never to find out whether it would.
 - `KernelPath`, `paths()`, `best_path()`: the vector paths (AMX, AVX-512 BF16, AVX-512 VNNI, AVX-512F, AVX2+FMA,
   scalar), each built for its own instruction set in one binary; for each weight form the fastest path the CPU
   supports runs (`fastest_path`, a pure function of the offered paths; `offered_paths` from a CPU's flags), and a
@@ -116,7 +116,7 @@ def _build() -> Build:
 
 def _register_fakes() -> None:
     """Output shapes of the linear operators for `torch.compile` (`SpeculativeConfig(compile_draft=True)` traces a
-    compact draft's forward through them): `(M, K)` x and `(N, ...)` weights give `(M, N)` in x's dtype."""
+    quantized draft's forward through them): `(M, K)` x and `(N, ...)` weights give `(M, N)` in x's dtype."""
 
     def fake(x: torch.Tensor, weight: torch.Tensor, *rest) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))

@@ -29,7 +29,7 @@ class CallInputs:
         model: the target causal LM (`generate()` passes itself).
         draft_model: the draft as the caller named it (what it is is resolved once, by
             `prepare.prepared_draft.resolve_draft`): a causal LM of the target's tokenizer, or of another one given as
-            `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a compact
+            `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a quantized
             copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", n-gram continuations alone; or a
             `PreparedDraft` from `hf_specsample.prepare_draft`, run as it is.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.

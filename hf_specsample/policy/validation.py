@@ -120,7 +120,7 @@ def check_tokenizers(
     width is within padding of the target's cannot be told apart by widths: pass its tokenizer.)
 
     Args:
-        target_width, draft_width: the models' logit widths (a prepared draft's as given, before a compact head);
+        target_width, draft_width: the models' logit widths (a prepared draft's as given, before a restricted head);
             None for a draft without a model of its own.
         tokenizers: (target tokenizer, draft tokenizer) when the caller gave both, else None.
         named: the draft's name where it is "auto" or "prompt_lookup" (which draft in the target's own ids).

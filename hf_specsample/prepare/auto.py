@@ -13,7 +13,7 @@ order turns around), so the forms are timed at first use (`prepare.draft_timing`
 - clock-free (a seeded call, whose sample must repeat in another process; a tensor-parallel target, whose ranks
   must choose alike): nothing is timed; without calibration the first form made among `CLOCK_FREE_ORDER`, with it
   the expected speedup with each form's cost taken as its weight bytes per step over the target's;
-- a compact form's kernel is made for a few rows: where the float model it was made from runs a prompt faster
+- a quantized form's kernel is made for a few rows: where the float model it was made from runs a prompt faster
   (`PROMPT_LENGTHS`), its forwards of many positions run on that model (`cache.forwards.WideForwards`).
 """
 
@@ -32,7 +32,7 @@ from ..kernels.routing import KernelRouting
 from ..options import DraftForm, LinearKernel
 from ..policy.round_costs import expected_speedup, weight_bytes
 from .draft_timing import acceptance, decode_step_seconds, forward_seconds
-from .surgery import COMPACT_FORMS, int8_engine
+from .surgery import QUANTIZED_FORMS, int8_engine
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,13 @@ logger = logging.getLogger(__name__)
 # where the kernel builds), torch's dynamic int8, the draft as given. The int8 forms read about a quarter of float32's
 # bytes, half of bf16's.
 CLOCK_FREE_ORDER = (DraftForm.INT8_WEIGHTS, DraftForm.DYNAMIC_INT8, DraftForm.AS_GIVEN)
-# Prompt lengths at which AUTO times a compact form against the draft as given, shortest first: the compact form's
+# Prompt lengths at which AUTO times a quantized form against the draft as given, shortest first: the quantized form's
 # kernel pays per few rows, a float GEMM per many, so the float's lead grows with the length.
 PROMPT_LENGTHS = (32, 128)
 
 
 def auto_forms(model: PreTrainedModel, kernel: bool = True) -> tuple[DraftForm, ...]:
-    """The compact forms `DraftForm.AUTO` weighs for `model`, from its dtype, before anything is built.
+    """The quantized forms `DraftForm.AUTO` weighs for `model`, from its dtype, before anything is built.
 
     The kernel's forms (`surgery.KERNEL_FORMS`) for a bf16 model, whose linears the kernel serves anyway (one build
     for both), or where torch has no dynamic int8. Not for a float32 or float16 model: it would build the kernel (15-20
@@ -55,7 +55,7 @@ def auto_forms(model: PreTrainedModel, kernel: bool = True) -> tuple[DraftForm, 
     (`linear_kernel="off"`: no kernel at all).
     """
     uses_kernel = kernel and (model.dtype == torch.bfloat16 or int8_engine() is None)
-    return COMPACT_FORMS if uses_kernel else (DraftForm.DYNAMIC_INT8,)
+    return QUANTIZED_FORMS if uses_kernel else (DraftForm.DYNAMIC_INT8,)
 
 
 class FormChoice(NamedTuple):
@@ -66,7 +66,7 @@ class FormChoice(NamedTuple):
         step_seconds: per form timed, seconds of a single-token step (empty where nothing was timed).
         acceptance: per form, its expected acceptance on the calibration text (empty without one).
         step_bytes: per form, the weight bytes a step reads, where the choice was clock-free (else empty).
-        wide: where the chosen compact form's prompts run on the float model it was made from (None: on itself).
+        wide: where the chosen quantized form's prompts run on the float model it was made from (None: on itself).
         wide_seconds: per prompt length timed, seconds of one forward of the chosen form and of the float model.
     """
 
@@ -159,7 +159,7 @@ def _chosen_without_clock(
 
 
 def _with_wide_forwards(choice: FormChoice, chosen: PreTrainedModel, plain: PreTrainedModel) -> FormChoice:
-    """`choice` with `wide` set where `plain`, the float model the chosen compact form was made from, runs a prompt
+    """`choice` with `wide` set where `plain`, the float model the chosen quantized form was made from, runs a prompt
     faster than that form: from the shortest length of `PROMPT_LENGTHS` at which it was timed faster
     (`time_wide_forwards`). Not where the two compute in different dtypes (the dynamic-int8 copy runs in float32, a
     bf16 draft's keys are bf16): they could not share a cache."""
@@ -167,9 +167,9 @@ def _with_wide_forwards(choice: FormChoice, chosen: PreTrainedModel, plain: PreT
         return choice
     timed: dict[int, dict[DraftForm, float]] = {}
     for length in PROMPT_LENGTHS:
-        compact_seconds, plain_seconds = time_wide_forwards([chosen, plain], length)
-        timed[length] = {choice.form: compact_seconds, DraftForm.AS_GIVEN: plain_seconds}
-        if plain_seconds < compact_seconds:
+        quantized_seconds, plain_seconds = time_wide_forwards([chosen, plain], length)
+        timed[length] = {choice.form: quantized_seconds, DraftForm.AS_GIVEN: plain_seconds}
+        if plain_seconds < quantized_seconds:
             return choice._replace(wide=WideForwards(plain, length), wide_seconds=timed)
     return choice._replace(wide_seconds=timed)
 

@@ -77,7 +77,7 @@ def forward_seconds(models: Sequence[PreTrainedModel], width: int, repeats: int 
     """Seconds of one forward of each model over `width` positions from an empty cache (batch 1), interleaved; a
     model's figure is its fastest forward after one warm-up. inf where a model's forward raised a RuntimeError.
 
-    What a prompt costs each form of a draft: the small-rows kernel that makes a compact form's single-token step
+    What a prompt costs each form of a draft: the small-rows kernel that makes a quantized form's single-token step
     cheap reads its weights once per few rows, so over many rows a float GEMM can win (`PreparedDraft.wide`).
     """
     device = next(models[0].parameters()).device

@@ -1,4 +1,4 @@
-"""The drafts `generate(draft_model=model)` prepares itself, kept so that a compact copy is made once per model.
+"""The drafts `generate(draft_model=model)` prepares itself, kept so that a quantized copy is made once per model.
 
 `draft_for_call` gives a call its `PreparedDraft`: the caller's own as it is, or the implicit one from `_IMPLICIT`,
 the only cache of prepared drafts: weakly keyed by the draft model (the target for "auto"), so it is freed with

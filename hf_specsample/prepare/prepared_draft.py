@@ -2,14 +2,14 @@
 
 Only the target defines the output distribution, so the draft may be made cheap in any way:
 
-- its form (`DraftForm`): a compact copy of a float CPU draft, dynamic int8 or int8 / int4 weights on the small-rows
+- its form (`DraftForm`): a quantized copy of a float CPU draft, dynamic int8 or int8 / int4 weights on the small-rows
   kernel (`prepare.surgery`); AUTO times them here and keeps the fastest, or the one with the best expected speedup
   when calibration text measures their acceptance (`prepare.auto`). Quantization changes the draft's distribution a
   little (acceptance moves by a few points either way) and the output distribution not at all;
 - its vocabulary (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
   logits processing shrink; exact because the draft's probabilities are those of the distribution it really
   sampled from (zero outside the subset);
-- `draft="auto"`: a self-draft for targets with no small sibling: a compact copy of the target on the CPU, a view
+- `draft="auto"`: a self-draft for targets with no small sibling: a quantized copy of the target on the CPU, a view
   skipping the middle fifth of its layers elsewhere (or with `form="as_given"`).
 
 `prepare_draft` returns a `PreparedDraft` the caller holds and passes as `generate(draft_model=...)`; the one-line
@@ -36,7 +36,7 @@ from ..policy.validation import check_models, check_tokenizers
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from .auto import auto_forms, choose_form
 from .self_draft import default_layers_to_keep, layer_skip_draft
-from .surgery import CANNOT_MAKE, compact_forms, restrict_vocabulary, without_siblings
+from .surgery import CANNOT_MAKE, quantized_forms, restrict_vocabulary, without_siblings
 from .vocabulary import special_token_ids, vocabulary_ids
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,11 @@ class PreparedDraft:
     It is a snapshot: an int8 copy does not follow later changes to the draft's weights (prepare it again then).
 
     Attributes:
-        model: the model the loop runs: the draft itself, its int8 copy, a view with a compact LM head, or a
+        model: the model the loop runs: the draft itself, its int8 copy, a view with a restricted LM head, or a
             self-draft of the target.
         vocabulary: `(n,)` long, sorted: the token ids the model's logits stand for (its first n logit columns), an
             FR-Spec subset; None: the draft's own ids ``0 .. logit_width - 1``.
-        logit_width: the logit width of the draft as given (before a compact head).
+        logit_width: the logit width of the draft as given (before a restricted head).
         form: the form that drafts: AS_GIVEN, DYNAMIC_INT8, INT8_WEIGHTS or INT4_WEIGHTS.
         self_draft_of: for `draft="auto"`, a weak reference to the target it was made from; else None.
         acceptance: where AUTO weighed the forms against calibration text: each form's expected acceptance rate
@@ -66,7 +66,7 @@ class PreparedDraft:
             `generate()` uses them when it is given no tokenizers, or these very objects.
         shared_vocabulary: the tokens those tokenizers share (`proposers.cross_tokenizer.shared_vocabulary`, built once
             here instead of in every call).
-        wide: where AUTO timed `model` (a compact form) against the draft as given over prompt lengths and the latter
+        wide: where AUTO timed `model` (a quantized form) against the draft as given over prompt lengths and the latter
             was faster: the draft as given (same logit layout) and the rows from which it runs the draft's forwards
             (`cache.forwards.WideForwards`: the prompt, a chat turn); None: every forward runs on `model`. The
             prepared draft then keeps the draft as given alive too.
@@ -93,12 +93,12 @@ class PreparedDraft:
 
     def step_model(self) -> PreTrainedModel:
         """`model` as compiled single-token steps run it (`SpeculativeConfig(compile_draft=True)`): the same weights,
-        with a compact form's fused sibling projections as layers of their own (`without_siblings`; made once), or
+        with a quantized form's fused sibling projections as layers of their own (`without_siblings`; made once), or
         `model` itself where it has none."""
         if self._step_model and self._step_model[0][0]() is self.model:
             return self._step_model[0][1]
         view = without_siblings(self.model)
-        if view is not self.model:  # a view holds the compact copy's modules, never the draft as given
+        if view is not self.model:  # a view holds the quantized copy's modules, never the draft as given
             self._step_model[:] = [(weakref.ref(self.model), view)]
         return view
 
@@ -235,14 +235,14 @@ def prepare_draft(
     Args:
         draft: a causal LM sharing the target's tokenizer (its logit width may differ), or with another tokenizer
             (pass both as `tokenizer=` / `draft_tokenizer=`, here and to `generate()`), or "auto": a draft made from
-            the target (a compact copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
+            the target (a quantized copy on the CPU, a view skipping the middle fifth of its layers elsewhere or with
             `form="as_given"`).
         target: the model whose `generate()` will use the draft.
         form: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed here: as
             given, DYNAMIC_INT8 (torch's dynamic int8) and, for a bf16 draft, INT8_WEIGHTS (int8 weights on the
             small-rows kernel) and with `calibration` INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16),
             each weighed by its measured acceptance (`prepare.auto.auto_forms`); the draft as given elsewhere), or
-            one of those forms (forced; CPU float drafts only), or AS_GIVEN. Where AUTO chose a compact form, it
+            one of those forms (forced; CPU float drafts only), or AS_GIVEN. Where AUTO chose a quantized form, it
             also times it against the draft as given over prompt lengths (`prepare.auto.PROMPT_LENGTHS`); the
             draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
@@ -261,10 +261,10 @@ def prepare_draft(
     every rank prepares the same form.
 
     Returns:
-        A `PreparedDraft`. A compact copy is a snapshot of the draft's weights: prepare again after changing them.
+        A `PreparedDraft`. A quantized copy is a snapshot of the draft's weights: prepare again after changing them.
 
     Raises:
-        ValueError / TypeError: a draft `generate(draft_model=...)` would refuse, options out of range, or a compact
+        ValueError / TypeError: a draft `generate(draft_model=...)` would refuse, options out of range, or a quantized
             form for a draft that is not a float model on the CPU.
     """
     spec = resolve_draft(draft)
@@ -358,10 +358,10 @@ def build_draft(
     clock_free: bool = False,
     kernel: bool = True,
 ) -> PreparedDraft:
-    """Make the prepared draft: the model (the target for "auto"), its compact head, then the form asked for.
+    """Make the prepared draft: the model (the target for "auto"), its restricted head, then the form asked for.
 
     AUTO: the forms the draft can take here among `prepare.auto.auto_forms` (as given, dynamic int8, for a bf16
-    draft int8 weights and with calibration text int4 weights; for "auto", the target's compact forms, else a view
+    draft int8 weights and with calibration text int4 weights; for "auto", the target's quantized forms, else a view
     skipping its middle layers), chosen by `prepare.auto.choose_form` (timed, or clock-free).
 
     Args:
@@ -386,27 +386,27 @@ def build_draft(
         wanted = [made for made in weighed if made is not DraftForm.INT4_WEIGHTS or calibration is not None]
     else:
         wanted = [] if form is DraftForm.AS_GIVEN else [form]
-    makers = compact_forms(model, wanted)  # builds the kernel only where a wanted form runs on it
+    makers = quantized_forms(model, wanted)  # builds the kernel only where a wanted form runs on it
     if form not in (DraftForm.AUTO, DraftForm.AS_GIVEN) and form not in makers:
         raise ValueError(CANNOT_MAKE[form])
-    compact = list(makers)
-    if is_self and not compact:  # the target as given is no draft: a view skipping its middle layers
+    quantized = list(makers)
+    if is_self and not quantized:  # the target as given is no draft: a view skipping its middle layers
         if target.keeps_state:
             raise ValueError(
                 f"draft_model='auto' here skips layers of the target, and {type(model).__name__} keeps convolution "
                 "or recurrent states, whose per-layer config (which layers are convolutions, recurrences or "
                 "attention) a layer-skipping view does not renumber. Pass a small model of the same tokenizer as "
-                "draft_model=, or use draft_model='auto' on the CPU with draft_form='dynamic_int8' (a compact copy "
+                "draft_model=, or use draft_model='auto' on the CPU with draft_form='dynamic_int8' (a quantized copy "
                 "of the whole target)."
             )
         model = layer_skip_draft(model, default_layers_to_keep(model.config.get_text_config().num_hidden_layers))
     if ids is not None:
         model = restrict_vocabulary(model, ids)
     self_draft_of = weakref.ref(target.model) if is_self else None
-    if not compact:
+    if not quantized:
         return PreparedDraft(model, ids, width, DraftForm.AS_GIVEN, self_draft_of)
-    logger.info("hf_specsample: making the draft's %s form(s)", ", ".join(map(str, compact)))
-    forms = {made: makers[made](model) for made in compact}
+    logger.info("hf_specsample: making the draft's %s form(s)", ", ".join(map(str, quantized)))
+    forms = {made: makers[made](model) for made in quantized}
     if form is DraftForm.AUTO and not is_self:
         forms = {DraftForm.AS_GIVEN: model, **forms}
     if len(forms) == 1:

@@ -1,9 +1,9 @@
 """Model surgery for drafts: a model in, a model out, nothing timed or decided here (`prepare.auto` decides).
 
-- compact forms of a float CPU draft (`compact_forms`): torch's dynamic int8 (`int8_dynamic_copy`), int8 or int4
+- quantized forms of a float CPU draft (`quantized_forms`): torch's dynamic int8 (`int8_dynamic_copy`), int8 or int4
   weights on the small-rows kernel (`int8_weights_copy`, `int4_weights_copy`; the q/k/v and gate/up projections of
   one input fused into one kernel call each, `kernels.quantized_linear.SiblingProjection`);
-- `without_siblings`: a view of a compact form whose fused projections are layers of their own (compiled steps);
+- `without_siblings`: a view of a quantized form whose fused projections are layers of their own (compiled steps);
 - `restrict_vocabulary`: a view whose LM head scores an FR-Spec subset of the ids;
 - `prepare.self_draft.layer_skip_draft`: a view of the target skipping its middle layers (`draft_model="auto"`).
 
@@ -54,10 +54,10 @@ CANNOT_MAKE = {
 
 
 KERNEL_FORMS = (DraftForm.INT8_WEIGHTS, DraftForm.INT4_WEIGHTS)  # the forms the small-rows kernel runs
-COMPACT_FORMS = (DraftForm.DYNAMIC_INT8, *KERNEL_FORMS)
+QUANTIZED_FORMS = (DraftForm.DYNAMIC_INT8, *KERNEL_FORMS)
 
 
-def compact_forms(model: PreTrainedModel, forms: Collection[DraftForm] = COMPACT_FORMS) -> dict[DraftForm, Any]:
+def quantized_forms(model: PreTrainedModel, forms: Collection[DraftForm] = QUANTIZED_FORMS) -> dict[DraftForm, Any]:
     """Those of `forms` that `model` can take here, each with the function that makes it. The small-rows kernel is
     built (`small_rows.load`) only where one of `forms` runs on it."""
     if not _is_plain_cpu_float(model):
@@ -159,7 +159,7 @@ def int8_dynamic_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 def _weights_read(model: torch.nn.Module) -> set[str]:
     """Names of the `nn.Linear` modules whose weight tensor their parent's forward reads (`self.lm_head.weight.dtype`
-    in Mamba-2's head, `self.down_proj.weight.dtype` in an Inkling MLP): those stay float in a compact form, whose
+    in Mamba-2's head, `self.down_proj.weight.dtype` in an Inkling MLP): those stay float in a quantized form, whose
     `weight` is a method (dynamic int8) or an int8 / packed int4 buffer (`Int8Linear`, `Int4Linear`)."""
     read = set()
     for parent_name, parent in model.named_modules():
@@ -267,8 +267,8 @@ def restrict_vocabulary(model: PreTrainedModel, token_ids: torch.Tensor) -> PreT
     """
     head = model.get_output_embeddings()
     weight = head.weight.detach()[token_ids.to(head.weight.device)]
-    compact = linear_holding(weight.clone())
+    quantized = linear_holding(weight.clone())
     view = shallow_clone(model)
     name = next(name for name, module in model.named_children() if module is head)
-    view._modules[name] = compact
+    view._modules[name] = quantized
     return view

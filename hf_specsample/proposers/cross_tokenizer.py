@@ -6,7 +6,7 @@ Algorithms for Heterogeneous Vocabularies"): the draft proposes only tokens that
 proposal is a target id, and its distribution over target ids is known exactly.
 
 - `shared_vocabulary` pairs the draft's logit columns with the target ids of the same content: `SharedVocabulary`.
-  `DraftModelProposer` gathers those columns, places them at their target ids (-inf elsewhere, or compactly when
+  `DraftModelProposer` gathers those columns, places them at their target ids (-inf elsewhere, or on the subset when
   the processors are vocabulary-free), applies the caller's processors with the target-id prefix, and samples a
   target id. The verifier sees a draft distribution over target ids, as for a same-tokenizer draft.
 - `DraftIdBuffer` keeps what the draft *reads*: each row's text in draft ids. The prompt is decoded with the target's
