@@ -128,10 +128,10 @@ def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: fl
     """Make `DraftForm.AUTO`'s timing report these figures per form (tiny models step fastest as given);
     returns the list of timing calls (the number of forms timed in each), so a test can check when timing happened.
 
-    Prompt forwards (`prepare.auto.time_wide_forwards`, called with [the chosen quantized form, the draft as given])
+    Prompt forwards (`form_choice.time_wide_forwards`, called with [the chosen quantized form, the draft as given])
     are timed faster on the draft as given from `wide_faster_from` positions on (None: never)."""
     from hf_specsample import DraftForm
-    from hf_specsample.prepare.auto import FormTimings
+    from hf_specsample.prepare.form_choice import FormTimings
 
     figures = {DraftForm(form): value for form, value in seconds.items()}
     calls = []
@@ -144,8 +144,8 @@ def _timed_forms(monkeypatch, wide_faster_from: int | None = None, **seconds: fl
         plain_faster = wide_faster_from is not None and width >= wide_faster_from
         return [0.002, 0.001] if plain_faster else [0.001, 0.002]
 
-    monkeypatch.setattr("hf_specsample.prepare.auto.time_forms", fake)
-    monkeypatch.setattr("hf_specsample.prepare.auto.time_wide_forwards", fake_wide)
+    monkeypatch.setattr("hf_specsample.prepare.form_choice.time_forms", fake)
+    monkeypatch.setattr("hf_specsample.prepare.form_choice.time_wide_forwards", fake_wide)
     return calls
 
 

@@ -8,7 +8,7 @@ What counts as a code name (outside fenced blocks, which `test_docs.py` runs):
   `getattr`, and a class member may also be a dataclass field, an annotated or `__slots__` name, or an attribute
   its methods assign to `self` (in its class or a base of ours). A first part that names something else
   (`torch.argmax`, `out.cache`, `Cache.crop`) is not ours to check.
-- a file path ending in `.py` or `.cpp` (`decoding.py`, `prepare/auto.py`, `examples/chat.py`): it exists relative to
+- a file path ending in `.py` or `.cpp` (`decoding.py`, `prepare/surgery.py`, `examples/chat.py`): it exists relative to
   the repository's root, the library, the tooling, `tests/` or `examples/`, unless it is prefixed with another
   project's folder (`transformers/...`, `generation/...`), which is not ours.
 """
@@ -157,7 +157,7 @@ def repository_files() -> tuple[str, ...]:
 
 
 def path_exists(path: str) -> bool:
-    """Whether a cited file is one of ours: the path itself, or the end of one (`prepare/auto.py`, `small_rows.cpp`)."""
+    """Whether a cited file is one of ours: the path itself, or the end of one (`prepare/surgery.py`, `small_rows.cpp`)."""
     if path.startswith(FOREIGN_FOLDERS):
         return True
     return any(file == path or file.endswith(f"/{path}") for file in repository_files())

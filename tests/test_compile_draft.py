@@ -212,13 +212,13 @@ def test_a_draft_used_with_compiled_steps_is_freed_with_its_last_reference(built
     import weakref
 
     from hf_specsample import DraftForm
-    from hf_specsample.prepare import auto
+    from hf_specsample.prepare import form_choice
 
     def none_fastest(forms, source, target, target_routing, kernel=True):
         seconds = {form: 0.001 if form is DraftForm.AS_GIVEN else 0.002 for form in forms}
-        return auto.FormTimings(seconds, None)
+        return form_choice.FormTimings(seconds, None)
 
-    monkeypatch.setattr(auto, "time_forms", none_fastest)
+    monkeypatch.setattr(form_choice, "time_forms", none_fastest)
     target, draft = pair()
     out = greedy(target, draft_model=draft, speculative_config=SpeculativeConfig(compile_draft=True),
                  return_dict_in_generate=True)  # fmt: skip

@@ -28,7 +28,7 @@ def test_every_code_name_in_the_document_exists(document):
         "CachedModel.step",  # one of a tuple assignment's targets
         "KernelRouting.for_model(ModelFacts.of(model), ...)",  # a call: its arguments are not checked
         "hf_specsample_bench.measure.cpu_name",
-        "prepare/auto.py",
+        "prepare/form_choice.py",
         "small_rows.cpp",
         "examples/chat.py",
     ],

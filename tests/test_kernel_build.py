@@ -15,7 +15,7 @@ from tiny import PAD, perturbed_copy, tiny_lm
 
 from hf_specsample import DraftForm, SpeculativeConfig, prepare_draft
 from hf_specsample.kernels import build, small_rows
-from hf_specsample.prepare.auto import auto_forms
+from hf_specsample.prepare.form_choice import weighed_forms
 
 PROMPT = torch.tensor([[1, 5, 2, 5, 3, 7, 1, 4, 2, 6, 3, 5, 1, 7, 2, 4, 6]])  # 17 tokens: AUTO calibrates on it
 REPO = Path(__file__).resolve().parents[1]
@@ -69,9 +69,9 @@ def test_a_linear_kernel_off_call_builds_nothing(no_build):
 def test_auto_weighs_the_kernels_forms_for_bf16_drafts_only():
     fp32, bf16 = tiny_lm(seed=0, vocab_size=16, layers=1, hidden=16), tiny_lm(seed=0, vocab_size=16, layers=1)
     bf16 = bf16.to(torch.bfloat16)
-    assert auto_forms(fp32) == auto_forms(fp32.half()) == (DraftForm.DYNAMIC_INT8,)
-    assert auto_forms(bf16) == (DraftForm.DYNAMIC_INT8, DraftForm.INT8_WEIGHTS, DraftForm.INT4_WEIGHTS)
-    assert auto_forms(bf16, kernel=False) == (DraftForm.DYNAMIC_INT8,)
+    assert weighed_forms(fp32) == weighed_forms(fp32.half()) == (DraftForm.DYNAMIC_INT8,)
+    assert weighed_forms(bf16) == (DraftForm.DYNAMIC_INT8, DraftForm.INT8_WEIGHTS, DraftForm.INT4_WEIGHTS)
+    assert weighed_forms(bf16, kernel=False) == (DraftForm.DYNAMIC_INT8,)
 
 
 def test_the_call_that_builds_the_kernel_says_how_long_it_took(built, monkeypatch):

@@ -272,7 +272,7 @@ def test_a_call_with_max_time_times_nothing_before_its_first_round(monkeypatch):
     """`max_time=` counts from the call's start, setup included, as plain's clock does: the call's setup must not
     spend it timing the draft's forms or the kernel's routing (they are chosen as a clock-free call chooses them)."""
     timed = []
-    monkeypatch.setattr("hf_specsample.prepare.auto.time_forms", lambda *args: timed.append("forms"))
+    monkeypatch.setattr("hf_specsample.prepare.form_choice.time_forms", lambda *args: timed.append("forms"))
     monkeypatch.setattr("hf_specsample.kernels.routing._timed_routing", lambda *args: timed.append("routing"))
     target = tiny_lm(seed=0, vocab_size=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
     draft = tiny_lm(seed=1, vocab_size=VOCAB, dtype=torch.bfloat16)  # fresh models: nothing prepared or timed yet

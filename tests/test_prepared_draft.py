@@ -322,7 +322,7 @@ def test_prompt_lookup_statistics_name_the_drafter(pair):
 def test_a_seeded_call_chooses_the_form_without_the_clock(pair, as_given_steps_faster):
     """A seeded sample must repeat in another process, where timings differ: AUTO then times nothing and takes the
     first form made in `CLOCK_FREE_ORDER`; an unseeded call with the same options still times (its own entry)."""
-    from hf_specsample.prepare.auto import CLOCK_FREE_ORDER
+    from hf_specsample.prepare.form_choice import CLOCK_FREE_ORDER
 
     target, _ = pair
     draft = perturbed_copy(target, seed=8, scale=0.1)

@@ -631,17 +631,17 @@ def test_auto_with_calibration_weighs_acceptance_against_step_time(monkeypatch, 
     """int4 steps fastest here (by the fake clock): AUTO keeps it where it drafts about as well as the others, and
     an int8 form where its acceptance drops too far to pay for the faster step."""
     from hf_specsample import DraftForm as Form
-    from hf_specsample.prepare import auto, prepared_draft
+    from hf_specsample.prepare import form_choice, prepared_draft
 
     forms = {Form.AS_GIVEN: 0.030, Form.DYNAMIC_INT8: 0.025, Form.INT8_WEIGHTS: 0.020, Form.INT4_WEIGHTS: 0.012}
     monkeypatch.setattr(prepared_draft, "quantized_forms", lambda model, wanted: {
         form: (lambda model: model) for form in wanted
     })  # fmt: skip
-    monkeypatch.setattr(auto, "time_forms", lambda made, source, target, plan, kernel: auto.FormTimings(
+    monkeypatch.setattr(form_choice, "time_forms", lambda made, source, target, plan, kernel: form_choice.FormTimings(
         {form: forms[form] for form in made}, 0.15
     ))  # fmt: skip
     rates = {Form.AS_GIVEN: 0.9, Form.DYNAMIC_INT8: 0.9, Form.INT8_WEIGHTS: 0.9, Form.INT4_WEIGHTS: int4_rate}
-    monkeypatch.setattr(auto, "acceptance", lambda target, drafts, *args: list(rates.values()))
+    monkeypatch.setattr(form_choice, "acceptance", lambda target, drafts, *args: list(rates.values()))
     target, draft = bf16_pair()
     prepared = prepare_draft(draft, target, calibration=torch.arange(32) % 16)
     assert prepared.form == chosen and prepared.acceptance[Form.INT4_WEIGHTS] == int4_rate

@@ -15,9 +15,9 @@ from hf_specsample.cache.forwards import Forwards, WideForwards
 from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.core.sequences import Sequences
 from hf_specsample.options import DraftForm
-from hf_specsample.prepare import auto
-from hf_specsample.prepare.auto import PROMPT_LENGTHS
+from hf_specsample.prepare import form_choice
 from hf_specsample.prepare.draft_timing import forward_seconds
+from hf_specsample.prepare.form_choice import PROMPT_LENGTHS
 from hf_specsample.prepare.implicit import _IMPLICIT
 from hf_specsample.prepare.prepared_draft import prepare_draft
 
@@ -151,7 +151,7 @@ def test_no_prompt_timing_where_the_draft_runs_as_given_or_without_the_clock(pai
     target, draft = pair
     timed = []
     _timed_forms(monkeypatch, wide_faster_from=32, dynamic_int8=0.003, as_given=0.001, int8_weights=0.002)
-    monkeypatch.setattr(auto, "time_wide_forwards", lambda models, width: timed.append(width) or [1.0, 0.5])
+    monkeypatch.setattr(form_choice, "time_wide_forwards", lambda models, width: timed.append(width) or [1.0, 0.5])
     assert prepare_draft(draft, target).form is DraftForm.AS_GIVEN  # the draft as given: nothing to time
     clock_free = implicit_draft(perturbed_copy(draft, 2, 0.01), target, clock_free=True)
     assert clock_free.form is not DraftForm.AS_GIVEN and clock_free.wide is None

@@ -80,7 +80,7 @@ class CallInputs:
     @property
     def calibration(self) -> torch.Tensor | None:
         """The first row's real prompt tokens (its last `CALIBRATION_TOKENS`), or None where it has too few: the text
-        an implicit draft's forms are weighed on (`prepare.auto`)."""
+        an implicit draft's forms are weighed on (`prepare.form_choice`)."""
         mask = self.model_kwargs.get("attention_mask")
         row = self.input_ids[0] if mask is None else self.input_ids[0][mask[0].bool()]
         return row[-CALIBRATION_TOKENS:] if row.numel() >= CALIBRATION_MIN_TOKENS else None

@@ -44,13 +44,13 @@ def draft_for_call(
         target_routing: the target's kernel routing under `LinearKernel.AUTO` (AUTO's timings run the target under it).
         special_ids: the call's EOS / padding / BOS ids (an int `vocabulary` keeps them).
         calibration: `(length,)` target token ids of representative text (the call's prompt): where the implicit
-            draft is made under AUTO, its forms are weighed by acceptance on it too (`prepare.auto`).
+            draft is made under AUTO, its forms are weighed by acceptance on it too (`form_choice`).
         other_tokenizer: the draft reads another tokenizer's ids (`validation.check_tokenizers`): it may be
             quantized, but neither restricted to an FR-Spec vocabulary nor made from the target.
         clock_free: the call's output must not depend on the clock (a seeded call, a tensor-parallel target): AUTO
             then chooses the implicit draft's form without timing and without `calibration`, so that
             the choice depends on the draft's weights only, not on which call prepared it first.
-        kernel: AUTO may weigh the small-rows kernel's forms (`prepare.auto.auto_forms`): the call's `linear_kernel`
+        kernel: AUTO may weigh the small-rows kernel's forms (`form_choice.weighed_forms`): the call's `linear_kernel`
             is not "off".
     """
     prepared = spec.prepared

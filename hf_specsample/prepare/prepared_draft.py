@@ -4,7 +4,7 @@ Only the target defines the output distribution, so the draft may be made cheap 
 
 - its form (`DraftForm`): a quantized copy of a float CPU draft, dynamic int8 or int8 / int4 weights on the small-rows
   kernel (`prepare.surgery`); AUTO times them here and keeps the fastest, or the one with the best expected speedup
-  when calibration text measures their acceptance (`prepare.auto`). Quantization changes the draft's distribution a
+  when calibration text measures their acceptance (`form_choice`). Quantization changes the draft's distribution a
   little (acceptance moves by a few points either way) and the output distribution not at all;
 - its vocabulary (the FR-Spec idea): the draft scores only a subset of frequent tokens, so its LM head and its
   logits processing shrink; exact because the draft's probabilities are those of the distribution it really
@@ -34,7 +34,7 @@ from ..kernels.routing import KernelRouting
 from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
 from ..policy.validation import check_models, check_tokenizers
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
-from .auto import auto_forms, choose_form
+from .form_choice import choose_form, weighed_forms
 from .self_draft import default_layers_to_keep, layer_skip_draft
 from .surgery import CANNOT_MAKE, quantized_forms, restrict_vocabulary, without_siblings
 from .vocabulary import special_token_ids, vocabulary_ids
@@ -241,9 +241,9 @@ def prepare_draft(
         form: AUTO (default: for a float draft on the CPU, the fastest of its forms on this machine, timed here: as
             given, DYNAMIC_INT8 (torch's dynamic int8) and, for a bf16 draft, INT8_WEIGHTS (int8 weights on the
             small-rows kernel) and with `calibration` INT4_WEIGHTS (int4 weights, CPUs with AVX-512 VNNI or BF16),
-            each weighed by its measured acceptance (`prepare.auto.auto_forms`); the draft as given elsewhere), or
+            each weighed by its measured acceptance (`form_choice.weighed_forms`); the draft as given elsewhere), or
             one of those forms (forced; CPU float drafts only), or AS_GIVEN. Where AUTO chose a quantized form, it
-            also times it against the draft as given over prompt lengths (`prepare.auto.PROMPT_LENGTHS`); the
+            also times it against the draft as given over prompt lengths (`form_choice.PROMPT_LENGTHS`); the
             draft's forwards of many positions run on the faster (`PreparedDraft.wide`).
         vocabulary: FR-Spec: the token ids the draft may propose, a tensor (e.g. `hf_specsample.frequent_tokens(
             tokenizer, 32000)`) or an int N (the N lowest ids, plus the EOS / padding / BOS ids of the target's
@@ -360,9 +360,9 @@ def build_draft(
 ) -> PreparedDraft:
     """Make the prepared draft: the model (the target for "auto"), its restricted head, then the form asked for.
 
-    AUTO: the forms the draft can take here among `prepare.auto.auto_forms` (as given, dynamic int8, for a bf16
+    AUTO: the forms the draft can take here among `form_choice.weighed_forms` (as given, dynamic int8, for a bf16
     draft int8 weights and with calibration text int4 weights; for "auto", the target's quantized forms, else a view
-    skipping its middle layers), chosen by `prepare.auto.choose_form` (timed, or clock-free).
+    skipping its middle layers), chosen by `form_choice.choose_form` (timed, or clock-free).
 
     Args:
         spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`NamedDraft.AUTO`: draft is None).
@@ -382,7 +382,7 @@ def build_draft(
     assert source is not None  # a model draft comes with its facts
     model, width = source.model, source.logit_width
     if form is DraftForm.AUTO:  # int4 drafts worse: weighed only where acceptance is measured
-        weighed = auto_forms(model, kernel)
+        weighed = weighed_forms(model, kernel)
         wanted = [made for made in weighed if made is not DraftForm.INT4_WEIGHTS or calibration is not None]
     else:
         wanted = [] if form is DraftForm.AS_GIVEN else [form]

@@ -1,4 +1,4 @@
-"""Model surgery for drafts: a model in, a model out, nothing timed or decided here (`prepare.auto` decides).
+"""Model surgery for drafts: a model in, a model out, nothing timed or decided here (`prepare.form_choice` decides).
 
 - quantized forms of a float CPU draft (`quantized_forms`): torch's dynamic int8 (`int8_dynamic_copy`), int8 or int4
   weights on the small-rows kernel (`int8_weights_copy`, `int4_weights_copy`; the q/k/v and gate/up projections of

@@ -1,6 +1,6 @@
 """`DraftForm.AUTO`'s choice among the forms a draft can take here: the only place that times or weighs them.
 
-Which forms it weighs (`auto_forms`) is decided from the draft's dtype before anything is built: the small-rows
+Which forms it weighs (`weighed_forms`) is decided from the draft's dtype before anything is built: the small-rows
 kernel's forms only for a bf16 draft.
 
 Which form of a draft steps faster depends on the CPU (a dynamic-int8 copy ran a Qwen2.5-Coder-0.5B step in 46 ms
@@ -45,7 +45,7 @@ CLOCK_FREE_ORDER = (DraftForm.INT8_WEIGHTS, DraftForm.DYNAMIC_INT8, DraftForm.AS
 PROMPT_LENGTHS = (32, 128)
 
 
-def auto_forms(model: PreTrainedModel, kernel: bool = True) -> tuple[DraftForm, ...]:
+def weighed_forms(model: PreTrainedModel, kernel: bool = True) -> tuple[DraftForm, ...]:
     """The quantized forms `DraftForm.AUTO` weighs for `model`, from its dtype, before anything is built.
 
     The kernel's forms (`surgery.KERNEL_FORMS`) for a bf16 model, whose linears the kernel serves anyway (one build
