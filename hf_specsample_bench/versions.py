@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--modes", default="sampling,greedy")
     parser.add_argument(
+        "--draft-shape",
+        default=None,
+        help="SpeculativeConfig(draft_shape=...) for both versions (chain, tree, auto); default: each one's default",
+    )
+    parser.add_argument(
         "--levers-off",
         action="store_true",
         help="also run this checkout without sort-free top-p "
@@ -127,8 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             ),
             "base": dict(custom_generate=base.speculative_generate, draft_model=draft, **_routed(base)),
         }
+        if args.draft_shape is not None:  # the same shape asked of both, each through its own config class
+            methods["this"]["speculative_config"] = hf_specsample.SpeculativeConfig(draft_shape=args.draft_shape)
+            methods["base"]["speculative_config"] = base.SpeculativeConfig(draft_shape=args.draft_shape)
         if args.levers_off:  # this checkout with sort-free top-p and block verification off: the base's levers
-            levers_off = hf_specsample.SpeculativeConfig(fast_processors=False, verification="token")
+            shape = {"draft_shape": args.draft_shape} if args.draft_shape is not None else {}
+            levers_off = hf_specsample.SpeculativeConfig(fast_processors=False, verification="token", **shape)
             methods["this-levers-off"] = dict(methods["this"], speculative_config=levers_off)
         n = args.max_new_tokens
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
