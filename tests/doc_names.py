@@ -157,7 +157,8 @@ def repository_files() -> tuple[str, ...]:
 
 
 def path_exists(path: str) -> bool:
-    """Whether a cited file is one of ours: the path itself, or the end of one (`prepare/surgery.py`, `small_rows.cpp`)."""
+    """Whether a cited file is one of ours: the path itself, or the end of one (`prepare/surgery.py`,
+    `small_rows.cpp`)."""
     if path.startswith(FOREIGN_FOLDERS):
         return True
     return any(file == path or file.endswith(f"/{path}") for file in repository_files())

@@ -364,7 +364,7 @@ def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_
     """`prepare_draft(..., calibration=)` for a tensor-parallel target: no clock; the best expected speedup with
     each form's cost taken as its weight bytes per step over the target's."""
     from hf_specsample.policy.round_costs import expected_speedup, weight_bytes
-    from hf_specsample.prepare.prepared_draft import build_draft, resolve_draft
+    from hf_specsample.prepare.prepared_draft import DraftRecipe, build_draft, resolve_draft
 
     target, _ = pair
     draft = perturbed_copy(target, seed=10, scale=0.1)
@@ -373,8 +373,8 @@ def test_clock_free_with_calibration_weighs_acceptance_by_weight_bytes(pair, as_
     routing = KernelRouting.for_model(facts, LinearKernel.AUTO, clock_free=True)
 
     def build():
-        return build_draft(resolve_draft(draft), facts, ModelFacts.of(draft), DraftForm.AUTO, None, routing,
-                           calibration, clock_free=True)  # fmt: skip
+        recipe = DraftRecipe(resolve_draft(draft), facts, ModelFacts.of(draft), DraftForm.AUTO, None, routing)
+        return build_draft(recipe._replace(calibration=calibration, clock_free=True))
 
     prepared = build()
     assert as_given_steps_faster == []

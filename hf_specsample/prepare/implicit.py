@@ -18,7 +18,14 @@ from transformers import PreTrainedModel
 from ..core.model_facts import ModelFacts
 from ..kernels.routing import KernelRouting
 from ..options import DraftForm, NamedDraft
-from .prepared_draft import OTHER_TOKENIZER_VOCABULARY, DraftSpec, PreparedDraft, build_draft, shared_width
+from .prepared_draft import (
+    OTHER_TOKENIZER_VOCABULARY,
+    DraftRecipe,
+    DraftSpec,
+    PreparedDraft,
+    build_draft,
+    shared_width,
+)
 from .vocabulary import vocabulary_ids
 
 
@@ -73,7 +80,7 @@ def draft_for_call(
     # Clock-free, the implicit draft is chosen from the weights alone: weighed on this call's prompt, the choice (so
     # a seeded sample) would depend on which call first prepared the draft in this process.
     calibration = None if other_tokenizer or clock_free else calibration
-    return _IMPLICIT.get(spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel)
+    return _IMPLICIT.get(DraftRecipe(spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel))
 
 
 class _TensorState(NamedTuple):
@@ -137,32 +144,21 @@ class _ImplicitDrafts:
     def __init__(self):
         self._entries: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, _Entry]] = weakref.WeakKeyDictionary()
 
-    def get(
-        self,
-        spec: DraftSpec,
-        target: ModelFacts,
-        draft: ModelFacts | None,
-        form: DraftForm,
-        ids: torch.Tensor | None,
-        target_routing: KernelRouting,
-        calibration: torch.Tensor | None = None,
-        clock_free: bool = False,
-        kernel: bool = True,
-    ) -> PreparedDraft:
-        """The entry for these options, made (`prepared_draft.build_draft`, with `calibration`, `clock_free` and
-        `kernel` for AUTO) where there is none. A clock-free choice is kept apart from a timed one, and one that may
-        weigh the kernel's forms from one that may not: the same options may choose differently."""
-        is_self = spec.kind is NamedDraft.AUTO
-        owner_facts = target if is_self else draft
+    def get(self, recipe: DraftRecipe) -> PreparedDraft:
+        """The entry for `recipe`, made (`prepared_draft.build_draft`) where there is none. A clock-free choice is
+        kept apart from a timed one, and one that may weigh the kernel's forms from one that may not: the same
+        options may choose differently."""
+        is_self = recipe.spec.kind is NamedDraft.AUTO
+        owner_facts = recipe.target if is_self else recipe.draft
         assert owner_facts is not None  # a model draft comes with its facts
         owner = owner_facts.model
-        how = (clock_free, kernel) if form is DraftForm.AUTO else None
-        key = (is_self, form, None if ids is None else ids.numpy().tobytes(), how)
+        how = (recipe.clock_free, recipe.kernel) if recipe.form is DraftForm.AUTO else None
+        key = (is_self, recipe.form, None if recipe.ids is None else recipe.ids.numpy().tobytes(), how)
         weights = _named_weights(owner)
         # Entries made from other weights than the owner's current ones are stale: drop them (and their memory).
         entries = {k: entry for k, entry in self._entries.get(owner, {}).items() if entry.is_current(weights)}
         if key not in entries:
-            prepared = build_draft(spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel)
+            prepared = build_draft(recipe)
             decided = prepared.step_seconds or prepared.step_bytes
             if prepared.model is owner and not decided:  # nothing made or decided: runs as given
                 return prepared

@@ -287,7 +287,9 @@ def prepare_draft(
     else:
         target_routing = KernelRouting.off("off: nothing timed")
     calibration = None if other_tokenizer else calibration
-    prepared = build_draft(spec, target_facts, draft_facts, form, ids, target_routing, calibration, clock_free)
+    prepared = build_draft(
+        DraftRecipe(spec, target_facts, draft_facts, form, ids, target_routing, calibration, clock_free)
+    )
     if not other_tokenizer:
         return prepared
     shared = shared_vocabulary(tokenizer, draft_tokenizer, target_facts.logit_width, prepared.logit_width)
@@ -347,30 +349,41 @@ def shared_width(target: ModelFacts, draft: ModelFacts | None) -> int:
     return min(target.logit_width, draft.logit_width if draft is not None else target.logit_width)
 
 
-def build_draft(
-    spec: DraftSpec,
-    target: ModelFacts,
-    draft: ModelFacts | None,
-    form: DraftForm,
-    ids: torch.Tensor | None,
-    target_routing: KernelRouting,
-    calibration: torch.Tensor | None = None,
-    clock_free: bool = False,
-    kernel: bool = True,
-) -> PreparedDraft:
+class DraftRecipe(NamedTuple):
+    """What a prepared draft is made from (`build_draft`), and what the implicit drafts are kept by
+    (`implicit._IMPLICIT`).
+
+    Attributes:
+        spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`NamedDraft.AUTO`: draft is None).
+        target, draft: the models' facts.
+        form: the form asked for (`DraftForm.AUTO`: chosen here).
+        ids: `(n,)` the FR-Spec ids its head keeps, or None.
+        target_routing: the target's kernel routing under `LinearKernel.AUTO` (clock-free where `clock_free`): the
+            target's forwards in AUTO's timings and acceptance measurements run under it.
+        calibration: `(length,)` target token ids AUTO measures the forms' acceptance on, or None.
+        clock_free: AUTO chooses without timing (the choice depends on the weights alone).
+        kernel: AUTO may weigh the small-rows kernel's forms (the call's `linear_kernel` is not "off").
+    """
+
+    spec: DraftSpec
+    target: ModelFacts
+    draft: ModelFacts | None
+    form: DraftForm
+    ids: torch.Tensor | None
+    target_routing: KernelRouting
+    calibration: torch.Tensor | None = None
+    clock_free: bool = False
+    kernel: bool = True
+
+
+def build_draft(recipe: DraftRecipe) -> PreparedDraft:
     """Make the prepared draft: the model (the target for "auto"), its restricted head, then the form asked for.
 
     AUTO: the forms the draft can take here among `form_choice.weighed_forms` (as given, dynamic int8, for a bf16
     draft int8 weights and with calibration text int4 weights; for "auto", the target's quantized forms, else a view
     skipping its middle layers), chosen by `form_choice.choose_form` (timed, or clock-free).
-
-    Args:
-        spec: a model (`DraftKind.MODEL`, whose facts are `draft`) or "auto" (`NamedDraft.AUTO`: draft is None).
-        ids: `(n,)` the FR-Spec ids its head keeps, or None.
-        target_routing: the target's kernel routing under `LinearKernel.AUTO` (clock-free where `clock_free`): the
-            target's forwards in AUTO's timings and acceptance measurements run under it.
-        kernel: AUTO may weigh the small-rows kernel's forms (the call's `linear_kernel` is not "off").
     """
+    spec, target, draft, form, ids, target_routing, calibration, clock_free, kernel = recipe
     is_self = spec.kind is NamedDraft.AUTO
     if is_self and target.tensor_parallel:  # every rank raises alike, before any collective
         raise ValueError(
