@@ -13,8 +13,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from .cache import tree_forward
 from .cache.cached_model import CachedModel
 from .core import transformers_api
+from .core.draft_tree import RankCounts, rank_observations
 from .core.sequences import Sequences
 from .options import SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
@@ -24,7 +26,7 @@ from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal
 from .stopping import RoundRead, StopCheck
 from .verify.rejection import Verdict
-from .verify.round_verifier import RoundVerifier
+from .verify.verifier import Verifier, along_path
 
 
 def speculative_generate(
@@ -116,7 +118,7 @@ class SpeculativeDecoder:
         self.stats = plan.new_stats()
         self.recorder = OutputRecorder(generation_config, batch_size)
         verification = cast(Verification, plan.config.verification)  # a string given is parsed into the enum
-        self.verifier = RoundVerifier.for_call(
+        self.verifier = Verifier.for_call(
             inputs.logits_processor,
             batch_size,
             plan.config.fast_processors,
@@ -125,13 +127,11 @@ class SpeculativeDecoder:
             plan.generator,
             self.recorder.keep_scores,
             plan.target.tensor_parallel,
+            trees=plan.shape.tree is not None or bool(plan.shape.ranks),
         )
         self.model_drafter, self.drafter = plan.drafters(
             self.sequences, self.verifier.processor, bool(generation_config.do_sample)
         )
-        keep = {"scores"} if self.recorder.keep_scores else set()
-        keep |= {"logits"} if self.recorder.wants_raw_logits else set()
-        self.trees = plan.tree_round(self.target, self.model_drafter, self.verifier.processor, keep)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
 
@@ -181,31 +181,17 @@ class SpeculativeDecoder:
         # a draft model's first forward feeds the prompt: its drafting then says nothing of a draft step
         draft_fed_prompt = self.model_drafter is not None and self.model_drafter.forward_passes == 0
         self.timer.start()
-        is_tree = self.trees is not None and budget.tree is not None
-        if self.trees is not None and budget.tree is not None:  # a tree cut to the room (K: the tree's depth)
-            tree = self.trees.draft(self.sequences, budget.tree)
-            self.timer.mark()
-            proposal, verdict, scores, raw_logits, ranks = self.trees.verify(self.sequences, budget.tree, tree)
-            drafted = budget.tree.num_nodes
-        else:
-            proposal = self.drafter.get_candidates(self.sequences, budget)
-            self.timer.mark()
-            # a tree call's round that drafts nothing draws its token as tree rounds do, keyed by its position
-            next_draws = self.trees.root_draws(self.sequences) if self.trees is not None else None
-            verdict, scores, raw_logits = self.verify(proposal, next_draws)
-            drafted = proposal.tokens.shape[1]
-        num_accepted = self.commit(proposal, verdict, scores, raw_logits, drafted, tree=is_tree)
+        proposal = self.drafter.get_candidates(self.sequences, budget)  # a chain, or a tree cut to the room
+        self.timer.mark()
+        verdict, scores, raw_logits, tested = self.verify(proposal)
+        num_accepted = self.commit(proposal, verdict, scores, raw_logits)
         self.timer.mark()
         if self.stats.rounds == 1 and self.sequences.num_active:
             self.target.warm_up()  # a cache allocated by the first round, or weights changed since the first warm-up
         # The first round also encodes the prompt, and a round that compiled says nothing of later rounds' costs.
         prefill = self.stats.rounds == 1 or self._compilations() != compilations
-        lookahead = proposal.tokens.shape[1]  # the drafter's, which a lookup round may widen
-        record = self.timer.record(lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
-        if is_tree:  # the target verified the tree's nodes; a static tree's walk tested the draft's ranks
-            record = dataclasses.replace(record, nodes=drafted, **ranks._asdict())
-        if draft_fed_prompt and proposal.model_steps:
-            record = dataclasses.replace(record, draft_prefill=True)
+        record = self.timer.record(proposal.lookahead, num_accepted, prefill, self.target.refeed_passes - refeeds)
+        record = dataclasses.replace(record, **tested, draft_prefill=draft_fed_prompt and proposal.model_steps > 0)
         for timed, model_steps in self.timer.finish(record, proposal.model_steps):
             self.lookahead.observe(timed, model_steps)
 
@@ -214,59 +200,82 @@ class SpeculativeDecoder:
         step = self.plan.draft.forwards.step if self.plan.draft is not None else None
         return sum(compiled.compilations for compiled in (self.target.compiled, step) if compiled)
 
-    def verify(
-        self, proposal: Proposal, next_draws: torch.Tensor | None = None
-    ) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None]:
-        """The target scores the K+1 positions after each row's committed tokens in one forward pass; the round's
-        verdict follows (`verify.round_verifier.RoundVerifier`: greedy by argmax, else the configured rule on the
-        proposal's distributions, its point masses as token ids, NaN/inf rows flagged; row chunk by row chunk).
-        `next_draws`: a round of K = 0's uniforms for its one token (`TreeRound.root_draws`), else None.
+    def verify(self, proposal: Proposal) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+        """The target scores the root and every drafted node of each row in one forward pass (a chain's K + 1
+        positions after its committed tokens); the round's verdict follows (`verify.verifier.Verifier`: greedy by
+        argmax, else the rule on the proposal's distributions, its point masses as token ids, NaN/inf rows flagged;
+        row chunk by row chunk); a tree's accepted path is then kept (`keep_path`).
 
         Returns:
-            The verdict, and the `(batch, K + 1, vocab)` processed scores and raw logits where the recorder keeps
-            them (else None: the logits are freed once verified).
+            The verdict; the processed scores and raw logits where the recorder keeps them (else None: the logits
+            are freed once verified), `(batch, K + 1, vocab)` at a chain's positions, at the root and along a tree's
+            accepted path; and what a tree's walk tested of the draft's ranks, as `RoundRecord` fields.
         """
-        lookahead = proposal.tokens.shape[1]
-        lengths = self.sequences.lengths
-        upto = [length + lookahead for length in lengths]
+        tree, lengths = proposal.tree, self.sequences.lengths
         # Logits verified in several row chunks are made chunk by chunk (`cache.output_head`), unless recorded.
-        chunked = len(self.verifier.chunks(len(lengths), lookahead + 1, self.plan.target.logit_width)) > 1
-        with self.target.head.deferred(chunked and not self.recorder.wants_raw_logits):
-            raw_logits = self.target.feed_upto(self.sequences, upto, num_logits=lookahead + 1)
+        chunks = self.verifier.chunks(len(lengths), tree.num_nodes + 1, self.plan.target.logit_width)
+        with self.target.head.deferred(len(chunks) > 1 and not self.recorder.wants_raw_logits):
+            if tree.parents is None:
+                upto = [length + tree.num_nodes for length in lengths]
+                raw_logits, in_target = self.target.feed_upto(self.sequences, upto, tree.num_nodes + 1), None
+            else:  # the root and the nodes with the tree's mask
+                raw_logits, in_target = tree_forward.feed_tree(self.target, self.sequences, tree, proposal.shape)
         verdict, scores = self.verifier(
             self.sequences.tokens,
             lengths,
             self.target.head.take(raw_logits),
             self.sequences.rows.active,
-            proposal.tokens,
+            tree,
             proposal.probs,
             proposal.point_mass,
-            next_draws,
+            proposal.shape,
         )
-        return verdict, scores, raw_logits if self.recorder.wants_raw_logits else None
+        raw = None
+        if self.recorder.wants_raw_logits:
+            raw = raw_logits if verdict.path is None else along_path(raw_logits, verdict.path)
+        del raw_logits
+        return verdict, scores, raw, self.keep_path(proposal, verdict, in_target)
+
+    def keep_path(
+        self, proposal: Proposal, verdict: Verdict, in_target: tree_forward.CachedTree | None
+    ) -> dict[str, Any]:
+        """Write a tree's accepted path into the buffer after each row's committed tokens (where a chain's drafts
+        already are) and compact both caches to it (a chain's accepted path is a prefix: the caches' rollback keeps
+        it); the round's second host read, which raises a NaN/inf verdict.
+
+        Returns:
+            A tree round's `RoundRecord` fields: its nodes and what its walks tested of the draft's ranks
+            (`draft_tree.rank_observations`; none for a dynamic tree, whose ranks are its own); a chain's: none.
+        """
+        if verdict.path is None:
+            return {}
+        assert verdict.accepted_tokens is not None and in_target is not None and self.model_drafter is not None
+        for depth in range(verdict.accepted_tokens.shape[1]):
+            self.sequences.write(depth, verdict.accepted_tokens[:, depth])
+        path = verdict.path.cpu()  # the compactions need each row's path before rows stop and caches roll back
+        counts = (path >= 0).sum(dim=1).tolist()
+        in_target.compact(path, counts)
+        self.model_drafter.compact_tree(path, counts)
+        shape = proposal.shape
+        ranks = rank_observations(shape, path) if shape is not None else RankCounts((), ())
+        return dict(nodes=proposal.tokens.shape[1], **ranks._asdict())
 
     def commit(
-        self,
-        proposal: Proposal,
-        verdict: Verdict,
-        scores: torch.Tensor | None,
-        raw_logits: torch.Tensor | None,
-        drafted: int,
-        tree: bool = False,
+        self, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None, raw_logits: torch.Tensor | None
     ) -> list[int]:
         """Write the recovered/bonus token, then the round's four steps: read it (its one host sync), stop rows where
-        `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows). `drafted`: the
-        draft tokens each row was offered (a tree's nodes; a chain's K); `tree`: the round drafted a tree.
+        `generate()` would, emit what they commit, shrink (roll caches back, drop finished rows).
 
         Returns:
             Per row active in this round, the number of draft tokens it accepted.
         """
-        read = self.stops.read_round(proposal.tokens, verdict, stream=self.streamer is not None)
+        read = self.stops.read_round(verdict, stream=self.streamer is not None)
         self.sequences.write(verdict.num_accepted, verdict.next_tokens)
         callers = self.sequences.rows.callers()
         stops, counts = self.stop(read, callers, scores, raw_logits)
         self.emit(read, counts)
-        self.stats.record_round(callers, proposal.tokens.shape[1], read.num_accepted, counts, drafted, tree)
+        nodes, tree = proposal.tokens.shape[1], proposal.parents is not None
+        self.stats.record_round(callers, proposal.lookahead, read.num_accepted, counts, nodes, tree)
         self.shrink(counts, [stop is not None for stop in stops])
         return read.num_accepted
 

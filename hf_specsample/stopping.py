@@ -101,15 +101,16 @@ class StopCheck:
         tokens = torch.cat([draft_tokens, next_tokens[:, None].to(draft_tokens.device)], dim=1)  # (batch, K + 1)
         return torch.isin(tokens, self.eos_ids.to(tokens.device)).long()
 
-    def read_round(self, draft_tokens: torch.Tensor, verdict: Verdict, stream: bool) -> RoundRead:
+    def read_round(self, verdict: Verdict, stream: bool) -> RoundRead:
         """The round's one host sync: the accepted counts (raising where they carry a NaN/inf code, as plain sampling
         raises), with the EOS flags of the round's tokens and, when streaming, row 0's tokens travelling with them.
 
         Args:
-            draft_tokens: `(batch, K)` long, the proposal.
-            verdict: the round's verdict.
+            verdict: the round's verdict (its `accepted_tokens`: `(batch, K)`, the drafted path).
             stream: the round's tokens are streamed.
         """
+        draft_tokens = verdict.accepted_tokens
+        assert draft_tokens is not None  # the verifier sets a chain's to its tokens
         eos_flags = self.eos_flags(draft_tokens, verdict.next_tokens)  # (batch, K + 1) or None
         read = verdict.num_accepted[:, None]
         if eos_flags is not None:

@@ -358,7 +358,7 @@ def round_split(target, input_ids: torch.Tensor, generate_kwargs: dict[str, Any]
         stack.enter_context(clock.method(CachedModel, "_forward", "forward"))  # each model forward of either model
         out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **generate_kwargs)
     totals = clock.totals
-    processing = totals["verify"] - totals["target"]  # `verify` scores the round and judges it (`RoundVerifier`)
+    processing = totals["verify"] - totals["target"]  # `verify` scores the round and judges it (`Verifier`)
     rest = totals["round"] - totals["draft"] - totals["verify"]
     rounds = out.speculative_stats.rounds
     return RoundSplit(rounds, totals["draft"], totals["draft_forwards"], totals["target"], processing, rest)

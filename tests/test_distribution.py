@@ -14,7 +14,7 @@ from hf_specsample import SpeculativeConfig
 from hf_specsample.kernels import small_rows
 from hf_specsample.options import Verification
 from hf_specsample.sampling.draws import sample_from_weights
-from hf_specsample.verify import round_verifier
+from hf_specsample.verify import verifier
 from hf_specsample.verify.rejection import Verdict, block_accept, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
@@ -152,7 +152,7 @@ WRONG_SAMPLERS = {  # (the rule each replaces, the wrong sampler)
 def test_the_test_rejects_wrong_samplers(target, drafts, monkeypatch, wrong, draft_kind):
     verification, wrong_sampler = WRONG_SAMPLERS[wrong]
     name = "block_accept" if verification is Verification.BLOCK else "speculative_accept"
-    monkeypatch.setattr(round_verifier, name, wrong_sampler)
+    monkeypatch.setattr(verifier, name, wrong_sampler)
     settings = PROCESSOR_SETTINGS["temperature"]
     samples = draw(
         target, SAMPLES, seed=11, draft_model=drafts[draft_kind], num_lookahead=LOOKAHEAD,

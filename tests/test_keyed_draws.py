@@ -9,7 +9,7 @@
   same tokens, one row and ragged batches (left-padded, and a prompt ending in padding: a first round of K = 0),
   with temperature, top-p and repetition penalty;
 - the key: exactly one draw from the call's generator, none for greedy (`tests/test_seeded.py`: the global state);
-- a tree call's rounds that draft nothing (K = 0) draw their token with its keyed uniform (`RoundVerifier`).
+- a tree call's rounds that draft nothing (K = 0) draw their token with its keyed uniform (`Verifier`).
 
 Exactness stays: `tests/test_trees.py`'s chi-square tests (10,000 rows, each its own caller index) run on these
 draws, and its wrong rule still fails.
@@ -26,11 +26,12 @@ from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import LogitsProcessorList
 
 from hf_specsample import DynamicTree, SpeculativeConfig, TreeShape
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling.draws import sample_from_weights
 from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, mix64, positions_from
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rejection import block_accept, speculative_accept
-from hf_specsample.verify.round_verifier import RoundVerifier
+from hf_specsample.verify.verifier import Verifier
 
 RULES = {"token": speculative_accept, "block": block_accept}
 ALPHA = 1e-3
@@ -123,20 +124,21 @@ def test_a_call_draws_one_key_and_greedy_none():
 
 @pytest.mark.parametrize("rule", ["token", "block"])
 def test_a_round_of_nothing_draws_its_token_with_the_given_uniforms(rule):
-    """`RoundVerifier(next_draws=)` (a tree call's K = 0 round): the token is the inverse-CDF draw of the given
-    uniform, in one chunk or a row a chunk, and the generator is not touched."""
+    """A keyed `Verifier`'s chain of nothing (a tree call's K = 0 round): the token is the inverse-CDF draw of the
+    row's keyed uniform at its position, in one chunk or a row a chunk, and the generator is not touched."""
     batch, vocab = 6, 9
     generator = torch.Generator().manual_seed(1)
     logits = 2 * torch.randn(batch, 1, vocab, generator=generator)
-    draws = keyed_uniforms(call_key(generator), torch.arange(batch), positions_from([5] * batch, 1, logits.device))
+    key = call_key(generator)
+    draws = keyed_uniforms(key, torch.arange(batch), positions_from([5] * batch, 1, logits.device))
     draws = draws[:, 0]  # (batch, 1)
     expected = sample_from_weights(probabilities(logits[:, 0]), uniform=draws)
     processor = PositionwiseProcessor(LogitsProcessorList([]), batch)
     for chunk_elements in (10**9, 1):
         used = torch.Generator().manual_seed(2)
-        verifier = RoundVerifier(processor, True, RULES[rule], used, False, chunk_elements)
+        verify = Verifier(processor, True, RULES[rule], used, key, False, chunk_elements)
         empty = torch.zeros((batch, 0), dtype=torch.long)
-        verdict, _ = verifier(empty, [5] * batch, logits, list(range(batch)), empty, None, None, draws)
+        verdict, _ = verify(empty, [5] * batch, logits, list(range(batch)), DraftTree.chain(empty))
         assert torch.equal(verdict.next_tokens, expected) and not verdict.num_accepted.any()
         assert torch.equal(used.get_state(), torch.Generator().manual_seed(2).get_state())
 

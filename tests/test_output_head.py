@@ -13,10 +13,11 @@ from transformers import LlamaForCausalLM, LogitsProcessorList
 
 from hf_specsample.cache import output_head
 from hf_specsample.cache.output_head import HeadLogits, Tail
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling import draws
 from hf_specsample.sampling.processing import PositionwiseProcessor
 from hf_specsample.verify.rejection import speculative_accept
-from hf_specsample.verify.round_verifier import RoundVerifier
+from hf_specsample.verify.verifier import Verifier
 
 LOOKAHEAD = 2
 IDS = torch.tensor([[1, 5, 2, 5, 3, 4], [PAD, PAD, 1, 3, 3, 2], [PAD, 2, 2, 4, 1, 1]] * 4)  # 12 ragged rows
@@ -205,10 +206,10 @@ def test_verifier_reads_head_logits_chunk_by_chunk_as_it_reads_logits(do_sample)
     processor = PositionwiseProcessor(LogitsProcessorList([]), batch)
     results = []
     for given in (logits, HeadLogits(hidden, head, vocab, torch.device("cpu"))):
-        verifier = RoundVerifier(
-            processor, do_sample, speculative_accept, torch.Generator().manual_seed(5), True, 2 * logits[0].numel()
-        )
-        verdict, scores = verifier(tokens, [8] * batch, given, list(range(batch)), draft_tokens, draft_probs, None)
+        generator = torch.Generator().manual_seed(5)
+        verify = Verifier(processor, do_sample, speculative_accept, generator, None, True, 2 * logits[0].numel())
+        chain = DraftTree.chain(draft_tokens)
+        verdict, scores = verify(tokens, [8] * batch, given, list(range(batch)), chain, draft_probs, None)
         results.append((verdict.num_accepted, verdict.next_tokens, scores))
     assert calls == [2, 2, 2, 1]  # the head made two rows at a time
     for expected, got in zip(*results, strict=True):

@@ -169,7 +169,7 @@ def test_every_drafter_implements_the_proposer_contract():
 def test_lookup_proposals_build_no_vocabulary_wide_draft_tensor(pair, monkeypatch, mode, verification):
     """Lookup tokens reach the acceptance rule as token ids: `draft_probs` None in a lookup round, and in a model's
     round with forced n-gram tokens the model's own distributions with a `point_mass` mask. No one-hot is built."""
-    import hf_specsample.verify.round_verifier as round_verifier
+    import hf_specsample.verify.verifier as verifier
 
     def no_one_hot(*args, **kwargs):
         raise AssertionError("a one-hot draft distribution was built")
@@ -185,8 +185,8 @@ def test_lookup_proposals_build_no_vocabulary_wide_draft_tensor(pair, monkeypatc
         return checked
 
     monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
-    monkeypatch.setattr(round_verifier, "block_accept", recorded(round_verifier.block_accept))
-    monkeypatch.setattr(round_verifier, "speculative_accept", recorded(round_verifier.speculative_accept))
+    monkeypatch.setattr(verifier, "block_accept", recorded(verifier.block_accept))
+    monkeypatch.setattr(verifier, "speculative_accept", recorded(verifier.speculative_accept))
     target, draft = pair
     rows = [[1, 5, 2, 5, 3, 5, 2], [1, 3, 3, 4, 3, 3]]  # batched: rows with and without a continuation
     ids = torch.tensor([[PAD] * (7 - len(row)) + row for row in rows])

@@ -4,8 +4,10 @@ import pytest
 import torch
 from scipy import stats
 
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling.draws import first_argmax, sample_from_weights
-from hf_specsample.verify.rejection import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept
+from hf_specsample.verify.rejection import Verdict, block_accept, flag_nonfinite, speculative_accept
+from hf_specsample.verify.tree_rule import greedy_accept
 
 V = 6
 
@@ -92,7 +94,7 @@ def test_no_draft_tokens_samples_from_target():
 def test_greedy_accept():
     draft = torch.tensor([[1, 2, 3], [1, 2, 3], [5, 2, 3]])
     target = torch.tensor([[1, 2, 3, 4], [1, 0, 3, 4], [1, 2, 3, 4]])
-    verdict = greedy_accept(draft, target)
+    verdict = greedy_accept(DraftTree.chain(draft), target)
     assert verdict.num_accepted.tolist() == [3, 1, 0]
     assert verdict.next_tokens.tolist() == [4, 0, 1]
 

@@ -1,4 +1,4 @@
-"""A round verified in row chunks (`verify.round_verifier`, `draws.ROW_CHUNK_ELEMENTS`) gives what an unchunked
+"""A round verified in row chunks (`verify.verifier`, `draws.ROW_CHUNK_ELEMENTS`) gives what an unchunked
 round gives: the same draws from the same generator, the same verdicts and tokens, and samples that follow the target
 (chi-square, with power), greedy identical to plain `generate()`. A tiny threshold forces the chunks."""
 
@@ -11,12 +11,13 @@ from transformers.generation import logits_process as lp
 
 from hf_specsample import SpeculativeConfig
 from hf_specsample.cache.output_head import HeadLogits
+from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling import draws
 from hf_specsample.sampling.draws import round_chunks, row_chunks, sample_from_weights
 from hf_specsample.sampling.processing import PositionwiseProcessor
-from hf_specsample.verify import rejection, round_verifier
+from hf_specsample.verify import rejection, verifier
 from hf_specsample.verify.rejection import Verdict, block_accept, speculative_accept
-from hf_specsample.verify.round_verifier import RoundVerifier
+from hf_specsample.verify.verifier import Verifier
 
 RULES = {"token": speculative_accept, "block": block_accept}
 PROMPT = torch.tensor([[1, 5, 2, 5]])
@@ -78,9 +79,10 @@ def test_chunked_verification_matches_unchunked(rule, draft, processors, do_samp
     results = []
     for chunk_elements in (10**9, (lookahead + 1) * vocab * 4, 1):  # one chunk; 4 rows a chunk; a row a chunk
         generator = torch.Generator().manual_seed(5)
-        verifier = RoundVerifier(processor, do_sample, RULES[rule], generator, True, chunk_elements)
+        verify = Verifier(processor, do_sample, RULES[rule], generator, None, True, chunk_elements)
         before = logits.clone()
-        verdict, scores = verifier(tokens, lengths, logits, callers, draft_tokens, draft_probs, point_mass)
+        chain = DraftTree.chain(draft_tokens)
+        verdict, scores = verify(tokens, lengths, logits, callers, chain, draft_probs, point_mass)
         assert torch.equal(logits, before)  # the logits are not modified
         results.append((verdict, scores, torch.rand(4, generator=generator)))
     (verdict, scores, after), rest = results[0], results[1:]
@@ -99,8 +101,9 @@ def test_chunked_verification_flags_nonfinite_rows_in_their_chunk():
     tokens, logits, draft_tokens, draft_probs, _ = _round(batch, lookahead, vocab, seed=4, mixed=False, dense=True)
     logits[4, 0, 3] = float("nan")  # row 4's first position: used whatever is accepted
     processor = PositionwiseProcessor(LogitsProcessorList([]), batch)
-    verifier = RoundVerifier(processor, True, speculative_accept, torch.Generator().manual_seed(0), False, 2 * 60)
-    verdict, scores = verifier(tokens, [5] * batch, logits, list(range(batch)), draft_tokens, draft_probs, None)
+    verify = Verifier(processor, True, speculative_accept, torch.Generator().manual_seed(0), None, False, 2 * 60)
+    chain = DraftTree.chain(draft_tokens)
+    verdict, scores = verify(tokens, [5] * batch, logits, list(range(batch)), chain, draft_probs, None)
     assert scores is None  # not kept unless recorded
     assert verdict.num_accepted[4] == int(rejection.NonFinite.TARGET)
     assert (verdict.num_accepted[[0, 1, 2, 3, 5]] >= 0).all()
@@ -205,7 +208,7 @@ def test_samples_in_chunks_follow_target(target, draft, tiny_chunks, verificatio
 @pytest.mark.parametrize("verification", ["token", "block"])
 def test_the_chunked_test_rejects_a_wrong_rule(target, draft, tiny_chunks, monkeypatch, verification):
     name = "block_accept" if verification == "block" else "speculative_accept"
-    monkeypatch.setattr(round_verifier, name, _always_accept)
+    monkeypatch.setattr(verifier, name, _always_accept)
     tiny_chunks(target.config.vocab_size, rows=333)
     config = SpeculativeConfig(verification=verification)
     samples = _samples(target, 22, draft_model=draft, speculative_config=config, top_p=0.8)

@@ -21,21 +21,13 @@ import pytest
 import torch
 from exact import chisquare_pvalue
 from transformers.generation import logits_process as lp
+from tree_math import expected_tokens, path_probabilities
 
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
 from hf_specsample.sampling.draws import sample_from_weights, sample_uniform
-from hf_specsample.verify.rejection import NonFinite
-from hf_specsample.verify.tree_rule import (
-    TreeVerdict,
-    expected_tokens,
-    flag_tree_nonfinite,
-    path_probabilities,
-    path_tokens,
-    tree_accept,
-    tree_greedy_accept,
-    walk,
-)
+from hf_specsample.verify.rejection import NonFinite, Verdict, flag_nonfinite
+from hf_specsample.verify.tree_rule import greedy_accept, path_tokens, tree_accept, walk
 
 V = 6
 EOS = 0
@@ -194,7 +186,7 @@ def _first(tree: DraftTree) -> DraftTree:
 
 # --- chi-square, with power ----------------------------------------------------------------------------------------
 
-Rule = Callable[[DraftTree, torch.Tensor, torch.Tensor, int, torch.Generator], TreeVerdict]
+Rule = Callable[[DraftTree, torch.Tensor, torch.Tensor, int, torch.Generator], Verdict]
 
 
 def exact_rule(tree, target_probs, draft_probs, max_depth, generator):
@@ -243,7 +235,7 @@ def test_tree_accept_follows_the_target_on_chains_and_stars(shape):
     assert chisquare_pvalue(toy.exact_law(), simulate(toy, SHAPES[shape], exact_rule, seed=2)) > ALPHA
 
 
-def _wrong_walk(tree, target_probs, draft_probs, max_depth, generator, choose) -> TreeVerdict:
+def _wrong_walk(tree, target_probs, draft_probs, max_depth, generator, choose) -> Verdict:
     """A walk whose choice at a node is `choose(p, q, children, tokens, generator)` -> (child index or -1, token
     drawn where no child was chosen), for the wrong rules below."""
     rows, nodes = tree.tokens.shape
@@ -265,7 +257,7 @@ def _wrong_walk(tree, target_probs, draft_probs, max_depth, generator, choose) -
         current = torch.where(descend, child, current)
         walking = descend
     accepted = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), next_tokens[:, None])
-    return TreeVerdict(path, (path >= 0).sum(-1), next_tokens, accepted)
+    return Verdict((path >= 0).sum(-1), next_tokens, path, accepted)
 
 
 def _q_divided(p, q, children, tokens, generator):
@@ -388,7 +380,7 @@ def test_greedy_path_walks_the_argmaxes(shape):
     rows = 300
     tree = DraftTree.of_shape(shape, _distinct_siblings(shape, rows, generator))
     target_tokens = torch.randint(0, 4, (rows, shape.num_nodes + 1), generator=generator)
-    verdict = tree_greedy_accept(tree, target_tokens, shape.max_depth)
+    verdict = greedy_accept(tree, target_tokens, shape.max_depth)
     committed = torch.cat([verdict.accepted_tokens, verdict.next_tokens[:, None]], 1)
     expected = _reference_greedy(tree, target_tokens, shape.max_depth)
     assert [committed[row, : len(want)].tolist() for row, want in enumerate(expected)] == expected
@@ -429,5 +421,22 @@ def test_nonfinite_flagged_only_where_drawn():
     probs[:, 2:, 0] = 1.0
     probs[0, 1, 3] = float("nan")  # row 0: at node 0, where it draws
     probs[1, 2, 3] = float("inf")  # row 1: at node 1, never visited
-    verdict = flag_tree_nonfinite(tree_accept(tree, probs, torch.rand(3, 3, 1, dtype=torch.float64)), probs)
+    verdict = flag_nonfinite(tree_accept(tree, probs, torch.rand(3, 3, 1, dtype=torch.float64)), None, probs)
     assert verdict.num_accepted.tolist() == [int(NonFinite.TARGET), 1, 1]
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 5])
+def test_a_chains_greedy_rule_is_the_walk_on_a_chain(lookahead):
+    """`greedy_accept` of a chain (`DraftTree.chain`: no parents built) is the walk on the chain's tree, row for
+    row; and it is no identity: a draft off the target's argmax accepts less."""
+    generator = torch.Generator().manual_seed(0)
+    rows = 500
+    draft = torch.randint(0, 3, (rows, lookahead), generator=generator)
+    target_tokens = torch.randint(0, 3, (rows, lookahead + 1), generator=generator)
+    chain = greedy_accept(DraftTree.chain(draft), target_tokens)
+    walked = greedy_accept(DraftTree.of_shape(TreeShape.chain(lookahead), draft), target_tokens, lookahead)
+    assert torch.equal(chain.num_accepted, walked.num_accepted) and torch.equal(chain.next_tokens, walked.next_tokens)
+    if lookahead:
+        assert (chain.num_accepted > 0).any() and (chain.num_accepted < lookahead).any()
+        off = greedy_accept(DraftTree.chain((target_tokens[:, :lookahead] + 1) % 3), target_tokens)
+        assert not off.num_accepted.any()

@@ -1,4 +1,4 @@
-"""`verify.tree_verifier.TreeVerifier`: every processor at every node with that node's own prefix (the committed
+"""`verify.verifier.Verifier` on trees: every processor at every node with that node's own prefix (the committed
 tokens, then the path to the node), as a slow reference applying the processors one position at a time gives; row
 chunks forced tiny give what one chunk gives, draw for draw; greedy by argmax, drawing nothing."""
 
@@ -14,9 +14,9 @@ from hf_specsample.options import TreeShape
 from hf_specsample.sampling.draws import first_argmax
 from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, positions_from
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
-from hf_specsample.verify.rejection import NonFinite
-from hf_specsample.verify.tree_rule import tree_accept, tree_greedy_accept
-from hf_specsample.verify.tree_verifier import TreeVerifier
+from hf_specsample.verify.rejection import NonFinite, speculative_accept
+from hf_specsample.verify.tree_rule import greedy_accept, tree_accept
+from hf_specsample.verify.verifier import Verifier
 
 VOCAB = 12
 EOS = 0
@@ -37,10 +37,16 @@ class RowBias(LogitsProcessor):
 
 
 def verifier_for(processor_list: LogitsProcessorList, do_sample: bool, generator, keep_scores: bool, tp: bool = False):
-    """The call's tree verifier over `processor_list` (with the fast processors), as a call of `CALLER_BATCH` rows
-    builds it."""
+    """The verifier of a tree call over `processor_list` (with the fast processors), as a call of `CALLER_BATCH` rows
+    builds it: sampling, its key drawn from `generator`."""
     processor = PositionwiseProcessor(processor_list, CALLER_BATCH, True)
-    return TreeVerifier.for_call(processor, do_sample, generator, keep_scores, tp)
+    key = call_key(generator) if do_sample else None
+    return Verifier(processor, do_sample, speculative_accept, generator, key, keep_scores, tensor_parallel=tp)
+
+
+def node_scores(verifier: Verifier, tokens, lengths, logits, callers, tree: DraftTree) -> torch.Tensor:
+    """`(batch, N + 1, vocab)` the processed scores at every position of a round of `SHAPE`, in one chunk."""
+    return verifier._processed(tokens, lengths, logits, callers, tree, [list(SHAPE.depths)] * len(lengths), slice(None))
 
 
 def processors(min_length: int) -> LogitsProcessorList:
@@ -104,8 +110,8 @@ def test_processors_at_every_node_read_its_path(seed):
     expected = reference_scores(processor_list, tokens, tree, logits)
     before = logits.clone()
     verifier = verifier_for(processor_list, True, torch.Generator().manual_seed(5), True, False)
-    assert torch.equal(verifier.node_scores(tokens, LENGTHS, logits, CALLERS, tree, SHAPE), expected)
-    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+    assert torch.equal(node_scores(verifier, tokens, LENGTHS, logits, CALLERS, tree), expected)
+    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)
     assert torch.equal(logits, before)  # not modified
     assert verdict.num_accepted.max() >= 2  # kept scores along a path that the processors read
     key = call_key(torch.Generator().manual_seed(5))  # the call's one draw; level d's uniform: (caller, length + d)
@@ -126,7 +132,7 @@ def test_shape_or_depths_read_from_the_tree_agree():
     results = []
     for shape in (SHAPE, None):
         verifier = verifier_for(processors(12), True, torch.Generator().manual_seed(1), True, False)
-        results.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, shape))
+        results.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=shape))
     (first, first_kept), (second, second_kept) = results
     assert all(torch.equal(a, b) for a, b in zip(first, second)) and torch.equal(first_kept, second_kept)
 
@@ -147,7 +153,7 @@ def test_row_chunks_give_what_one_chunk_gives(do_sample, processor_set):
         generator = torch.Generator().manual_seed(9)
         verifier = verifier_for(processor_list, do_sample, generator, True, False)
         verifier.chunk_elements = chunk_elements
-        verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+        verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)
         results.append((verdict, kept, torch.rand(3, generator=generator)))
     (verdict, kept, after), rest = results[0], results[1:]
     for other_verdict, other_kept, other_after in rest:
@@ -156,7 +162,7 @@ def test_row_chunks_give_what_one_chunk_gives(do_sample, processor_set):
     if not do_sample:  # greedy: the argmax walk, and no draw
         assert torch.equal(after, torch.rand(3, generator=torch.Generator().manual_seed(9)))
         scores = reference_scores(processor_list, tokens, tree, logits)
-        want = tree_greedy_accept(tree, first_argmax(scores), SHAPE.max_depth)
+        want = greedy_accept(tree, first_argmax(scores), SHAPE.max_depth)
         assert all(torch.equal(a, b) for a, b in zip(verdict, want))
 
 
@@ -170,7 +176,7 @@ def test_greedy_accepts_along_the_targets_argmaxes():
             token = tree.tokens[row, first_child[0]] if first_child else 11
             logits[row, position, token] = 5.0
     verifier = verifier_for(LogitsProcessorList([]), False, None, False, False)
-    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)
     assert kept is None
     assert verdict.num_accepted.tolist() == [SHAPE.max_depth] * len(LENGTHS)
     assert verdict.next_tokens.tolist() == [11] * len(LENGTHS)
@@ -181,13 +187,13 @@ def test_nonfinite_rows_flagged_in_their_chunk():
     logits[2, 0, 3] = float("nan")  # row 2's root: drawn at whatever is accepted
     verifier = verifier_for(LogitsProcessorList([]), True, torch.Generator().manual_seed(0), False, False)
     verifier.chunk_elements = 1
-    verdict, _ = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+    verdict, _ = verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)
     assert verdict.num_accepted[2] == int(NonFinite.TARGET)
     assert (verdict.num_accepted[[0, 1, 3, 4]] >= 0).all()
 
 
 def test_tensor_parallel_takes_rank_zeros_verdict(tmp_path):
-    """`distributed.broadcast_tree_verdict` on a one-rank gloo group: the verdict comes back whole."""
+    """`distributed.broadcast_verdict` on a one-rank gloo group: the verdict comes back whole."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -196,7 +202,7 @@ def test_tensor_parallel_takes_rank_zeros_verdict(tmp_path):
         verdicts = []
         for tensor_parallel in (False, True):
             verifier = verifier_for(processors(12), True, torch.Generator().manual_seed(2), False, tensor_parallel)
-            verdicts.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)[0])
+            verdicts.append(verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)[0])
         assert all(torch.equal(a, b) for a, b in zip(*verdicts))
     finally:
         dist.destroy_process_group()
@@ -216,8 +222,8 @@ def test_no_host_read_with_a_static_shape(monkeypatch, do_sample):
 
     for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, SHAPE)
+    verdict, kept = verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=SHAPE)
     with pytest.raises(AssertionError, match="a host read"):  # without the shape: the depths are read
-        verifier(tokens, LENGTHS, logits, CALLERS, tree, None)
+        verifier(tokens, LENGTHS, logits, CALLERS, tree, shape=None)
     monkeypatch.undo()
     assert verdict.path.shape == (len(LENGTHS), SHAPE.max_depth) and kept.shape[1] == SHAPE.max_depth + 1

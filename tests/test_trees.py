@@ -147,10 +147,10 @@ def test_a_wrong_tree_rule_fails_the_same_test(target, drafts, monkeypatch):
         rejected = verdict.num_accepted == 0
         next_tokens = torch.where(rejected, tree.tokens[:, 1], verdict.next_tokens)  # node 1: the root's rank 1
         accepted_tokens = verdict.accepted_tokens.clone()
-        accepted_tokens[rejected] = next_tokens[rejected, None]  # padded with the next token (`TreeVerdict`)
+        accepted_tokens[rejected] = next_tokens[rejected, None]  # padded with the next token (`Verdict`)
         return verdict._replace(next_tokens=next_tokens, accepted_tokens=accepted_tokens)
 
-    monkeypatch.setattr("hf_specsample.verify.tree_verifier.tree_accept", second_choice_on_rejection)
+    monkeypatch.setattr("hf_specsample.verify.verifier.tree_accept", second_choice_on_rejection)
     samples, _ = sample(target, drafts["far"], 21, TREE, temperature=0.7)
     assert chisquare_pvalue(exact_for(target, temperature=0.7), samples) < ALPHA
 

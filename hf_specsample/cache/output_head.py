@@ -5,7 +5,7 @@ they are most of a round's memory (256 rows x 5 positions x 151,936 logits are 0
 `generate()` holds `(rows, 1, vocab)`. `OutputHead` runs the model's forward with the head's input captured (a
 forward pre-hook on `get_output_embeddings()`), hands the head a slice of it so that it computes (almost) nothing,
 and returns `HeadLogits`: the captured hidden states and the head, which make any rows' logits when they are read
-(`verify.round_verifier.RoundVerifier`, one row chunk at a time).
+(`verify.verifier.Verifier`, one row chunk at a time).
 
 The head is the output embedding followed by what the architecture does to its output before returning logits
 (`Tail`: Gemma's final soft-capping, Cohere's logit scale, Granite's logit scaling, or nothing). Which one is never

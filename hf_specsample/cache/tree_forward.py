@@ -114,6 +114,7 @@ class CachedTree:
                 `set_parents` before a node is fed (its depths are read now).
         """
         assert model.states is None, "tree forwards need an attention cache"
+        assert tree.parents is not None and tree.depths is not None  # a tree's (a chain is fed as a chain)
         self.model, self.tree, self.first_slot, self.committed = model, tree, first_slot, list(committed)
         self.node_slots = [-1] * tree.num_nodes
         rows = len(self.committed)
@@ -126,6 +127,7 @@ class CachedTree:
             else:
                 host_tree = DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu())
             self.ancestors = host_tree.ancestors()  # (rows, N, N)
+            assert host_tree.depths is not None
             depths = host_tree.depths
         self.node_positions = root_positions[:, None] + depths  # (rows, N)
 

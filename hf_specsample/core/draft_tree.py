@@ -29,17 +29,30 @@ from ..options import TreeShape
 
 @dataclass
 class DraftTree:
-    """A round's drafted tree, one per row, all of N nodes.
+    """A round's drafted tree, one per row, all of N nodes; a chain of N tokens is the tree whose node k has parent
+    k - 1 (`chain`: its parents and depths are implied, never built).
 
     Attributes:
         tokens: `(rows, N)` long, each node's token (siblings distinct).
-        parents: `(rows, N)` long, each node's parent (-1: the root), in level order per row.
-        depths: `(rows, N)` long, each node's depth (1: a child of the root).
+        parents: `(rows, N)` long, each node's parent (-1: the root), in level order per row; None: a chain.
+        depths: `(rows, N)` long, each node's depth (1: a child of the root); None: a chain.
     """
 
     tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
+    parents: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> DraftTree:
+        """The chain of `tokens` `(rows, N)`: node k's parent is node k - 1."""
+        return cls(tokens)
+
+    def rows(self, index: slice) -> DraftTree:
+        """The tree of the rows `index`."""
+        parents, depths = self.parents, self.depths
+        return DraftTree(
+            self.tokens[index], None if parents is None else parents[index], None if depths is None else depths[index]
+        )
 
     @classmethod
     def of_shape(cls, shape: TreeShape, tokens: torch.Tensor) -> DraftTree:
@@ -56,6 +69,7 @@ class DraftTree:
     def ancestors(self) -> torch.Tensor:
         """`(rows, N, N)` bool: [r, i, j] where node j is node i or one of its ancestors in row r's tree (what node
         i attends to among the nodes)."""
+        assert self.parents is not None, "a chain's ancestors are the nodes before it"
         rows, nodes = self.parents.shape
         seen = torch.eye(nodes, dtype=torch.bool, device=self.parents.device).expand(rows, -1, -1).clone()
         for node in range(nodes):  # level order: a parent's row is complete before its children's
@@ -80,7 +94,7 @@ def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
     Args:
         shape: the round's tree.
         path: `(rows, max_depth)` long on the host, each row's accepted nodes from depth 1 down, -1 after the last
-            (`verify.tree_rule.TreeVerdict.path`).
+            (`verify.rejection.Verdict.path`).
 
     Returns:
         Per rank 0 .. shape.max_rank, tested and accepted: at each node a row's walk stood on, the ranks offered

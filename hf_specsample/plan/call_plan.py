@@ -30,7 +30,6 @@ from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from ..cache import row_ops, static_addresses
-from ..cache.cached_model import CachedModel
 from ..cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from ..cache.forwards import Forwards
 from ..cache.runner import RunnerBackend, RunnerPlan
@@ -55,7 +54,6 @@ from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer
 from ..sampling.processing import PositionwiseProcessor, check_supported
 from ..stats import SpeculativeStats
 from ..verify import distributed
-from ..verify.tree_round import TreeRound
 from .call_inputs import CallInputs
 from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
 
@@ -161,16 +159,6 @@ class CallPlan:
         if self.max_ngram is None:
             return model, model
         return model, LookupThenModelProposer(model, PromptLookupProposer(self.max_ngram))
-
-    def tree_round(
-        self, target: CachedModel, drafter: DraftModelProposer | None, processor: PositionwiseProcessor, keep: set[str]
-    ) -> TreeRound | None:
-        """The call's tree rounds (None: it drafts chains only; `TreeRound.for_call`)."""
-        if self.shape.tree is None and not self.shape.ranks:
-            return None
-        assert drafter is not None  # trees are drafted by a draft model (`validation.tree_problems`)
-        do_sample = bool(self.inputs.generation_config.do_sample)
-        return TreeRound.for_call(drafter, target, processor, do_sample, self.generator, keep)
 
     def give_back_caches(self, caches: list[tuple[PreTrainedModel, Any]]) -> None:
         """After a `pooled` call: its own static caches, as (model, cache), kept for the next call

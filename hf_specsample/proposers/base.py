@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.draft_tree import DraftTree
 from ..core.sequences import Sequences
 from ..options import DynamicTree, TreeShape
 
@@ -31,8 +32,7 @@ class DraftBudget(NamedTuple):
         lookahead: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
         lookup_lookahead: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
-        tree: the tree a draft model drafts this round instead of a chain, K its depth (`verify.tree_round`); None:
-            a chain.
+        tree: the tree a draft model drafts this round instead of a chain, K its depth; None: a chain.
     """
 
     lookahead: int
@@ -41,21 +41,43 @@ class DraftBudget(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    """Draft tokens of one round, and the distributions they were drawn from.
+    """A round's draft, a tree of N nodes per row (a chain of K tokens: node k's parent is node k - 1), and the
+    distributions its tokens were drawn from.
 
     Attributes:
-        tokens: `(batch, K)` long, also written into the buffer after each row's committed tokens.
-        probs: `(batch, K, vocab)` float32, the distributions `tokens` were drawn from, over the target's ids; None
-            when every token is a point mass (a lookup proposal, a greedy draft, no token at all).
+        tokens: `(batch, N)` long, each node's token; a chain's are also written into the buffer after each row's
+            committed tokens.
+        probs: a chain's `(batch, K, vocab)` float32, the distributions `tokens` were drawn from, over the target's
+            ids; None when every token is a point mass (a lookup proposal, a greedy draft, no token at all) or for a
+            tree (its children are the draft's top choices: deterministic).
         point_mass: `(batch, K)` bool, True where a token is a point mass although `probs` is given (a forced
             n-gram token in a model's proposal): the verifier ignores `probs` there. None: no such position.
         model_steps: draft-model forwards run for it (0: no model ran, e.g. a lookup proposal).
+        parents, depths: a tree's `(batch, N)` long parents (-1: the root) and depths (`core.draft_tree.DraftTree`);
+            None: a chain.
+        shape: the tree's static shape (`DraftBudget.tree`: its depths known on the host), or None (a chain, or a
+            dynamic tree: each row's own).
+        depth: a tree's depth (None: a chain, whose depth is its K).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     point_mass: torch.Tensor | None = None
     model_steps: int = 0
+    parents: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    shape: TreeShape | None = None
+    depth: int | None = None
+
+    @property
+    def tree(self) -> DraftTree:
+        """The draft as a `DraftTree` (a chain's parents and depths implied)."""
+        return DraftTree(self.tokens, self.parents, self.depths)
+
+    @property
+    def lookahead(self) -> int:
+        """The most draft tokens a row can accept: a chain's K, a tree's depth."""
+        return self.tokens.shape[1] if self.depth is None else self.depth
 
 
 class Proposer(ABC):

@@ -45,18 +45,6 @@ class DraftVocabulary(NamedTuple):
     target_width: int
 
 
-class TreeProposal(NamedTuple):
-    """A round's drafted tree (`DraftModelProposer.draft_tree`).
-
-    Attributes:
-        tree: `DraftTree` of `(rows, N)` tokens, parents and depths; siblings carry distinct tokens.
-        model_steps: draft-model forwards run for it (one per level: the tree's depth).
-    """
-
-    tree: DraftTree
-    model_steps: int
-
-
 class DraftModelProposer(Proposer):
     """Proposes tokens by running a small causal LM autoregressively on its own KV cache.
 
@@ -141,12 +129,15 @@ class DraftModelProposer(Proposer):
         return max(0, self.position_limit - max(reads.lengths))
 
     def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
-        """Draft `budget.lookahead` (K) tokens after every active row's committed tokens (`Proposer.get_candidates`).
+        """Draft `budget.lookahead` (K) tokens after every active row's committed tokens, or the round's tree
+        (`budget.tree`: `draft_tree`) (`Proposer.get_candidates`).
 
         Returns:
             `Proposal` with `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions (None
-            for greedy drafts: argmax tokens are point masses).
+            for greedy drafts: argmax tokens are point masses); or a tree's `(batch, N)` nodes.
         """
+        if budget.tree is not None:
+            return self.draft_tree(sequences, budget.tree)
         return self.draft(sequences, budget.lookahead)
 
     def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
@@ -198,7 +189,7 @@ class DraftModelProposer(Proposer):
             model_steps=num_tokens,
         )
 
-    def draft_tree(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> TreeProposal:
+    def draft_tree(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> Proposal:
         """Draft a tree of `shape` (static, or each row's own: `draft_dynamic_tree`) after every active row's
         committed tokens, one draft forward per level.
 
@@ -236,9 +227,9 @@ class DraftModelProposer(Proposer):
                 chosen = self.vocabulary[index] if self.compact and self.vocabulary is not None else index
                 for node, rank in kids:
                     tree.tokens[:, node] = chosen[:, rank]
-        return TreeProposal(tree, model_steps=len(levels))
+        return _tree_proposal(tree, len(levels), shape)
 
-    def draft_dynamic_tree(self, sequences: Sequences, spec: DynamicTree) -> TreeProposal:
+    def draft_dynamic_tree(self, sequences: Sequences, spec: DynamicTree) -> Proposal:
         """Draft each row's dynamic tree (`proposers.dynamic_tree`): `spec.depth` draft forwards, the first at the
         root, each later one over the frontier's `spec.expand` nodes with the tree mask; the best `spec.num_nodes`
         nodes are kept.
@@ -259,12 +250,12 @@ class DraftModelProposer(Proposer):
         pool.add_level(self.processor(tokens, lengths, self._spread(self._columns(logits)), callers), tokens_of)
         for _ in range(1, spec.depth):
             frontier = pool.frontier()
-            cached.set_parents(frontier, pool.tree.parents[:, frontier].cpu())  # the sync named above
+            cached.set_parents(frontier, pool.parents[:, frontier].cpu())  # the sync named above
             full = self._spread(self._columns(cached.feed(frontier)))  # (rows, expand, vocab)
             pool.add_level(processed_at_frontier(self.processor, tokens, lengths, pool, full, callers), tokens_of)
         tree, kept = pool.kept()
         self.tree_in_cache = KeptNodes(cached, kept)
-        return TreeProposal(tree, model_steps=spec.depth)
+        return _tree_proposal(tree, spec.depth, None)
 
     def compact_tree(self, path: torch.Tensor, counts: Sequence[int]) -> None:
         """Keep the accepted path of the last drafted tree in the draft's cache (`CachedTree.compact`): called after
@@ -361,3 +352,11 @@ class DraftModelProposer(Proposer):
         # one-token prompt): rolling back cannot even the rows up. Start the draft over from one left-padded block.
         self.runner.rollback([0] * len(keep))
         self.inputs.sequences.left_pack()
+
+
+def _tree_proposal(tree: DraftTree, depth: int, shape: TreeShape | None) -> Proposal:
+    """A drafted tree as the round's proposal: one draft forward per level, no distributions (its children are the
+    draft's top choices)."""
+    return Proposal(
+        tree.tokens, None, model_steps=depth, parents=tree.parents, depths=tree.depths, shape=shape, depth=depth
+    )

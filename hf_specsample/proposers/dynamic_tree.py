@@ -44,11 +44,10 @@ class DynamicPool:
         self.starts = [0] + [expand + level * expand**2 for level in range(spec.depth - 1)]
         sizes = [expand] + [expand**2] * (spec.depth - 1)
         depths = torch.cat([torch.full((n,), level + 1, dtype=torch.long) for level, n in enumerate(sizes)])
-        self.tree = DraftTree(
-            tokens=torch.zeros((rows, size), dtype=torch.long, device=device),
-            parents=torch.full((rows, size), -1, dtype=torch.long, device=device),
-            depths=depths.to(device).expand(rows, -1),
-        )
+        self.parents = torch.full((rows, size), -1, dtype=torch.long, device=device)  # (rows, pool size)
+        self.depths = depths.to(device).expand(rows, -1)  # (rows, pool size)
+        tokens = torch.zeros((rows, size), dtype=torch.long, device=device)
+        self.tree = DraftTree(tokens, self.parents, self.depths)  # the pool as a tree, its tensors shared
         self.values = torch.full((rows, size), float("-inf"), dtype=torch.float32, device=device)
         self.levels = 0
 
@@ -83,7 +82,7 @@ class DynamicPool:
         start = self.starts[self.levels]
         block = slice(start, start + order.shape[1])
         self.tree.tokens[:, block] = tokens.gather(1, order)
-        self.tree.parents[:, block] = parent_nodes.repeat_interleave(expand, dim=1).gather(1, order)
+        self.parents[:, block] = parent_nodes.repeat_interleave(expand, dim=1).gather(1, order)
         self.values[:, block] = values.gather(1, order)
         self.levels += 1
 
@@ -101,9 +100,9 @@ class DynamicPool:
         kept = best.sort(dim=1).values  # (rows, N) pool order is level order
         new_index = torch.full((rows, size + 1), -1, dtype=torch.long, device=kept.device)  # column size: the root
         new_index.scatter_(1, kept, torch.arange(count, device=kept.device).expand(rows, -1))
-        pool_parents = self.tree.parents.gather(1, kept)
+        pool_parents = self.parents.gather(1, kept)
         parents = new_index.gather(1, torch.where(pool_parents < 0, size, pool_parents))
-        tree = DraftTree(self.tree.tokens.gather(1, kept), parents, self.tree.depths.gather(1, kept))
+        tree = DraftTree(self.tree.tokens.gather(1, kept), parents, self.depths.gather(1, kept))
         return tree, kept
 
 
@@ -122,7 +121,7 @@ class KeptNodes:
     def compact(self, path: torch.Tensor, counts: Sequence[int]) -> None:
         """`CachedTree.compact` along `path` `(rows, D)` of kept-tree indices (-1 after `counts[b]`): each path node
         as its pool index, whose slot is wherever the draft fed it (or none: a node never fed, a leaf)."""
-        kept = self.kept.cpu()  # a device read on an accelerator, beside the path's (`TreeRound.verify`)
+        kept = self.kept.cpu()  # a device read on an accelerator, beside the path's (`SpeculativeDecoder.keep_path`)
         path = path.cpu()
         pool_path = torch.where(path >= 0, kept.gather(1, path.clamp(min=0)), -1)
         self.cached.compact(pool_path, counts)
@@ -167,6 +166,7 @@ def frontier_paths(tree: DraftTree, nodes: Sequence[int], depth: int) -> torch.T
     rows = tree.tokens.shape[0]
     at = torch.tensor(list(nodes), dtype=torch.long, device=tree.tokens.device).expand(rows, -1)
     steps = []
+    assert tree.parents is not None  # a tree's
     for _ in range(depth):  # up from the nodes, one parent a step
         steps.append(tree.tokens.gather(1, at))
         at = tree.parents.gather(1, at).clamp(min=0)

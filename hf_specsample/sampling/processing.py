@@ -20,7 +20,7 @@ repetition penalty of a padded batch, which holds one padding length per row) is
 batch, each row at its own index, as plain `generate()` calls it; the rows not at that prefix length are filled
 with zeros and their output is discarded. A processor whose row depends on *other* rows' contents cannot be
 applied exactly to draft positions; none of transformers' processors does this outside beam search. A round of
-many rows is processed in row chunks (`verify.round_verifier`): each chunk's rows are called as above, so a processor
+many rows is processed in row chunks (`verify.verifier`): each chunk's rows are called as above, so a processor
 may be called once per chunk and prefix length.
 
 A round processes K + 1 positions where plain decoding processes one, and a model draft processes its K drafted

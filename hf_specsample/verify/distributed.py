@@ -3,8 +3,8 @@
 Each rank runs the loop with its shard of the target and a full replica of the draft. The target's logits come
 out of an all-reduce/all-gather, identical on every rank; the draft replica computes identical logits from
 identical inputs. What remains is randomness: every rank draws from one generator whose state rank 0 broadcasts
-at the start, and rank 0's verdict (accepted count, next token) is broadcast every round, so ranks can never
-drift apart, whatever their floating point does.
+at the start, and rank 0's verdict (accepted count, next token, a tree's path) is broadcast every round, so ranks
+can never drift apart, whatever their floating point does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from .rejection import Verdict
-from .tree_rule import TreeVerdict
 
 
 def _broadcast_device(device: torch.device) -> torch.device:
@@ -66,15 +65,6 @@ def check_same_draft(form: Enum, vocabulary: torch.Tensor | None, device: torch.
 
 
 def broadcast_verdict(verdict: Verdict) -> Verdict:
-    """Rank 0's verdict on every rank."""
+    """Rank 0's verdict on every rank (each of its tensors, one broadcast each)."""
     device = verdict.num_accepted.device
-    return Verdict(
-        _from_rank_zero(verdict.num_accepted, device).to(device),
-        _from_rank_zero(verdict.next_tokens, device).to(device),
-    )
-
-
-def broadcast_tree_verdict(verdict: TreeVerdict) -> TreeVerdict:
-    """Rank 0's tree verdict on every rank (its four tensors, one broadcast each)."""
-    device = verdict.num_accepted.device
-    return TreeVerdict(*(_from_rank_zero(field, device).to(device) for field in verdict))
+    return Verdict._make(None if field is None else _from_rank_zero(field, device).to(device) for field in verdict)

@@ -34,15 +34,26 @@ from ..sampling.draws import sample_from_weights, uniform_like
 
 
 class Verdict(NamedTuple):
-    """Outcome of one verification round for every row.
+    """Outcome of one verification round for every row, whatever the draft's shape (a chain is the tree whose node
+    k's parent is node k - 1: its accepted path is its first `num_accepted` tokens).
 
     Attributes:
-        num_accepted: `(batch,)` long, number of leading draft tokens accepted, in ``[0, lookahead]``.
-        next_tokens: `(batch,)` long, the recovered token (a rejection happened) or the bonus token (all accepted).
+        num_accepted: `(rows,)` long, the draft tokens accepted (a tree's accepted depth), in ``[0, lookahead]``;
+            `NonFinite` codes where `flag_nonfinite` found a NaN/inf distribution a row drew from.
+        next_tokens: `(rows,)` long, the target's draw where the walk ended: the recovered token (a rejection
+            happened) or the bonus token (all accepted).
+        path: a tree's `(rows, max_depth)` long accepted nodes from depth 1 down, -1 after the last; None for a
+            chain (its first `num_accepted` nodes).
+        accepted_tokens: `(rows, max_depth)` long, the drafted path's tokens: a tree's accepted path padded with the
+            row's next token after the last accepted one, a chain's tokens (``cat([accepted_tokens,
+            next_tokens[:, None]], 1)[:, : num_accepted + 1]`` are the round's committed tokens); None until the
+            verifier sets a chain's (a rule returns none).
     """
 
     num_accepted: torch.Tensor
     next_tokens: torch.Tensor
+    path: torch.Tensor | None = None
+    accepted_tokens: torch.Tensor | None = None
 
 
 def speculative_accept(
@@ -69,7 +80,7 @@ def speculative_accept(
         point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass (its row of
             `draft_probs` is then ignored); None: none is, unless `draft_probs` is None.
         sample_draws: optional `(batch, 1)` float64 uniforms of the recovered/bonus sample (`sample_uniform`); drawn
-            with `generator` after `uniform` if None. (`verify.round_verifier.RoundVerifier` draws both for all rows
+            with `generator` after `uniform` if None. (`verify.verifier.Verifier` draws both for all rows
             at once, then applies the rule row chunk by row chunk.)
 
     Returns:
@@ -184,25 +195,6 @@ def block_accept(
     return Verdict(num_accepted, sample_from_weights(weights_next, generator, sample_draws))
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
-    """Greedy verification: keep draft tokens while they equal the target's argmax, then take the target's token.
-
-    Args:
-        draft_tokens: `(batch, lookahead)` long.
-        target_tokens: `(batch, lookahead + 1)` long, the target's argmax at each drafted position and one after.
-
-    Returns:
-        A :class:`Verdict`; ``next_tokens`` is the target's own argmax after the accepted run, so the committed
-        tokens are exactly the target's greedy continuation.
-    """
-    batch, lookahead = draft_tokens.shape
-    assert target_tokens.shape == (batch, lookahead + 1), f"target_tokens {tuple(target_tokens.shape)}"
-    matches = draft_tokens == target_tokens[:, :lookahead]  # (batch, lookahead)
-    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # (batch,)
-    next_tokens = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # (batch,)
-    return Verdict(num_accepted, next_tokens)
-
-
 class NonFinite(enum.IntEnum):
     """Codes replacing `Verdict.num_accepted` for a row whose distributions hold NaN or inf (see `flag_nonfinite`)."""
 
@@ -238,33 +230,41 @@ def flag_nonfinite(
 ) -> Verdict:
     """Mark rows that sampled from a NaN/inf distribution, where plain sampling would have raised, without a sync.
 
-    Only the distributions a row really used count: the target's at positions ``0 .. num_accepted`` and the draft's
-    at the positions before that. (A NaN target or draft probability never passes the acceptance test, so the
-    first such position is always at or after ``num_accepted``.) A point mass is always finite. The codes travel
-    with `num_accepted` to the round's one host synchronisation, where the caller raises.
+    Only the distributions a row really used count: the target's at the root and at each accepted node (a chain's
+    positions ``0 .. num_accepted``, a tree's along `Verdict.path`), and a chain's draft distributions before that.
+    (A NaN target or draft probability never passes the acceptance test, so the first such position is always at or
+    after ``num_accepted``.) A point mass is always finite. The codes travel with `num_accepted` to the round's one
+    host synchronisation, where the caller raises.
 
     Args:
         verdict: the round's verdict.
-        draft_probs: `(batch, lookahead, vocab)`, or None (every draft token a point mass).
-        target_probs: `(batch, lookahead + 1, vocab)`.
-        point_mass: optional `(batch, lookahead)` bool, True where the draft token is a point mass.
+        draft_probs: a chain's `(rows, lookahead, vocab)`, or None (every draft token a point mass, or a tree).
+        target_probs: `(rows, positions, vocab)`: a chain's lookahead + 1 positions, a tree's N + 1.
+        point_mass: optional `(rows, lookahead)` bool, True where the draft token is a point mass.
 
     Returns:
         The verdict with `num_accepted` replaced by `NonFinite.TARGET` / `NonFinite.DRAFT` in the rows concerned.
     """
-    lookahead = target_probs.shape[1] - 1
-    used = torch.arange(lookahead + 1, device=target_probs.device) <= verdict.num_accepted[:, None]  # (batch, K+1)
+    rows, positions = target_probs.shape[:2]
     # A row's sum is finite exactly when all of its entries are (probabilities: no sum overflows): one pass less.
-    target_bad = (~torch.isfinite(target_probs.sum(dim=-1)) & used).any(dim=-1)  # (batch,)
+    nonfinite = ~torch.isfinite(target_probs.sum(dim=-1))  # (rows, positions)
+    if verdict.path is None:  # a chain: positions 0 .. num_accepted
+        used = torch.arange(positions, device=target_probs.device) <= verdict.num_accepted[:, None]
+    else:  # a tree: the root, then each accepted node i at position i + 1
+        at = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1).clamp(max=positions - 1)
+        used = torch.cat([torch.ones_like(verdict.path[:, :1], dtype=torch.bool), verdict.path >= 0], dim=1)
+        nonfinite = nonfinite.gather(1, at)  # (rows, max_depth + 1)
+    target_bad = (nonfinite & used).any(dim=-1)  # (rows,)
     codes = verdict.num_accepted
     if draft_probs is not None:
-        draft_nonfinite = ~torch.isfinite(draft_probs.sum(dim=-1))  # (batch, K)
+        lookahead = draft_probs.shape[1]
+        draft_nonfinite = ~torch.isfinite(draft_probs.sum(dim=-1))  # (rows, K)
         if point_mass is not None:
             draft_nonfinite &= ~point_mass
-        draft_bad = (draft_nonfinite & used[:, :lookahead]).any(dim=-1)  # (batch,)
+        draft_bad = (draft_nonfinite & used[:, :lookahead]).any(dim=-1)  # (rows,)
         codes = torch.where(draft_bad, int(NonFinite.DRAFT), codes)
     codes = torch.where(target_bad, int(NonFinite.TARGET), codes)
-    return Verdict(codes, verdict.next_tokens)
+    return verdict._replace(num_accepted=codes)
 
 
 def draft_token_probs(

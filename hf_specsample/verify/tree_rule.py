@@ -22,39 +22,17 @@ level d's draw made at the node where the walk stands after d accepted nodes, by
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from ..core.draft_tree import DraftTree
 from ..sampling.draws import sample_from_weights
-from .rejection import NonFinite
-
-
-class TreeVerdict(NamedTuple):
-    """Outcome of one tree's verification for every row.
-
-    Attributes:
-        path: `(rows, max_depth)` long, the accepted nodes' indices from depth 1 down, -1 after the last.
-        num_accepted: `(rows,)` long, the accepted nodes (the path's length), in ``[0, max_depth]``; carries
-            `NonFinite` codes where `flag_tree_nonfinite` found the target's distribution NaN/inf on the way.
-        next_tokens: `(rows,)` long, the target's draw where the walk ended: the token that ended the round, or the
-            bonus token at a leaf.
-        accepted_tokens: `(rows, max_depth)` long, the path's tokens, padded with the row's next token after the
-            last accepted one: ``cat([accepted_tokens, next_tokens[:, None]], 1)[:, : num_accepted + 1]`` are the
-            round's committed tokens, as a chain's accepted drafts and its next token.
-    """
-
-    path: torch.Tensor
-    num_accepted: torch.Tensor
-    next_tokens: torch.Tensor
-    accepted_tokens: torch.Tensor
-
+from .rejection import Verdict
 
 Draw = Callable[[int, torch.Tensor], torch.Tensor]  # (level, position index (rows,)) -> drawn token (rows,)
 
 
-def walk(tree: DraftTree, draw: Draw, max_depth: int) -> TreeVerdict:
+def walk(tree: DraftTree, draw: Draw, max_depth: int) -> Verdict:
     """The rule's walk down each row's tree, from a draw at each level (module docstring).
 
     Args:
@@ -65,7 +43,7 @@ def walk(tree: DraftTree, draw: Draw, max_depth: int) -> TreeVerdict:
         max_depth: the deepest node's depth (a node deeper is never reached).
 
     Returns:
-        The `TreeVerdict` (`num_accepted` without `NonFinite` codes).
+        The `Verdict` with the accepted path and its tokens (`num_accepted` without `NonFinite` codes).
     """
     rows, nodes = tree.tokens.shape
     device = tree.tokens.device
@@ -90,10 +68,10 @@ def walk(tree: DraftTree, draw: Draw, max_depth: int) -> TreeVerdict:
     num_accepted = (path >= 0).sum(dim=-1)  # (rows,)
     on_path = tree.tokens.gather(1, path.clamp(min=0)) if nodes > 0 else path * 0  # (rows, max_depth)
     accepted_tokens = torch.where(path >= 0, on_path, next_tokens[:, None])
-    return TreeVerdict(path, num_accepted, next_tokens, accepted_tokens)
+    return Verdict(num_accepted, next_tokens, path, accepted_tokens)
 
 
-def tree_accept(tree: DraftTree, target_probs: torch.Tensor, draws: torch.Tensor) -> TreeVerdict:
+def tree_accept(tree: DraftTree, target_probs: torch.Tensor, draws: torch.Tensor) -> Verdict:
     """Verify each row's tree so that the committed tokens follow `target_probs` exactly (module docstring).
 
     Args:
@@ -103,7 +81,7 @@ def tree_accept(tree: DraftTree, target_probs: torch.Tensor, draws: torch.Tensor
             their count sets the walk's depth, `max_depth`, which must reach the tree's deepest node.
 
     Returns:
-        The `TreeVerdict`; the caller flags NaN/inf distributions with `flag_tree_nonfinite`.
+        The `Verdict`; the caller flags NaN/inf distributions with `rejection.flag_nonfinite`.
     """
     rows, nodes = tree.tokens.shape
     assert target_probs.shape[:2] == (rows, nodes + 1), f"target_probs {tuple(target_probs.shape)}, {nodes} nodes"
@@ -116,39 +94,28 @@ def tree_accept(tree: DraftTree, target_probs: torch.Tensor, draws: torch.Tensor
     return walk(tree, draw, draws.shape[1] - 1)
 
 
-def tree_greedy_accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> TreeVerdict:
-    """Greedy verification: descend while the target's argmax is a child, then take the target's argmax.
+def greedy_accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int | None = None) -> Verdict:
+    """Greedy verification: descend while the target's argmax is a child, then take the target's argmax, so the
+    committed tokens are exactly the target's greedy continuation.
 
     Args:
-        tree: the round's tree, tokens and parents `(rows, N)`.
-        target_tokens: `(rows, N + 1)` long, the target's argmax at each position (`draws.first_argmax`: ties go
-            to the first id).
-        max_depth: the deepest node's depth.
+        tree: the round's tree, tokens `(rows, N)`; a chain (`DraftTree.chain`) keeps its leading run of tokens equal
+            to the target's argmax, the walk's result without the walk's loop over levels.
+        target_tokens: `(rows, N + 1)` long, the target's argmax at each position (`draws.first_argmax`: ties go to
+            the first id).
+        max_depth: a tree's deepest node's depth (None: a chain's N).
 
     Returns:
-        The `TreeVerdict`: the committed tokens are the target's greedy continuation.
+        The `Verdict` (a tree's with its path and path tokens).
     """
     rows, nodes = tree.tokens.shape
     assert target_tokens.shape == (rows, nodes + 1), f"target_tokens {tuple(target_tokens.shape)}, {nodes} nodes"
-    return walk(tree, lambda level, position: target_tokens.gather(1, position[:, None])[:, 0], max_depth)
-
-
-def flag_tree_nonfinite(verdict: TreeVerdict, target_probs: torch.Tensor) -> TreeVerdict:
-    """Mark rows that drew from a NaN/inf distribution, where plain sampling would have raised, without a sync.
-
-    Only the positions a row drew at count: the root and its accepted nodes (`rejection.flag_nonfinite`'s rule for
-    a chain). The code (`NonFinite.TARGET`) replaces `num_accepted`, read at the round's one host read.
-
-    Args:
-        verdict: the round's verdict; target_probs: `(rows, N + 1, vocab)`.
-    """
-    rows, positions = target_probs.shape[:2]
-    nonfinite = ~torch.isfinite(target_probs.sum(dim=-1))  # (rows, N + 1): a row's sum is finite iff its entries are
-    drawn_at = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)  # (rows, max_depth + 1)
-    visited = torch.cat([torch.ones_like(verdict.path[:, :1], dtype=torch.bool), verdict.path >= 0], dim=1)
-    bad = (nonfinite.gather(1, drawn_at.clamp(max=positions - 1)) & visited).any(dim=-1)  # (rows,)
-    codes = torch.where(bad, int(NonFinite.TARGET), verdict.num_accepted)
-    return verdict._replace(num_accepted=codes)
+    if tree.parents is None:
+        matches = tree.tokens == target_tokens[:, :nodes]  # (rows, N)
+        num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # (rows,)
+        return Verdict(num_accepted, target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
+    depth = nodes if max_depth is None else max_depth
+    return walk(tree, lambda level, position: target_tokens.gather(1, position[:, None])[:, 0], depth)
 
 
 def path_tokens(tree: DraftTree, max_depth: int) -> torch.Tensor:
@@ -159,34 +126,10 @@ def path_tokens(tree: DraftTree, max_depth: int) -> torch.Tensor:
         tree: the round's tree; max_depth: at least its deepest node's depth.
     """
     rows, nodes = tree.tokens.shape
+    assert tree.depths is not None  # a tree's (a chain's prefixes are the buffer's)
     ancestors = tree.ancestors()  # (rows, N, N): [r, i, j] node j on node i's path
     # each ancestor's token goes to its depth's column; the rest to a spare column, dropped
     column = torch.where(ancestors, (tree.depths - 1)[:, None, :], max_depth)  # (rows, N, N)
     out = tree.tokens.new_zeros((rows, nodes, max_depth + 1))
     out.scatter_(2, column, torch.where(ancestors, tree.tokens[:, None, :], 0))
     return out[..., :max_depth]
-
-
-def path_probabilities(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor:
-    """`(rows, N)` the target's probability of the path to each node: the chance the rule accepts that node.
-
-    Node i is accepted when every node on its path is, each with the target's probability of its token at its
-    parent's position.
-
-    Args:
-        tree: the round's tree; target_probs: `(rows, N + 1, vocab)` (index 0: the root, i + 1: node i).
-    """
-    at_parent = target_probs.gather(1, (tree.parents + 1)[..., None].expand(-1, -1, target_probs.shape[-1]))
-    token_probs = at_parent.gather(2, tree.tokens[..., None])[..., 0].double()  # (rows, N)
-    on_path = tree.ancestors()  # (rows, N, N)
-    return torch.where(on_path, token_probs[:, None, :], 1.0).prod(dim=-1)
-
-
-def expected_tokens(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor:
-    """`(rows,)` float64, the tokens a round commits in expectation: 1 + the sum over nodes of the target's
-    probability of the path to the node (`path_probabilities`); no verifier of this tree commits more.
-
-    Args:
-        tree: the round's tree; target_probs: `(rows, N + 1, vocab)`, one-hot rows of the argmax for greedy.
-    """
-    return 1.0 + path_probabilities(tree, target_probs).sum(dim=-1)
