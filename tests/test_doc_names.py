@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 from doc_names import code_spans, stale_names
 from markdown_blocks import DOCUMENTS, REPO
@@ -59,3 +62,42 @@ def test_other_projects_names_and_fenced_code_are_not_checked():
     text += "```python\n`lookahead.nowhere`\n```"
     assert stale_names(text) == []
     assert [span for _, span in code_spans(text)][-1] == "transformers/generation/utils.py"
+
+
+def docstrings(path: Path) -> list[tuple[int, str]]:
+    """(first line, text) of a module's docstrings: the module's, each class's and each function's."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            first = body[0] if body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                found.append((first.lineno, first.value.value))
+    return found
+
+
+LIBRARY_MODULES = sorted((REPO / "hf_specsample").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", LIBRARY_MODULES, ids=lambda path: path.relative_to(REPO).as_posix())
+def test_every_code_name_in_the_librarys_docstrings_exists(path):
+    """The library's docstrings cite modules, members and files by the rule the documents follow: each exists."""
+    stale = [
+        f"{path.relative_to(REPO)}:{start + line - 1}: `{name}`"
+        for start, text in docstrings(path)
+        for line, name in stale_names(text)
+    ]
+    assert stale == [], "names the code no longer has (rename them in the docstring):\n" + "\n".join(stale)
+
+
+def test_a_docstring_naming_a_missing_member_fails(tmp_path):
+    """The power check: a docstring citing a member that does not exist is found, at its line."""
+    module = tmp_path / "module.py"
+    module.write_text('"""A module."""\n\n\ndef f():\n    """Calls\n    `RoundLookahead.widths` here."""\n')
+    found = [(start + line - 1, name) for start, text in docstrings(module) for line, name in stale_names(text)]
+    assert found == [(6, "RoundLookahead.widths")]

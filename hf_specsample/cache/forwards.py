@@ -42,8 +42,8 @@ class Forwards:
             same weights (`PreparedDraft.step_model`), outside the kernel routing (its linears are the kernel's
             operators or inductor's). For a draft only: compiled logits differ by rounding, which changes how
             often its proposals are accepted, never what is sampled. Not for hybrid models.
-        runner: forwards of at most `max(runner.sizes)` positions on the model's static cache run through
-            `cache.runner.ForwardRunner`s of those sizes (padded to them), with `runner.backend` (None: as above).
+        runner: forwards of at most `max(RunnerPlan.sizes)` positions on the model's static cache run through
+            `cache.runner.ForwardRunner`s of those sizes (padded to them), with `RunnerPlan.backend` (None: as above).
         embeddable: ids at or above it are fed as id 0 (a draft narrower than the target cannot embed the target's
             padded ids; its proposals then condition on another token, which exactness allows: the verifier only
             needs the distribution the draft really sampled from). None: every id is embeddable.

@@ -36,7 +36,7 @@ class Sequences:
     Row ``b`` of `tokens` holds its prompt exactly as `generate()` received it (padding included, on either side),
     its committed tokens up to ``lengths[b]``, and during a round the draft tokens after that. Only active rows are
     kept in `tokens`; the row book `rows` maps them back to the caller's batch. The buffer is a member of its book, as
-    may be any holder of per-row state (`rows.attach`); the loop tells the models' caches itself
+    may be any holder of per-row state (`RowBook.attach`); the loop tells the models' caches itself
     (`SpeculativeDecoder.shrink`), after `drop_finished` drops finished rows from the buffer.
 
     Positions follow `generate()`: the prompt's are `generate()`'s own `position_ids` (from the attention mask:
