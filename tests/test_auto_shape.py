@@ -15,12 +15,31 @@ import hf_specsample.policy.lookahead as lookahead_module
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.core.draft_tree import rank_observations
 from hf_specsample.policy.lookahead import AdaptiveLookahead, LookaheadPolicy
-from hf_specsample.policy.round_costs import RoundRecord, StaticCosts
+from hf_specsample.policy.round_costs import RoundRecord, StaticCosts, expected_tokens
 from hf_specsample.policy.shape_choice import SAMPLING_KEEPS_CHAINS
 from hf_specsample.policy.shape_policy import RankAcceptance, ShapeDesigner
-from hf_specsample.policy.tree_design import best_trees, expected_count
+from hf_specsample.policy.tree_design import best_trees
 
 # --- the design -----------------------------------------------------------------------------------------------------
+
+
+def expected_count(shape: TreeShape, accept: list[float]) -> float:
+    """1 + the sum over `shape`'s nodes of the product of `accept[rank]` along the node's path (0 for a rank beyond
+    `accept`): a reference for the expected tokens `best_trees` sums as it grows its trees."""
+    values: list[float] = []
+    for parent, rank in zip(shape.parents, shape.ranks):
+        p = accept[rank] if rank < len(accept) else 0.0
+        values.append(p * (values[parent] if parent >= 0 else 1.0))
+    return 1.0 + sum(values)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.35, 0.8, 1.0])
+def test_a_chains_expected_tokens_are_the_trees(alpha):
+    """One formula: the best trees of one rank are chains, and their expected tokens are E(K) of Theorem 3.8."""
+    for lookahead, tree in enumerate(best_trees([alpha], 6, 6), start=1):
+        assert tree.is_chain and tree.depth == lookahead
+        assert tree.expected == pytest.approx(expected_tokens(alpha, lookahead), rel=1e-12)
+        assert expected_count(TreeShape.chain(lookahead), [alpha]) == pytest.approx(tree.expected, rel=1e-12)
 
 
 def brute_force_best(accept, nodes, max_depth):

@@ -74,7 +74,7 @@ from .round_costs import (
     expected_rate,
 )
 from .round_timer import host_clock
-from .shape_policy import ShapeDesigner
+from .shape_policy import RankAcceptance, ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -163,7 +163,9 @@ class AdaptiveLookahead(LookaheadPolicy):
         self.first_lookahead = min(first_lookahead, max_lookahead)
         self.draft_cost_ratio = draft_cost_ratio
         self.probe_every = probe_every
-        self.alpha = DecayedMean(alpha_prior, weight=alpha_prior_weight, decay=decay)
+        # the call's one acceptance estimate: rank 0's hazard is alpha (a chain's), the ranks above a tree's
+        ranks = trees.ranks if trees is not None else 1
+        self.acceptance = RankAcceptance(ranks, alpha_prior, alpha_prior_weight, decay)
         self._rounds_without_drafting = 0
         self._probe_interval = probe_every
         self._probed = False
@@ -174,16 +176,18 @@ class AdaptiveLookahead(LookaheadPolicy):
     def needs_timing(self) -> bool:
         return isinstance(self.costs, MeasuredCosts) or self.costs.processing is not None
 
+    @property
+    def alpha(self) -> DecayedMean:
+        """The estimate of alpha: the acceptance's rank 0."""
+        return self.acceptance.hazards[0]
+
     def observe(self, record: RoundRecord) -> None:
-        if record.tested and record.nodes is None:  # a tree's ranks are the designer's
-            self.alpha.add(record.accepted, record.tested)
-        if self.trees is not None:
-            self.trees.observe(record)
+        self.acceptance.observe(record)
         self.costs.observe(record)
 
     def expected_rate(self, lookahead: int) -> float:
         """Expected tokens per second per row with K = lookahead: E(K) / (d K + v(K))."""
-        return expected_rate(self.alpha.value, lookahead, self.costs)
+        return expected_rate(self.acceptance.alpha, lookahead, self.costs)
 
     def perfect_draft_gain(self) -> float:
         """How much faster than plain decoding a draft whose every token were accepted would be at the costs known
@@ -205,7 +209,7 @@ class AdaptiveLookahead(LookaheadPolicy):
     def best_lookahead(self) -> int:
         """The K (a tree's depth, `chosen_tree`) of the best rate at the costs measured."""
         if self.trees is not None:
-            self._tree, depth = self.trees.best(self.costs)
+            self._tree, depth = self.trees.best(self.costs, self.acceptance)
             return depth
         # K grows by at most one beyond the K's observed: a line extrapolated from few rounds is a guess, and a
         # guessed-cheap wide round (compute-bound verification) costs a lot and tells little about alpha.

@@ -9,7 +9,8 @@ position per parent, `DesignedTree.parents`), v(n) the rest of a round verifying
 chains and trees (`RoundRecord.width`). The best n wins; where its tree is
 a chain, a chain round of K = n runs (the chain's own path: causal verification, no tree mask).
 
-Acceptance by rank: `RankAcceptance` keeps, per rank r of the draft's choices, the decayed hazard h[r] = P(the
+Acceptance by rank: `RankAcceptance`, the call's one acceptance estimate (`lookahead.AdaptiveLookahead.acceptance`;
+its rank 0 is a chain's alpha), keeps, per rank r of the draft's choices, the decayed hazard h[r] = P(the
 target's token is the draft's choice of rank r | it is none of ranks 0 .. r - 1), counted where those ranks were
 offered: a chain round tests rank 0 at each position it reaches (Leviathan's alpha); a tree round tests, at each node
 its walk passes, the ranks offered there up to the one taken (`draft_tree.rank_observations`). Then
@@ -29,11 +30,11 @@ RANK_PRIOR = 0.3  # h[r] for r >= 1 before a tree round measures it: the draft's
 
 
 class RankAcceptance:
-    """Decayed hazards of the target's token by the draft's rank (module docstring).
+    """Decayed hazards of the target's token by the draft's rank (module docstring); h[0] is Leviathan's alpha.
 
     Args:
-        ranks: R, the ranks kept (0 .. R - 1).
-        first_prior, prior_weight: h[0]'s prior and its weight in tested tokens (the adaptive lookahead's alpha's).
+        ranks: R, the ranks kept (0 .. R - 1; 1 for a call drafting chains only).
+        first_prior, prior_weight: h[0]'s prior and its weight in tested tokens.
         decay: per round, how much earlier observations still count.
     """
 
@@ -51,6 +52,11 @@ class RankAcceptance:
             if tested:
                 hazard.add(hits, tested)
 
+    @property
+    def alpha(self) -> float:
+        """The probability that a tested first choice (a chain's draft token) is accepted: h[0]."""
+        return self.hazards[0].value
+
     def accept(self) -> list[float]:
         """p[r] for r = 0 .. R - 1, non-increasing (a rank offered without the one before would waste a node)."""
         out: list[float] = []
@@ -66,23 +72,19 @@ class ShapeDesigner:
     """The best chain or tree for the next round at the costs and acceptance known now (module docstring).
 
     Args:
-        ranks: the most of the draft's choices a node takes (`AUTO_RANKS`, fewer for a draft proposing fewer tokens).
+        ranks: the most of the draft's choices a node takes (`AUTO_RANKS`, fewer for a draft proposing fewer tokens):
+            the ranks the call's acceptance keeps (`lookahead.AdaptiveLookahead.acceptance`).
         max_depth: the deepest level (`max_lookahead`).
-        decay: the acceptance's decay per round.
     """
 
-    def __init__(self, ranks: int, max_depth: int, decay: float = 0.85):
-        self.acceptance = RankAcceptance(ranks, decay=decay)
-        self.max_depth = max_depth
+    def __init__(self, ranks: int, max_depth: int):
+        self.ranks, self.max_depth = ranks, max_depth
         self.max_nodes = max(TREE_NODES, max_depth)
 
-    def observe(self, record: RoundRecord) -> None:
-        self.acceptance.observe(record)
-
-    def best(self, costs: MeasuredCosts | StaticCosts) -> tuple[TreeShape | None, int]:
+    def best(self, costs: MeasuredCosts | StaticCosts, acceptance: RankAcceptance) -> tuple[TreeShape | None, int]:
         """The next round's tree (None: a chain) and its depth (a chain's K; 0: plain decoding), at the best rate."""
         widest = costs.largest_lookahead(self.max_nodes)
-        designed = best_trees(self.acceptance.accept(), widest, self.max_depth)
+        designed = best_trees(acceptance.accept(), widest, self.max_depth)
         draft, processing = costs.draft_seconds(), costs.draft_processing_seconds()
         best = 1.0 / costs.verify_seconds(0)  # plain decoding's rate
         chosen = None

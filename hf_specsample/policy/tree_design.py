@@ -3,8 +3,9 @@
 Model (Sequoia's position-independent acceptance): at any node, the target's token is the draft's choice of rank r
 with probability `p[r]` (r = 0 .. R - 1), whatever the depth and the path. A node whose path takes ranks
 r_1 .. r_d is then reached by the tree rule's walk with probability p[r_1] * ... * p[r_d] (its *value*), and a tree's
-expected count of committed tokens per row is 1 + the sum of its nodes' values (`verify.tree_rule`: 1 + the sum over
-the nodes of the target probability of the path).
+expected count of committed tokens per row is 1 + the sum of its nodes' values (the tree rule's: 1 + the sum over
+the nodes of the target probability of the path). A chain of K under p[0] = alpha is Leviathan's E(K) =
+1 + alpha + ... + alpha^K (`round_costs.expected_tokens`, its closed form for a mean K over rounds).
 
 `best_trees` maximises that count for every node budget n at once, under a maximum depth: a node's value never exceeds
 its parent's (every p[r] <= 1), so the n most valuable nodes of the infinite tree of rank paths (ties broken by depth,
@@ -78,13 +79,3 @@ def best_trees(accept: Sequence[float], max_nodes: int, max_depth: int) -> list[
             for rank, p in enumerate(accept):
                 heapq.heappush(frontier, (negative * p, depth + 1, path + (rank,)))
     return designed
-
-
-def expected_count(shape: TreeShape, accept: Sequence[float]) -> float:
-    """1 + the sum over `shape`'s nodes of the product of `accept[rank]` along the node's path (0 for a rank beyond
-    `accept`): the expected tokens a round of this tree commits per row under the module's model."""
-    values: list[float] = []
-    for parent, rank in zip(shape.parents, shape.ranks):
-        p = accept[rank] if rank < len(accept) else 0.0
-        values.append(p * (values[parent] if parent >= 0 else 1.0))
-    return 1.0 + sum(values)
