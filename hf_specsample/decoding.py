@@ -7,18 +7,19 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import tree_forward
+from . import parts
+from .cache import static_addresses, tree_forward
 from .cache.cached_model import CachedModel
 from .core import transformers_api
 from .core.draft_tree import RankCounts, rank_observations
 from .core.sequences import Sequences
-from .options import SpeculativeConfig, Verification
+from .options import SpeculativeConfig
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
 from .plan.call_plan import CallPlan, plan_call, resolve_inputs
 from .policy.round_timer import PhaseTimer
@@ -26,7 +27,7 @@ from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal
 from .stopping import RoundRead, StopCheck
 from .verify.rejection import Verdict
-from .verify.verifier import Verifier, along_path
+from .verify.verifier import along_path
 
 
 def speculative_generate(
@@ -115,23 +116,10 @@ class SpeculativeDecoder:
         real = self.sequences.is_real(plan.cached_slots)
         self.target = CachedModel(plan.target, batch_size, plan.cache, real, plan.forwards, self.sequences)
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
-        self.stats = plan.new_stats()
+        self.stats = parts.new_stats(plan)
         self.recorder = OutputRecorder(generation_config, batch_size)
-        verification = cast(Verification, plan.config.verification)  # a string given is parsed into the enum
-        self.verifier = Verifier.for_call(
-            inputs.logits_processor,
-            batch_size,
-            plan.config.fast_processors,
-            bool(generation_config.do_sample),
-            verification,
-            plan.generator,
-            self.recorder.keep_scores,
-            plan.target.tensor_parallel,
-            trees=plan.shape.tree is not None or bool(plan.shape.ranks),
-        )
-        self.model_drafter, self.drafter = plan.drafters(
-            self.sequences, self.verifier.processor, bool(generation_config.do_sample)
-        )
+        self.verifier = parts.verifier(plan, self.recorder.keep_scores)
+        self.model_drafter, self.drafter = parts.drafters(plan, self.sequences, self.verifier.processor)
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
 
@@ -164,7 +152,8 @@ class SpeculativeDecoder:
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
         if self.plan.pooled:  # the call's own static caches, kept for the next call where the caller gets none
-            self.plan.give_back_caches(self.own_static_caches(handed_out=cache))
+            for model, static_cache in self.own_static_caches(handed_out=cache):
+                static_addresses.POOL.give_back(model, static_cache)
         return self.recorder.build(sequences, self.stats, cache if self.recorder.return_dict else None)
 
     def own_static_caches(self, handed_out: object) -> list[tuple[Any, Any]]:

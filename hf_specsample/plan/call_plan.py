@@ -35,7 +35,6 @@ from ..cache.forwards import Forwards
 from ..cache.runner import RunnerBackend, RunnerPlan
 from ..core import transformers_api
 from ..core.model_facts import ModelFacts, Role
-from ..core.sequences import Sequences
 from ..kernels.routing import KernelRouting
 from ..kernels.small_rows import MAX_ROWS, best_path, loaded, ready
 from ..options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
@@ -47,12 +46,10 @@ from ..policy.shape_choice import ShapeChoice, choose_shape
 from ..prepare.implicit import draft_for_call
 from ..prepare.prepared_draft import DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from ..prepare.vocabulary import special_token_ids
-from ..proposers.base import Proposer
-from ..proposers.cross_tokenizer import DraftIdBuffer, SharedVocabulary, TextBridge, shared_vocabulary
-from ..proposers.draft_model import DraftModelProposer, DraftVocabulary
-from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM, LookupThenModelProposer, PromptLookupProposer
-from ..sampling.processing import PositionwiseProcessor, check_supported
-from ..stats import SpeculativeStats
+from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
+from ..proposers.draft_model import DraftVocabulary
+from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM
+from ..sampling.processing import check_supported
 from ..verify import distributed
 from .call_inputs import CallInputs
 from .call_inputs import resolve_inputs as resolve_inputs  # the loop imports it with the plan
@@ -136,53 +133,6 @@ class CallPlan:
     def cached_slots(self) -> int:
         """Slots the target's cache holds before the first round (the caller's cache: its past; else 0)."""
         return row_ops.total_slots(self.cache) if self.cache is not None else 0
-
-    def new_stats(self) -> SpeculativeStats:
-        """The call's statistics, with what the plan decided already filled in."""
-        stats = SpeculativeStats.for_batch(self.inputs.batch_size)
-        stats.linear_kernel, stats.graphs, stats.shape = self.kernel_description, self.graphs, self.shape.reason
-        stats.kernel_build_seconds = self.kernel_build_seconds
-        stats.draft_form = self.draft.description if self.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
-        if self.draft is not None and self.draft.shared is not None:
-            stats.shared_vocabulary = self.draft.shared.size
-        return stats
-
-    def drafters(
-        self, sequences: Sequences, processor: PositionwiseProcessor, do_sample: bool
-    ) -> tuple[DraftModelProposer | None, Proposer]:
-        """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
-        n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
-        continuations first, the model else)."""
-        if self.draft is None:
-            return None, PromptLookupProposer(cast(int, self.max_ngram))
-        model = _draft_proposer(self.draft, sequences, processor, do_sample, self.generator)
-        if self.max_ngram is None:
-            return model, model
-        return model, LookupThenModelProposer(model, PromptLookupProposer(self.max_ngram))
-
-    def give_back_caches(self, caches: list[tuple[PreTrainedModel, Any]]) -> None:
-        """After a `pooled` call: its own static caches, as (model, cache), kept for the next call
-        (`cache.static_addresses.POOL`)."""
-        for model, cache in caches:
-            static_addresses.POOL.give_back(model, cache)
-
-
-def _draft_proposer(
-    draft: DraftPlan,
-    sequences: Sequences,
-    processor: PositionwiseProcessor,
-    do_sample: bool,
-    generator: torch.Generator | None,
-) -> DraftModelProposer:
-    """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
-    inputs = None
-    if draft.shared is not None:  # reads the rows' text in its own ids
-        assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
-        shared = draft.shared.to(sequences.tokens.device)
-        inputs = DraftIdBuffer(sequences, shared, TextBridge(*draft.tokenizers))
-    return DraftModelProposer(
-        draft.facts, draft.forwards, draft.vocabulary, sequences, processor, do_sample, generator, inputs, draft.cache
-    )
 
 
 def plan_call(inputs: CallInputs) -> CallPlan:
