@@ -54,7 +54,9 @@ def _from_transformers(frame) -> bool:
     """transformers' own deprecations, and the ones the registered generate() emits for it (the cache's old name,
     renamed before transformers sees it: `transformers_api.take_caller_cache`)."""
     name = frame.f_code.co_filename
-    return f"{os.sep}transformers{os.sep}" in name or name.endswith(f"hf_specsample{os.sep}transformers_api.py")
+    return f"{os.sep}transformers{os.sep}" in name or name.endswith(
+        os.path.join("hf_specsample", "core", "transformers_api.py")
+    )
 
 
 def _emitter(frame):
