@@ -27,7 +27,7 @@ from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
 from hf_specsample.sampling.draws import sample_from_weights, sample_uniform
 from hf_specsample.verify.rejection import NonFinite, Verdict, flag_nonfinite
-from hf_specsample.verify.tree_rule import greedy_accept, path_tokens, tree_accept, walk
+from hf_specsample.verify.tree_rule import greedy_accept, tree_accept, walk
 
 V = 6
 EOS = 0
@@ -410,7 +410,7 @@ def test_hand_built_tree():
     assert verdict.num_accepted.tolist() == [1, 1]
     assert verdict.next_tokens.tolist() == [3, 1]
     assert verdict.accepted_tokens.tolist() == [[2, 3], [4, 1]]
-    assert path_tokens(tree, 2)[0].tolist() == [[4, 0], [2, 0], [4, 5]]
+    assert tree.path_tokens(2)[0].tolist() == [[4, 0], [2, 0], [4, 5]]
 
 
 def test_nonfinite_flagged_only_where_drawn():

@@ -66,6 +66,22 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    def path_tokens(self, max_depth: int) -> torch.Tensor:
+        """`(rows, N, max_depth)` long: the tokens on the path to each node, depth 1 first, node i's own token at
+        column ``depth_i - 1``, 0 after it.
+
+        Args:
+            max_depth: at least the tree's deepest node's depth.
+        """
+        assert self.depths is not None  # a tree's (a chain's paths are the buffer's)
+        rows, nodes = self.tokens.shape
+        ancestors = self.ancestors()  # (rows, N, N): [r, i, j] node j on node i's path
+        # each ancestor's token goes to its depth's column; the rest to a spare column, dropped
+        column = torch.where(ancestors, (self.depths - 1)[:, None, :], max_depth)  # (rows, N, N)
+        out = self.tokens.new_zeros((rows, nodes, max_depth + 1))
+        out.scatter_(2, column, torch.where(ancestors, self.tokens[:, None, :], 0))
+        return out[..., :max_depth]
+
     def ancestors(self) -> torch.Tensor:
         """`(rows, N, N)` bool: [r, i, j] where node j is node i or one of its ancestors in row r's tree (what node
         i attends to among the nodes)."""

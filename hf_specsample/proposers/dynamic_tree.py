@@ -23,7 +23,7 @@ import torch
 from ..cache.tree_forward import CachedTree
 from ..core.draft_tree import DraftTree
 from ..options import DynamicTree
-from ..sampling.processing import PositionwiseProcessor, RunKind
+from ..sampling.processing import PositionwiseProcessor, processed_at_paths
 from .tree_drafting import choices
 
 
@@ -136,7 +136,7 @@ def processed_at_frontier(
     callers: Sequence[int],
 ) -> torch.Tensor:
     """`scores` `(rows, F, vocab)` at the pool's frontier (`pool.frontier()`, each row's own nodes) processed with
-    each node's own prefix: the row's committed tokens, then the node's path.
+    each node's own prefix: the row's committed tokens, then the node's path (`sampling.processing.processed_at_paths`).
 
     Args:
         tokens: `(rows, capacity)` the token buffer (committed tokens up to ``lengths[b]``; not written to).
@@ -146,19 +146,14 @@ def processed_at_frontier(
     Returns:
         `(rows, F, vocab)` processed scores.
     """
-    rows, count, vocab = scores.shape
+    rows, count, _ = scores.shape
     depth = pool.levels  # the frontier's depth: every frontier node sits on the last level drafted
-    prefix_lengths = [length + depth for length in lengths]
-    if not any(kind is RunKind.PREFIX for kind, _ in processor.runs):  # no processor reads a token: one call
-        flat = scores.reshape(rows * count, 1, vocab)
-        return processor(tokens, [n for n in prefix_lengths for _ in range(count)], flat).reshape(rows, count, vocab)
-    paths = frontier_paths(pool.tree, pool.frontier(), depth).to(tokens.device)  # (rows, F, depth)
-    columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(depth, device=tokens.device)
-    out = torch.empty_like(scores)
-    for lane in range(count):
-        lane_tokens = tokens.clone().scatter_(1, columns, paths[:, lane])
-        out[:, lane : lane + 1] = processor(lane_tokens, prefix_lengths, scores[:, lane : lane + 1], callers)
-    return out
+    depths = [[depth] * count] * rows
+
+    def paths() -> torch.Tensor:  # (rows, F, depth): made only where a processor reads tokens
+        return frontier_paths(pool.tree, pool.frontier(), depth)
+
+    return processed_at_paths(processor, tokens, lengths, scores, callers, depths, paths)
 
 
 def frontier_paths(tree: DraftTree, nodes: Sequence[int], depth: int) -> torch.Tensor:

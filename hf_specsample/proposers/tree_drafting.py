@@ -3,9 +3,8 @@ top choices at each parent as its children (`proposers.draft_model.DraftModelPro
 
 A parent's prefix is its row's committed tokens followed by the tokens of its path (the root's is the committed
 tokens alone), so a processor that reads the prefix (repetition penalty, n-gram bans, bad words) sees at each parent
-exactly what plain decoding would show it there. Parents of one level share their depth, hence their prefix length:
-processors that read no token (temperature, top-k/p, min-length) run once over all of them; the others run once per
-parent, each with a copy of the token buffer holding that parent's path.
+exactly what plain decoding would show it there (`sampling.processing.processed_at_paths`, as the verifier does at
+every node).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch
 
 from ..options import TreeShape
 from ..sampling.draws import first_argmax
-from ..sampling.processing import PositionwiseProcessor, RunKind
+from ..sampling.processing import PositionwiseProcessor, processed_at_paths
 
 
 def processed_at_parents(
@@ -29,7 +28,8 @@ def processed_at_parents(
     scores: torch.Tensor,
     callers: Sequence[int],
 ) -> torch.Tensor:
-    """`scores` `(rows, P, vocab)` at `parents` (node indices, -1: the root) processed with each parent's prefix.
+    """`scores` `(rows, P, vocab)` at `parents` (node indices, -1: the root) processed with each parent's prefix
+    (`sampling.processing.processed_at_paths`).
 
     Args:
         tokens: `(rows, capacity)` the token buffer (committed tokens up to ``lengths[b]``; not written to).
@@ -41,31 +41,25 @@ def processed_at_parents(
     Returns:
         `(rows, P, vocab)` processed scores.
     """
-    rows, num_parents, vocab = scores.shape
-    depths = [0 if parent < 0 else shape.depths[parent] for parent in parents]
-    if not any(kind is RunKind.PREFIX for kind, _ in processor.runs):  # no processor reads a token: one call
-        prefix_lengths = [length + depth for length in lengths for depth in depths]
-        flat = scores.reshape(rows * num_parents, 1, vocab)
-        return processor(tokens, prefix_lengths, flat).reshape(rows, num_parents, vocab)
-    out = torch.empty_like(scores)
-    for lane, (parent, depth) in enumerate(zip(parents, depths)):
-        lane_tokens = tokens if parent < 0 else _with_path(tokens, lengths, shape, tree_tokens, parent)
-        prefix_lengths = [length + depth for length in lengths]
-        out[:, lane : lane + 1] = processor(lane_tokens, prefix_lengths, scores[:, lane : lane + 1], callers)
-    return out
+    nodes_on_paths = [_path(shape, parent) for parent in parents]  # per parent, its path's nodes, depth 1 first
+    depth = max(1, max(len(path) for path in nodes_on_paths))
+
+    def paths() -> torch.Tensor:  # (rows, P, depth), gathered by node indices known on the host
+        index = [path + [path[-1] if path else 0] * (depth - len(path)) for path in nodes_on_paths]
+        at = torch.tensor(index, dtype=torch.long, device=tree_tokens.device)  # (P, depth)
+        return tree_tokens[:, at]
+
+    depths = [[len(path) for path in nodes_on_paths]] * len(lengths)
+    return processed_at_paths(processor, tokens, lengths, scores, callers, depths, paths)
 
 
-def _with_path(
-    tokens: torch.Tensor, lengths: Sequence[int], shape: TreeShape, tree_tokens: torch.Tensor, node: int
-) -> torch.Tensor:
-    """A copy of `tokens` with `node`'s path written after each row's committed tokens."""
-    path = [node]
-    while shape.parents[path[-1]] >= 0:
-        path.append(shape.parents[path[-1]])
-    depth = len(path)
-    path_tokens = tree_tokens[:, path[::-1]].to(tokens.device)  # (rows, depth)
-    columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(depth, device=tokens.device)
-    return tokens.clone().scatter_(1, columns, path_tokens)
+def _path(shape: TreeShape, node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (empty for the root, -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = shape.parents[node]
+    return path[::-1]
 
 
 def choices(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ import math
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.generation import logits_process as lp
@@ -160,6 +160,8 @@ class PositionwiseProcessor:
         self.fast = fast
         # Exact type, as for prefix-freedom: a subclass may read token ids.
         self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
+        # whether any processor reads a prefix's tokens (else a tree's positions' prefixes are never built)
+        self.reads_tokens = any(kind is RunKind.PREFIX for kind, _ in self.runs)
         # what the calls cost (the policy's `round_costs.ProcessingCost` reads the seconds per round phase)
         self.seconds = 0.0  # host seconds inside calls that had processors to apply
         self.positions = 0  # positions processed: rows x positions of each such call
@@ -339,3 +341,48 @@ _EOS_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def probabilities(scores: torch.Tensor) -> torch.Tensor:
     """Softmax of processed scores in float32; `-inf` scores get probability exactly 0."""
     return torch.softmax(scores.float(), dim=-1)
+
+
+def processed_at_paths(
+    processor: PositionwiseProcessor,
+    tokens: torch.Tensor,
+    lengths: Sequence[int],
+    scores: torch.Tensor,
+    callers: Sequence[int],
+    depths: Sequence[Sequence[int]],
+    paths: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """`scores` at positions off each row's committed tokens (a draft tree's), each processed with its own prefix:
+    the row's committed tokens, then the tokens of the position's path. What drafting a tree (at each level's
+    parents) and verifying it (at the root and every node) both do.
+
+    Every position becomes a row of one position: processors that read no token run once on all of them (with each
+    one's prefix length); otherwise each position's prefix is written into a buffer of its own.
+
+    Args:
+        tokens: `(rows, capacity)` the token buffer, row b's committed tokens ``tokens[b, : lengths[b]]`` (not
+            written to); lengths: per row, its committed length; callers: per row, its caller row.
+        scores: `(rows, P, vocab)` raw scores at the P positions (not modified).
+        depths: per row, each position's depth: the length of its path (0: the root).
+        paths: makes the `(rows, P, D)` long path tokens, depth 1 first (what follows a position's depth is not
+            read); called only where a processor reads tokens.
+
+    Returns:
+        `(rows, P, vocab)` processed scores.
+    """
+    rows, positions, vocab = scores.shape
+    flat_lengths = [length + depth for length, row in zip(lengths, depths) for depth in row]
+    flat_callers = [caller for caller in callers for _ in range(positions)]
+    flat = scores.reshape(rows * positions, 1, vocab)
+    if not processor.reads_tokens:  # no prefix is read: the prefix lengths say all (`RunKind`)
+        return processor(tokens, flat_lengths, flat, flat_callers).reshape(rows, positions, vocab)
+    path_tokens = paths()  # (rows, P, D)
+    deepest = path_tokens.shape[2]
+    width = max(lengths) + deepest
+    base = tokens.new_zeros((rows, width))
+    base[:, : min(width, tokens.shape[1])] = tokens[:, :width]
+    columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(deepest, device=tokens.device)
+    prefixes = base[:, None, :].repeat(1, positions, 1)  # (rows, P, width)
+    prefixes.scatter_(2, columns[:, None, :].expand(-1, positions, -1), path_tokens.to(tokens.device))
+    processed = processor(prefixes.reshape(rows * positions, width), flat_lengths, flat, flat_callers)
+    return processed.reshape(rows, positions, vocab)

@@ -116,20 +116,3 @@ def greedy_accept(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int |
         return Verdict(num_accepted, target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
     depth = nodes if max_depth is None else max_depth
     return walk(tree, lambda level, position: target_tokens.gather(1, position[:, None])[:, 0], depth)
-
-
-def path_tokens(tree: DraftTree, max_depth: int) -> torch.Tensor:
-    """`(rows, N, max_depth)` long: the tokens on the path to each node, depth 1 first, node i's own token at column
-    ``depth_i - 1``, 0 after it.
-
-    Args:
-        tree: the round's tree; max_depth: at least its deepest node's depth.
-    """
-    rows, nodes = tree.tokens.shape
-    assert tree.depths is not None  # a tree's (a chain's prefixes are the buffer's)
-    ancestors = tree.ancestors()  # (rows, N, N): [r, i, j] node j on node i's path
-    # each ancestor's token goes to its depth's column; the rest to a spare column, dropped
-    column = torch.where(ancestors, (tree.depths - 1)[:, None, :], max_depth)  # (rows, N, N)
-    out = tree.tokens.new_zeros((rows, nodes, max_depth + 1))
-    out.scatter_(2, column, torch.where(ancestors, tree.tokens[:, None, :], 0))
-    return out[..., :max_depth]

@@ -42,10 +42,10 @@ from ..options import TreeShape, Verification
 from ..sampling import draws
 from ..sampling.draws import first_argmax, sample_uniform, uniform_like
 from ..sampling.keyed_draws import call_key, keyed_uniforms, positions_from
-from ..sampling.processing import PositionwiseProcessor, RunKind, probabilities
+from ..sampling.processing import PositionwiseProcessor, probabilities, processed_at_paths
 from . import distributed
 from .rejection import Verdict, block_accept, flag_nonfinite, speculative_accept
-from .tree_rule import greedy_accept, path_tokens, tree_accept
+from .tree_rule import greedy_accept, tree_accept
 
 Rule = Callable[..., Verdict]  # `speculative_accept` or `block_accept`
 
@@ -83,8 +83,6 @@ class Verifier:
         self.processor, self.do_sample, self.rule, self.generator = processor, do_sample, rule, generator
         self.key, self.keep_scores = key, keep_scores
         self.chunk_elements, self.tensor_parallel = chunk_elements, tensor_parallel
-        # whether any processor reads a prefix or its length (else a tree's positions' prefixes are never built)
-        self.reads_prefixes = any(kind is not RunKind.PREFIX_FREE for kind, _ in processor.runs)
 
     @classmethod
     def for_call(
@@ -239,17 +237,16 @@ class Verifier:
             tokens: `(rows, capacity)`; lengths, callers: the chunk's; logits: `(rows, N + 1, vocab)`; tree: the
             chunk's; depths: per row of the round and node, a tree's depths (None: a chain); rows: the chunk.
         """
-        if depths is None or not self.reads_prefixes:  # the buffer's prefixes, or prefix-free processors only
+        if depths is None:  # a chain: its positions' prefixes are the buffer's
             return self.processor(tokens, lengths, logits, callers)
-        chunk, positions, vocab = logits.shape
-        depths = depths[rows]
-        # per position (a row's root, then its nodes), its prefix length and caller row
-        flat_lengths = [length + depth for length, row in zip(lengths, depths) for depth in [0] + row]
-        flat_callers = [caller for caller in callers for _ in range(positions)]
-        deepest = max((max(row, default=0) for row in depths), default=0)
-        prefixes = _position_prefixes(tokens, lengths, tree, deepest)  # (rows * (N + 1), width)
-        scores = self.processor(prefixes, flat_lengths, logits.reshape(chunk * positions, 1, vocab), flat_callers)
-        return scores.reshape(chunk, positions, vocab)
+        positions = [[0, *row] for row in depths[rows]]  # the root, then the nodes
+        deepest = max((max(row) for row in positions), default=0)
+
+        def paths() -> torch.Tensor:  # (rows, N + 1, deepest): the root's is empty
+            root = tree.tokens.new_zeros((tree.tokens.shape[0], 1, deepest))
+            return torch.cat([root, tree.path_tokens(deepest)], dim=1)
+
+        return processed_at_paths(self.processor, tokens, lengths, logits, callers, positions, paths)
 
 
 def _cat(parts: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
@@ -267,25 +264,6 @@ def _host_depths(tree: DraftTree, shape: TreeShape | None, batch: int) -> tuple[
         return [list(shape.depths)] * batch, shape.max_depth
     depths = tree.depths.tolist()  # (batch, N) on the host
     return depths, max((max(row, default=0) for row in depths), default=0)
-
-
-def _position_prefixes(tokens: torch.Tensor, lengths: Sequence[int], tree: DraftTree, max_depth: int) -> torch.Tensor:
-    """`(rows * (N + 1), width)` long: per position (row-major: a row's root, then its nodes), the committed
-    tokens then the path to the node; what follows a prefix is not meaningful.
-
-    Args:
-        tokens: `(rows, capacity)`; lengths: per row, its committed length; tree: `(rows, N)`; max_depth: at least
-            the tree's deepest node's depth.
-    """
-    rows, nodes = tree.tokens.shape
-    width = max(lengths) + max_depth
-    base = tokens.new_zeros((rows, width))
-    base[:, : min(width, tokens.shape[1])] = tokens[:, :width]
-    paths = torch.cat([tree.tokens.new_zeros((rows, 1, max_depth)), path_tokens(tree, max_depth)], dim=1)
-    columns = torch.tensor(list(lengths), device=tokens.device)[:, None] + torch.arange(max_depth, device=tokens.device)
-    prefixes = base[:, None, :].repeat(1, nodes + 1, 1)  # (rows, N + 1, width)
-    prefixes.scatter_(2, columns[:, None, :].expand(-1, nodes + 1, -1), paths)
-    return prefixes.reshape(rows * (nodes + 1), width)
 
 
 def along_path(scores: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
