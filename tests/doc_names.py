@@ -146,7 +146,7 @@ def exists(dotted: str) -> bool:
 
 
 REPO = Path(__file__).resolve().parent.parent
-PATH_ROOTS = ("hf_specsample", "hf_specsample_bench", "tests", "examples", "custom_generate")
+PATH_ROOTS = ("hf_specsample", "hf_specsample_bench", "tests", "tools", "examples", "custom_generate")
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,45 @@ def test_a_docstring_naming_a_missing_member_fails(tmp_path):
     module.write_text('"""A module."""\n\n\ndef f():\n    """Calls\n    `RoundLookahead.widths` here."""\n')
     found = [(start + line - 1, name) for start, text in docstrings(module) for line, name in stale_names(text)]
     assert found == [(6, "RoundLookahead.widths")]
+
+
+LIBRARY_TEXT = "\n".join(path.read_text() for path in LIBRARY_MODULES)
+
+
+def words_table(text: str) -> list[tuple[str, list[str]]]:
+    """(word, code names) of each row of a page's "Words" table."""
+    section = text.split("\n## Words\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    return [(row.split(" | ")[0].strip("| "), [span for _, span in code_spans(row.split(" | ")[-1])]) for row in rows]
+
+
+def undotted_name_exists(name: str) -> bool:
+    """Whether an undotted code name (`select_rows`, `num_lookahead=`) is defined or used in the library."""
+    bare = name.removesuffix("=").removesuffix("()")
+    return re.fullmatch(r"[A-Za-z_]\w*", bare) is not None and re.search(rf"\b{bare}\b", LIBRARY_TEXT) is not None
+
+
+def stale_words(text: str) -> list[str]:
+    """A "Words" table's problems: a word listed twice, a row citing no code, a cited name the code does not have."""
+    table = words_table(text)
+    words = [word for word, _ in table]
+    problems = [f"listed twice: {word}" for word in sorted({word for word in words if words.count(word) > 1})]
+    for word, names in table:
+        if not names:
+            problems.append(f"{word}: no code name")
+        for name in names:
+            missing = stale_names(f"`{name}`") if "." in name else ([] if undotted_name_exists(name) else [name])
+            problems += [f"{word}: `{name}`" for _ in missing]
+    return problems
+
+
+def test_the_words_are_listed_once_and_name_what_exists():
+    """docs/ARCHITECTURE.md's "Words": one row per word, each naming code that exists."""
+    assert stale_words((REPO / "docs" / "ARCHITECTURE.md").read_text()) == []
+
+
+def test_the_words_test_finds_a_twice_listed_word_and_a_missing_name():
+    """The power check: a word listed twice, a dotted and an undotted name that do not exist are all found."""
+    table = "\n## Words\n\n| word | meaning | in the code |\n| --- | --- | --- |\n"
+    table += "| lookahead | K | `DraftBudget.lookahead`, `no_such_name` |\n| lookahead | again | `RowBook.widths` |\n"
+    assert stale_words(table) == ["listed twice: lookahead", "lookahead: `no_such_name`", "lookahead: `RowBook.widths`"]

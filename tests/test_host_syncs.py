@@ -2,8 +2,8 @@
 
 Every `.item()`, `.tolist()`, `.cpu()` and `bool()` of a tensor inside `SpeculativeDecoder.round` is recorded with
 its call site. On CUDA each of these waits for the device when the tensor lives there; the test pins which sites
-there are and how often they run, and docs/ARCHITECTURE.md ("Host syncs per round") says what each one is. A change
-that adds a sync to the loop fails here and must update both.
+there are and how often they run, and docs/internals.md ("Host syncs per round", under the invariants) says what
+each one is. A change that adds a sync to the loop fails here and must update both.
 """
 
 import collections

@@ -23,7 +23,7 @@ old name broke at once. So the library spells none of them: it asks this module.
 
 `check_installed()` runs at `import hf_specsample`: an older transformers than `OLDEST_SUPPORTED` is refused with a
 message naming the floor; a newer one than CI has tested gets a warning naming the tested range; a missing hook is
-refused at import, never as a crash deep in a forward. `docs/ARCHITECTURE.md` lists every transformers internal the
+refused at import, never as a crash deep in a forward. `docs/internals.md` lists every transformers internal the
 library relies on.
 """
 
