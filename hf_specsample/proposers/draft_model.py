@@ -140,8 +140,8 @@ class DraftModelProposer(Proposer):
             return self.draft_tree(sequences, budget.tree)
         return self.draft(sequences, budget.lookahead)
 
-    def draft(self, sequences: Sequences, num_tokens: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
-        """Draft `num_tokens` tokens after every active row's committed tokens, some of them possibly forced.
+    def draft(self, sequences: Sequences, lookahead: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
+        """Draft `lookahead` (K) tokens after every active row's committed tokens, some of them possibly forced.
 
         The first forward catches the draft's cache up with the committed tokens it has not seen (the prompt, or
         the last one or two committed tokens); each later forward feeds the previous draft token.
@@ -158,14 +158,14 @@ class DraftModelProposer(Proposer):
         read_lengths = reads.lengths
         drafted, pinned = [], []
         drafted_probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled step by step
-        for step in range(num_tokens):
+        for step in range(lookahead):
             prefix_lengths = [length + step for length in lengths]
             logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
             scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.rows.active)[:, 0]
             if self.do_sample:
                 # one (batch, K, vocab) tensor per round, written in place: no list of steps stacked at the end
                 if drafted_probs is None:
-                    shape = (scores.shape[0], num_tokens, scores.shape[-1])
+                    shape = (scores.shape[0], lookahead, scores.shape[-1])
                     drafted_probs = scores.new_empty(shape, dtype=torch.float32)
                 probs = drafted_probs[:, step]  # (batch, vocab or subset)
                 probs.copy_(probabilities(scores))
@@ -186,7 +186,7 @@ class DraftModelProposer(Proposer):
             tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
             probs=self._full(drafted_probs) if drafted_probs is not None else None,  # (batch, K, vocab)
             point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, K)
-            model_steps=num_tokens,
+            model_steps=lookahead,
         )
 
     def draft_tree(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> Proposal:

@@ -27,17 +27,17 @@ from .draft_model import DraftModelProposer
 DEFAULT_MAX_NGRAM = 3  # longest n-gram looked up (transformers' `max_matching_ngram_size` overrides it)
 
 
-def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: int, num_tokens: int) -> torch.Tensor:
+def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: int, lookahead: int) -> torch.Tensor:
     """What followed the latest earlier occurrence of the row's last n-gram, longest n first.
 
     Args:
         tokens: `(length,)` long, one row's tokens so far.
         usable: `(length,)` bool, False for prompt padding (no n-gram may touch it).
         max_ngram: the longest n tried (then n - 1, ..., 1).
-        num_tokens: how many tokens to return at most.
+        lookahead: how many tokens to return at most.
 
     Returns:
-        `(m,)` long with ``0 <= m <= num_tokens``: the continuation (empty: no occurrence).
+        `(m,)` long with ``0 <= m <= lookahead``: the continuation (empty: no occurrence).
     """
     length = tokens.shape[0]
     for n in range(min(max_ngram, length - 1), 0, -1):
@@ -48,7 +48,7 @@ def ngram_continuation(tokens: torch.Tensor, usable: torch.Tensor, max_ngram: in
         starts = fits.nonzero().squeeze(1)
         if starts.numel():
             begin = int(starts[-1]) + n
-            return tokens[begin : min(begin + num_tokens, length)]
+            return tokens[begin : min(begin + lookahead, length)]
     return tokens[:0]
 
 
@@ -66,12 +66,12 @@ class PromptLookupProposer(Proposer):
         """`max_ngram` is checked with the call's other options (`validation.check_prompt_lookup`)."""
         self.max_ngram = max_ngram
 
-    def continuations(self, sequences: Sequences, num_tokens: int) -> list[torch.Tensor]:
-        """Per active row, its continuation of at most `num_tokens` tokens (possibly empty)."""
+    def continuations(self, sequences: Sequences, lookahead: int) -> list[torch.Tensor]:
+        """Per active row, its continuation of at most `lookahead` tokens (possibly empty)."""
         tokens = sequences.tokens.cpu()
         usable = sequences.is_real(sequences.capacity)
         return [
-            ngram_continuation(tokens[row, :length], usable[row, :length], self.max_ngram, num_tokens)
+            ngram_continuation(tokens[row, :length], usable[row, :length], self.max_ngram, lookahead)
             for row, length in enumerate(sequences.lengths)
         ]
 
@@ -92,14 +92,14 @@ class PromptLookupProposer(Proposer):
         Returns:
             `Proposal` with `(batch, K)` tokens, ``K`` the longest continuation, and `probs` None.
         """
-        num_tokens = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
+        lookahead = max((continuation.numel() for continuation in found), default=0)  # nothing found: a plain step
         rows = []
         for row, continuation in enumerate(found):
             own_last = sequences.tokens[row, sequences.lengths[row] - 1 :][:1]
             last = continuation[-1:] if continuation.numel() else own_last
-            rows.append(torch.cat([continuation, last.cpu().repeat(num_tokens - continuation.numel())]))
+            rows.append(torch.cat([continuation, last.cpu().repeat(lookahead - continuation.numel())]))
         proposed = torch.stack(rows).to(sequences.tokens.device) if rows else sequences.tokens[:, :0]  # (batch, K)
-        for step in range(num_tokens):
+        for step in range(lookahead):
             sequences.write(step, proposed[:, step])
         return Proposal(tokens=proposed, probs=None)
 
