@@ -14,6 +14,7 @@ or a lambda counts as part of the function holding it).
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -110,8 +111,14 @@ def table() -> dict[tuple[str, str], tuple[int, int]]:
 
 
 def main() -> None:
+    """Prints the table; with `--json`, one JSON object {"mode shape": [files, functions]} (`tests/test_structure.py`
+    reads it from a fresh process: what a call enters depends on what the process ran before)."""
+    counts = table()
+    if "--json" in sys.argv[1:]:
+        print(json.dumps({f"{mode} {shape}": list(pair) for (mode, shape), pair in counts.items()}))
+        return
     print(f"{'mode':10} {'shape':6} {'files':>6} {'functions':>10}")
-    for (mode, shape), (files, functions) in table().items():
+    for (mode, shape), (files, functions) in counts.items():
         print(f"{mode:10} {shape:6} {files:6d} {functions:10d}")
 
 
