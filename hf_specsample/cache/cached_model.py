@@ -266,8 +266,7 @@ class CachedModel:
             kwargs["position_ids"] = to_device(position_ids, device)
         if self.facts.takes_logits_to_keep:
             kwargs["logits_to_keep"] = positions_to_keep(width + padded, num_logits + padded, device, compiled)
-        if self.forwards.embeddable is not None:
-            input_ids = input_ids.masked_fill(input_ids >= self.forwards.embeddable, 0)
+        input_ids = self._embeddable(input_ids)
         stepped = (
             not compiled and self.step is not None and width == 1 and cache is self.cache and self.step.ready_for(rows)
         )
@@ -283,15 +282,62 @@ class CachedModel:
         elif self.wide is not None and rows * width >= self.wide.from_rows:
             logits = self.wide.model(input_ids=input_ids, **kwargs).logits
         else:
-            routed = partial(self.kernel.applied, rows * width) if self.kernel is not None else contextlib.nullcontext
-            undo = partial(row_ops.crop, cache, width, total=slots) if cache is self.cache else None
-            run = partial(self.model, input_ids=input_ids, **kwargs)
-            logits = self.head.forward(run, routed, rows, num_logits, columns.input_ids.device, undo)
+            logits = self._eager(input_ids, kwargs, num_logits, columns.input_ids.device, slots, cache is self.cache)
         if padded:
             row_ops.crop(cache, 1)
             logits = logits[:, :-1]
         self.forward_passes += 1
         return logits[:, -num_logits:].to(device=columns.input_ids.device, dtype=torch.float32)
+
+    def feed_masked(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, num_logits: int
+    ) -> torch.Tensor:
+        """One eager forward over `(rows, width)` ids at `positions` `(rows, width)`, each position attending to the
+        cache's slots and the forward's own positions `allowed` `(rows, width, slots)` marks (a draft tree's mask:
+        `cache.tree_forward`); the last `num_logits` logits, float32, on the ids' device. The positions fed count
+        as the cache's (`grow`), until the tree's compaction."""
+        rows, width = input_ids.shape
+        device = self.input_device
+        if self.capacity is not None:  # a static cache attends over all its slots: those past the pointer masked
+            slots = allowed.shape[-1]
+            assert slots <= self.capacity, f"a static cache of {self.capacity} slots cannot hold {slots}"
+            allowed = torch.cat([allowed, allowed.new_zeros((rows, width, self.capacity - slots))], dim=-1)
+        kwargs: dict[str, Any] = {
+            self._cache_name: self.cache,
+            "use_cache": True,
+            "attention_mask": transformers_api.additive_attention_mask(allowed, self.facts.model.dtype, device),
+            "position_ids": positions.to(device),
+        }
+        if self.facts.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = positions_to_keep(width, num_logits, device, compiled=False)
+        ids = self._embeddable(input_ids.to(device))
+        logits = self._eager(ids, kwargs, num_logits, input_ids.device, self.slots, True)
+        self.forward_passes += 1
+        return logits[:, -num_logits:].to(device=input_ids.device, dtype=torch.float32)
+
+    def _embeddable(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` with the ids the model cannot embed fed as id 0 (`Forwards.embeddable`)."""
+        if self.forwards.embeddable is None:
+            return input_ids
+        return input_ids.masked_fill(input_ids >= self.forwards.embeddable, 0)
+
+    def _eager(
+        self,
+        input_ids: torch.Tensor,
+        kwargs: dict[str, Any],
+        num_logits: int,
+        out_device: torch.device,
+        slots: int,
+        own_cache: bool,
+    ) -> torch.Tensor:
+        """An eager forward of `(rows, width)` ids on the device, through the kernel's routing and the output head
+        (deferred where the loop asks: `OutputHead`); a deferral the head cannot prove reruns after cropping the
+        `width` positions fed off this model's cache (`own_cache`; `slots` the count before them)."""
+        rows, width = input_ids.shape
+        routed = partial(self.kernel.applied, rows * width) if self.kernel is not None else contextlib.nullcontext
+        undo = partial(row_ops.crop, kwargs[self._cache_name], width, total=slots) if own_cache else None
+        run = partial(self.model, input_ids=input_ids, **kwargs)
+        return self.head.forward(run, routed, rows, num_logits, out_device, undo)
 
     def _run(self, size: int, columns: Columns, slot_is_real: torch.Tensor, num_logits: int) -> torch.Tensor:
         """`_forward` through this cache's runner of `size` positions (`cache.runner.ForwardRunner`)."""

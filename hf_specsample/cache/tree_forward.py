@@ -23,9 +23,7 @@ compaction moves entries in place.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -37,7 +35,6 @@ from ..core.sequences import Columns, Sequences
 from ..options import TreeShape
 from . import row_ops
 from .cached_model import CachedModel
-from .compiled import positions_to_keep
 
 # Layer kinds (`config.layer_types`, GPT-Neo's `attention_layers`) whose mask is the causal one a tree's mask extends.
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "global", "attention"})
@@ -190,7 +187,7 @@ class CachedTree:
         if prefix is not None:
             input_ids = torch.cat([prefix.input_ids.to(input_ids.device), input_ids], dim=1)
             positions = torch.cat([prefix.position_ids, positions], dim=1)
-        return _forward(model, input_ids, positions, allowed, num_logits=len(nodes) + (prefix is not None))
+        return model.feed_masked(input_ids, positions, allowed, num_logits=len(nodes) + (prefix is not None))
 
     def _allowed(self, old: int, width: int, nodes: Sequence[int]) -> torch.Tensor:
         """`(rows, width + len(nodes), slots)` bool: which slots each fed position attends to (the slots already
@@ -263,36 +260,6 @@ def _leading_true(flags: list[bool]) -> int:
 def _root_positions(sequences: Sequences) -> torch.Tensor:
     """`(rows,)` long on the CPU: each row's last committed token's position id."""
     return sequences.columns([length - 1 for length in sequences.lengths], 1).position_ids[:, 0]
-
-
-def _forward(
-    model: CachedModel, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, num_logits: int
-) -> torch.Tensor:
-    """One eager forward of `model` over `(rows, width)` ids at `positions` with the slot mask `allowed`; the last
-    `num_logits` logits, float32, on the ids' device."""
-    facts, device = model.facts, model.input_device
-    rows, width = input_ids.shape
-    if model.capacity is not None:  # a static cache attends over all its slots: those past the pointer masked
-        slots = allowed.shape[-1]
-        assert slots <= model.capacity, f"a static cache of {model.capacity} slots cannot hold {slots}"
-        allowed = torch.cat([allowed, allowed.new_zeros((rows, width, model.capacity - slots))], dim=-1)
-    ids = input_ids.to(device)
-    if model.forwards.embeddable is not None:
-        ids = ids.masked_fill(ids >= model.forwards.embeddable, 0)
-    kwargs = {
-        facts.cache_name or transformers_api.CACHE: model.cache,
-        "use_cache": True,
-        "attention_mask": transformers_api.additive_attention_mask(allowed, facts.model.dtype, device),
-        "position_ids": positions.to(device),
-    }
-    if facts.takes_logits_to_keep:
-        kwargs["logits_to_keep"] = positions_to_keep(width, num_logits, device, compiled=False)
-    routed = partial(model.kernel.applied, rows * width) if model.kernel is not None else contextlib.nullcontext
-    undo = partial(row_ops.crop, model.cache, width, total=model.slots)  # a deferral the head cannot prove reruns
-    run = partial(model.model, input_ids=ids, **kwargs)
-    logits = model.head.forward(run, routed, rows, num_logits, input_ids.device, undo)  # deferred where asked
-    model.forward_passes += 1
-    return logits[:, -num_logits:].to(device=input_ids.device, dtype=torch.float32)
 
 
 def _move_slots(model: CachedModel, source: torch.Tensor, first: int) -> None:
