@@ -120,18 +120,19 @@ class SpeculativeDecoder:
         self.recorder = OutputRecorder(generation_config, batch_size)
         self.verifier = parts.verifier(plan, self.recorder.keep_scores)
         self.model_drafter, self.drafter = parts.drafters(plan, self.sequences, self.verifier.processor)
+        self.draft = self.model_drafter.model if self.model_drafter is not None else None  # its model and cache
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
 
     def run(self) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
         if self.streamer is not None:
             self.streamer.put(self.sequences.tokens[:, : self.sequences.prompt_length].cpu())
-        compiled, step = self.target.compiled, self.plan.draft.forwards.step if self.plan.draft else None
-        compile_before = compiled.compile_seconds if compiled is not None else 0.0
-        draft_compile_before = step.compile_seconds if step is not None else 0.0
+        draft = self.draft
+        compile_before = self.target.compile_seconds or 0.0
+        draft_compile_before = (draft.compile_seconds if draft is not None else None) or 0.0
         self.target.warm_up()  # compile now, outside every round (the prompt then runs compiled too)
-        if self.model_drafter is not None and step is not None:
-            self.model_drafter.warm_up()  # the draft's compiled step too
+        if self.model_drafter is not None:
+            self.model_drafter.warm_up()  # the draft's compiled step too, where it has one
         while self.sequences.num_active > 0:
             draft_room = self.model_drafter.room(self.sequences) if self.model_drafter is not None else None
             self.round(self.lookahead.budget(self.sequences.lengths, draft_room))
@@ -145,10 +146,10 @@ class SpeculativeDecoder:
         self.stats.draft_positions_ended = self.lookahead.draft_positions_ended
         processor = self.verifier.processor  # the drafter's and the trees' too
         self.stats.processing_seconds, self.stats.processed_positions = processor.seconds, processor.positions
-        if compiled is not None:
-            self.stats.compile_seconds = compiled.compile_seconds - compile_before
-        if step is not None:
-            self.stats.draft_compile_seconds = step.compile_seconds - draft_compile_before
+        if self.target.compile_seconds is not None:
+            self.stats.compile_seconds = self.target.compile_seconds - compile_before
+        if draft is not None and draft.compile_seconds is not None:
+            self.stats.draft_compile_seconds = draft.compile_seconds - draft_compile_before
         sequences = self.sequences.output(self.pad_token_id)
         cache = self.plain_cache(sequences) if self.keep_cache else None
         if self.plan.pooled:  # the call's own static caches, kept for the next call where the caller gets none
@@ -159,8 +160,9 @@ class SpeculativeDecoder:
     def own_static_caches(self, handed_out: object) -> list[tuple[Any, Any]]:
         """This call's static caches as (model, cache), except one handed to the caller."""
         caches = [(self.target.model, self.target.cache)] if self.target.cache is not handed_out else []
-        if self.model_drafter is not None and self.plan.draft is not None and self.plan.draft.cache is not None:
-            caches.append((self.model_drafter.runner.model, self.model_drafter.runner.cache))
+        draft = self.draft
+        if draft is not None and draft.capacity is not None:  # the draft's static cache, made for this call
+            caches.append((draft.model, draft.cache))
         return caches
 
     def round(self, budget: DraftBudget) -> None:
@@ -186,8 +188,7 @@ class SpeculativeDecoder:
 
     def _compilations(self) -> int:
         """Compilations so far by the target's compiled forward and the draft's compiled step."""
-        step = self.plan.draft.forwards.step if self.plan.draft is not None else None
-        return sum(compiled.compilations for compiled in (self.target.compiled, step) if compiled)
+        return self.target.compilations + (self.draft.compilations if self.draft is not None else 0)
 
     def verify(self, proposal: Proposal) -> tuple[Verdict, torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
         """The target scores the root and every drafted node of each row in one forward pass (a chain's K + 1

@@ -383,6 +383,17 @@ class CachedModel:
             self._dummy_forward(self.compiled, rows)
             self.compiled.warm(rows)
 
+    @property
+    def compilations(self) -> int:
+        """Calls that compiled something, of this model's compiled forward and compiled step."""
+        return sum(part.compilations for part in (self.compiled, self.step) if part is not None)
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Seconds spent compiling this model's compiled forward and step (None: neither is compiled)."""
+        parts = [part.compile_seconds for part in (self.compiled, self.step) if part is not None]
+        return sum(parts) if parts else None
+
     def warm_step(self) -> None:
         """Compile the single-position step now, on a throwaway cache like this one (`step_warm_up.warm_step`)."""
         if self.step is not None:

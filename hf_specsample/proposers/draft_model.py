@@ -112,6 +112,11 @@ class DraftModelProposer(Proposer):
         self._no_tree_left()
         self.runner.select_rows(rows)
 
+    @property
+    def model(self) -> CachedModel:
+        """The draft model and its cache (their compilations, seconds, and a static cache to give back)."""
+        return self.runner
+
     def warm_up(self) -> None:
         """Compile the draft's single-token step now, if it runs compiled, so that no round pays for it."""
         self.runner.warm_step()
