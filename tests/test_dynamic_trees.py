@@ -22,6 +22,7 @@ from tiny import ARCHITECTURES, PAD, tiny_lm
 from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.policy.shape_choice import choose_shape
+from hf_specsample.proposers.base import DraftBudget
 from hf_specsample.proposers.dynamic_tree import DynamicPool
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
@@ -156,7 +157,7 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(
     spec = DynamicTree(nodes=7, depth=4, expand=2)
     for round_ in range(len(ENDINGS)):
         before = proposer.forward_passes
-        proposal = proposer.draft_tree(sequences, spec)
+        proposal = proposer.get_candidates(sequences, DraftBudget(0, 0, spec))
         assert proposal.model_steps == spec.depth == proposer.forward_passes - before
         pool = pools[-1]
         for row in range(sequences.num_active):

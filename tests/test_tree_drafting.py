@@ -10,6 +10,7 @@ from tiny import PAD, prepared_processors
 from hf_specsample.cache.forwards import Forwards
 from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.options import TreeShape
+from hf_specsample.proposers.base import DraftBudget
 from hf_specsample.proposers.draft_model import DraftModelProposer, DraftVocabulary
 from hf_specsample.sampling.processing import PositionwiseProcessor
 
@@ -106,7 +107,7 @@ def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, proce
     endings = [[15, 1], [2, -1], [8, 13]]
     for ends in endings:
         before = proposer.forward_passes
-        proposal = proposer.draft_tree(sequences, shape)
+        proposal = proposer.get_candidates(sequences, DraftBudget(0, 0, shape))
         assert proposal.model_steps == shape.max_depth == proposer.forward_passes - before
         assert_tree_is_the_reference(model, processors, sequences, shape, proposal.tree.tokens, subset)
         held = proposer.runner.fed
@@ -128,8 +129,8 @@ def test_a_chain_shaped_tree_is_the_greedy_chain_draft():
         model, sequences.tokens[:, :6], pad_token_id=PAD, max_new_tokens=5, repetition_penalty=1.4
     )
     tree_drafter, chain_drafter = (proposer_for(model, sequences, processors) for _ in range(2))
-    tree = tree_drafter.draft_tree(sequences, TreeShape.chain(5))
-    chain = chain_drafter.draft(sequences, 5)
+    tree = tree_drafter.get_candidates(sequences, DraftBudget(0, 0, TreeShape.chain(5)))
+    chain = chain_drafter.get_candidates(sequences, DraftBudget(5, 0))
     assert torch.equal(tree.tree.tokens, chain.tokens)
     assert tree.model_steps == chain.model_steps == 5
 
@@ -140,7 +141,7 @@ def test_a_draft_with_another_tokenizer_drafts_chains_only():
     proposer = proposer_for(model, sequences, [])
     proposer.inputs = object()  # stands for a `DraftIdBuffer`
     with pytest.raises(ValueError, match="chains only"):
-        proposer.draft_tree(sequences, TreeShape.default())
+        proposer.get_candidates(sequences, DraftBudget(0, 0, TreeShape.default()))
 
 
 @torch.no_grad()
@@ -149,12 +150,12 @@ def test_a_tree_left_in_the_cache_is_never_taken_for_committed_positions():
     model = tiny_model("sdpa")
     sequences = padded_batch(torch.Generator().manual_seed(0), 2, 5, [0, 1])
     proposer = proposer_for(model, sequences, [])
-    proposer.draft_tree(sequences, TreeShape.default())
+    proposer.get_candidates(sequences, DraftBudget(0, 0, TreeShape.default()))
     for call in (
         lambda: proposer.rollback_to_committed(sequences.lengths),
         lambda: proposer.select_rows([0]),
-        lambda: proposer.draft_tree(sequences, TreeShape.default()),
-        lambda: proposer.draft(sequences, 3),
+        lambda: proposer.get_candidates(sequences, DraftBudget(0, 0, TreeShape.default())),
+        lambda: proposer.get_candidates(sequences, DraftBudget(3, 0)),
     ):
         with pytest.raises(RuntimeError, match="compacted first"):
             call()

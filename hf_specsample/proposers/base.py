@@ -69,6 +69,14 @@ class Proposal(NamedTuple):
     shape: TreeShape | None = None
     depth: int | None = None
 
+    @classmethod
+    def of_tree(cls, tree: DraftTree, depth: int, shape: TreeShape | None) -> Proposal:
+        """A drafted tree as the round's proposal: one draft forward per level, no distributions (its children are
+        the draft's top choices)."""
+        return cls(
+            tree.tokens, None, model_steps=depth, parents=tree.parents, depths=tree.depths, shape=shape, depth=depth
+        )
+
     @property
     def tree(self) -> DraftTree:
         """The draft as a `DraftTree` (a chain's parents and depths implied)."""

@@ -8,7 +8,8 @@ batched over rows of different lengths and returning the draft's *processed* pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -17,16 +18,15 @@ from transformers import Cache, DynamicCache
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
 from ..cache.tree_forward import CachedTree
-from ..core.draft_tree import DraftTree
 from ..core.model_facts import ModelFacts
 from ..core.sequences import Sequences
-from ..options import DynamicTree, TreeShape
+from ..options import DynamicTree
 from ..sampling.draws import first_argmax, sample_from_weights
 from ..sampling.processing import PositionwiseProcessor, probabilities
 from .base import DraftBudget, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
-from .dynamic_tree import DynamicPool, KeptNodes, processed_at_frontier
-from .tree_drafting import children_by_parent, choices, parents_of_levels, processed_at_parents
+from .dynamic_tree import DynamicGrowth, KeptNodes
+from .tree_drafting import ShapeGrowth
 
 
 class DraftVocabulary(NamedTuple):
@@ -133,134 +133,54 @@ class DraftModelProposer(Proposer):
         reads = sequences if self.inputs is None else self.inputs.sequences
         return max(0, self.position_limit - max(reads.lengths))
 
-    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
-        """Draft `budget.lookahead` (K) tokens after every active row's committed tokens, or the round's tree
-        (`budget.tree`: `draft_tree`) (`Proposer.get_candidates`).
+    def get_candidates(
+        self, sequences: Sequences, budget: DraftBudget, forced: Sequence[torch.Tensor] | None = None
+    ) -> Proposal:
+        """Draft the round's chain of `budget.lookahead` (K) tokens, or its tree (`budget.tree`), after every active
+        row's committed tokens (`Proposer.get_candidates`): one loop for every shape, one draft forward per level.
 
-        Returns:
-            `Proposal` with `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions (None
-            for greedy drafts: argmax tokens are point masses); or a tree's `(batch, N)` nodes.
-        """
-        if budget.tree is not None:
-            return self.draft_tree(sequences, budget.tree)
-        return self.draft(sequences, budget.lookahead)
-
-    def draft(self, sequences: Sequences, lookahead: int, forced: Sequence[torch.Tensor] | None = None) -> Proposal:
-        """Draft `lookahead` (K) tokens after every active row's committed tokens, some of them possibly forced.
-
-        The first forward catches the draft's cache up with the committed tokens it has not seen (the prompt, or
-        the last one or two committed tokens); each later forward feeds the previous draft token.
+        The first forward catches the draft's cache up with the committed tokens it has not seen (the prompt, or the
+        last one or two committed tokens) and gives the first level; each later forward feeds the level's parents, a
+        chain's with its causal mask (the previous draft token) and a tree's with the tree mask (`Growth.feed`).
+        Leaves are not fed. What a level's logits become (a sampled or argmax token, a parent's top choices, the best
+        of a dynamic pool) is the `Growth`'s: `ChainGrowth`, `tree_drafting.ShapeGrowth`,
+        `dynamic_tree.DynamicGrowth`. After a tree the draft's cache holds its fed nodes (`tree_in_cache`) until
+        `compact_tree`.
 
         Args:
-            forced: per active row, `(m,)` tokens that replace the model's first ``m`` proposals (an n-gram
-                continuation); each is a point mass, so its distribution is known exactly and is marked in the
-                proposal's `point_mass` mask. The model still runs for every row (its later proposals condition on
-                the forced tokens).
+            forced: a chain's forced tokens per active row (`ChainGrowth`), e.g. an n-gram continuation.
+
+        Returns:
+            `Proposal` with a chain's `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions
+            (None for greedy drafts: argmax tokens are point masses); or a tree's `(batch, N)` nodes.
         """
         self._no_tree_left()
-        tokens, lengths = sequences.tokens, sequences.lengths
+        growth = self._growth(sequences, budget, forced)
         reads = sequences if self.inputs is None else self.inputs.sequences
-        read_lengths = reads.lengths
-        drafted, pinned = [], []
-        drafted_probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled step by step
-        for step in range(lookahead):
-            prefix_lengths = [length + step for length in lengths]
-            logits = self._columns(self._forward(reads, [length + step for length in read_lengths]))
-            scores = self.processor(tokens, prefix_lengths, self._spread(logits), sequences.rows.active)[:, 0]
-            if self.do_sample:
-                # one (batch, K, vocab) tensor per round, written in place: no list of steps stacked at the end
-                if drafted_probs is None:
-                    shape = (scores.shape[0], lookahead, scores.shape[-1])
-                    drafted_probs = scores.new_empty(shape, dtype=torch.float32)
-                probs = drafted_probs[:, step]  # (batch, vocab or subset)
-                probs.copy_(probabilities(scores))
-                del scores
-                index = sample_from_weights(probs, self.generator)  # (batch,)
-            else:
-                index = first_argmax(scores)
-            token = self.vocabulary[index] if self.compact and self.vocabulary is not None else index  # compact: set
-            if forced is not None:
-                token, forced_here = self._force(forced, step, token)
-                pinned.append(forced_here)
-            sequences.write(step, token)
-            if self.inputs is not None:
-                self.inputs.write(step, token)  # the draft's next input: the token's draft id
-            drafted.append(token)
-        any_forced = forced is not None and any(row.numel() for row in forced)
-        return Proposal(
-            tokens=torch.stack(drafted, dim=1) if drafted else tokens.new_empty((sequences.num_active, 0)),
-            probs=self._full(drafted_probs) if drafted_probs is not None else None,  # (batch, K, vocab)
-            point_mass=torch.stack(pinned, dim=1) if drafted_probs is not None and any_forced else None,  # (batch, K)
-            model_steps=lookahead,
-        )
+        with self._broken_int8():
+            for level in range(growth.depth):
+                logits = self.runner.feed_upto(reads, reads.lengths, num_logits=1) if level == 0 else growth.feed(level)
+                growth.grow(level, self._spread(self._columns(logits)))
+        proposal = growth.proposal()
+        self.tree_in_cache = growth.in_cache
+        return proposal if proposal.probs is None else proposal._replace(probs=self._full(proposal.probs))
 
-    def draft_tree(self, sequences: Sequences, shape: TreeShape | DynamicTree) -> Proposal:
-        """Draft a tree of `shape` (static, or each row's own: `draft_dynamic_tree`) after every active row's
-        committed tokens, one draft forward per level.
-
-        The first forward feeds the committed positions the draft has not fed (the root at least) and gives the
-        root's children; each later one feeds the parents of the next level's nodes with the tree mask
-        (`cache.tree_forward.CachedTree`). A parent's children are the top-(rank + 1) distinct tokens of the draft's
-        processed scores there (processed with the parent's own prefix: `tree_drafting.processed_at_parents`), the
-        scores a greedy chain draft takes its argmax of, also when sampling: the children are deterministic. Leaves
-        are not fed. The buffer is not written to.
-
-        After it the draft's cache holds each row's committed tokens, the root included, then every node that has
-        children, in level order (`tree_in_cache`), until `compact_tree`.
-        """
-        if self.inputs is not None:
-            raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
-        if isinstance(shape, DynamicTree):
-            return self.draft_dynamic_tree(sequences, shape)
-        self._no_tree_left()
-        tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
-        tree = DraftTree.of_shape(shape, tokens.new_zeros((sequences.num_active, shape.num_nodes)))
-        children = children_by_parent(shape)
-        levels = parents_of_levels(shape)
-        for level, parents in enumerate(levels):
-            if level == 0:
-                logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
-                self.tree_in_cache = CachedTree.after_root(self.runner, sequences, tree, shape)
-            else:
-                assert isinstance(self.tree_in_cache, CachedTree)  # made by the first level
-                logits = self.tree_in_cache.feed(parents)  # (rows, P, width)
-            full = self._spread(self._columns(logits))
-            scores = processed_at_parents(self.processor, tokens, lengths, shape, tree.tokens, parents, full, callers)
-            for lane, parent in enumerate(parents):
-                kids = children[parent]
-                index = choices(scores[:, lane], max(rank for _, rank in kids) + 1)  # (rows, ranks)
-                chosen = self.vocabulary[index] if self.compact and self.vocabulary is not None else index
-                for node, rank in kids:
-                    tree.tokens[:, node] = chosen[:, rank]
-        return _tree_proposal(tree, len(levels), shape)
-
-    def draft_dynamic_tree(self, sequences: Sequences, spec: DynamicTree) -> Proposal:
-        """Draft each row's dynamic tree (`proposers.dynamic_tree`): `spec.depth` draft forwards, the first at the
-        root, each later one over the frontier's `spec.expand` nodes with the tree mask; the best `spec.num_nodes`
-        nodes are kept.
-
-        After it the draft's cache holds each row's committed tokens, the root included, then every frontier node
-        fed, in the order fed (`tree_in_cache`, over the pool's indices), until `compact_tree`. Each level after the
-        first reads its frontier's parents on the host, for the tree mask: on an accelerator, one `(rows, expand)`
-        device read (a sync) per level.
-        """
-        if self.inputs is not None:
-            raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
-        self._no_tree_left()
-        tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
-        pool = DynamicPool(spec, sequences.num_active, tokens.device)
+    def _growth(
+        self, sequences: Sequences, budget: DraftBudget, forced: Sequence[torch.Tensor] | None
+    ) -> ChainGrowth | ShapeGrowth | DynamicGrowth:
+        """How this round's draft grows: a chain of K, or the budget's tree (static or dynamic)."""
         tokens_of = self.vocabulary if self.compact else None
-        logits = self._forward(sequences, lengths)  # (rows, 1, width): the root's
-        cached = CachedTree.after_root(self.runner, sequences, pool.tree, grows=True)
-        pool.add_level(self.processor(tokens, lengths, self._spread(self._columns(logits)), callers), tokens_of)
-        for _ in range(1, spec.depth):
-            frontier = pool.frontier()
-            cached.set_parents(frontier, pool.parents[:, frontier].cpu())  # the sync named above
-            full = self._spread(self._columns(cached.feed(frontier)))  # (rows, expand, vocab)
-            pool.add_level(processed_at_frontier(self.processor, tokens, lengths, pool, full, callers), tokens_of)
-        tree, kept = pool.kept()
-        self.tree_in_cache = KeptNodes(cached, kept)
-        return _tree_proposal(tree, spec.depth, None)
+        if budget.tree is None:
+            draws = Draws(self.do_sample, self.generator)
+            return ChainGrowth(
+                self.runner, self.processor, sequences, budget.lookahead, draws, tokens_of, forced, self.inputs
+            )
+        if self.inputs is not None:
+            raise ValueError("A draft with another tokenizer drafts chains only (its ids do not map one to one).")
+        assert forced is None, "forced tokens are a chain's"
+        if isinstance(budget.tree, DynamicTree):
+            return DynamicGrowth(self.runner, self.processor, sequences, budget.tree, tokens_of)
+        return ShapeGrowth(self.runner, self.processor, sequences, budget.tree, tokens_of)
 
     def compact_tree(self, path: torch.Tensor, counts: Sequence[int]) -> None:
         """Keep the accepted path of the last drafted tree in the draft's cache (`CachedTree.compact`): called after
@@ -280,31 +200,13 @@ class DraftModelProposer(Proposer):
                 "hf_specsample internal error: the drafted tree must be compacted first (`compact_tree`)"
             )
 
-    def _force(
-        self, forced: Sequence[torch.Tensor], step: int, token: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace the rows' proposals at `step` by their forced tokens.
-
-        Args:
-            token: `(batch,)` the model's proposals.
-
-        Returns:
-            The `(batch,)` tokens, and `(batch,)` bool: True in the rows whose token was forced (a point mass).
-        """
-        forced_here = [tokens.numel() > step for tokens in forced]
-        rows = [row for row, is_forced in enumerate(forced_here) if is_forced]
-        if rows:
-            index = torch.tensor(rows, device=token.device)
-            chosen = torch.stack([forced[row][step] for row in rows]).to(token.device)
-            token = token.index_put((index,), chosen)
-        return token, torch.tensor(forced_here, dtype=torch.bool, device=token.device)
-
-    def _forward(self, sequences: Sequences, upto: list[int]) -> torch.Tensor:
-        """`(batch, 1, width)` draft logits after ``upto[b]`` tokens of each row."""
+    @contextlib.contextmanager
+    def _broken_int8(self) -> Iterator[None]:
+        """Say what fbgemm's error means where the draft's dynamic-int8 copy cannot choose a scale for NaN/inf
+        activations."""
         try:
-            return self.runner.feed_upto(sequences, upto, num_logits=1)
+            yield
         except RuntimeError as error:
-            # fbgemm's dynamic quantization cannot choose a scale for NaN/inf activations; say what that means.
             if self.int8 and "ChooseQuantizationParams" in str(error):
                 raise RuntimeError(
                     "The draft's activations contain NaN or inf, which its dynamic-int8 copy (draft_form 'auto' on "
@@ -359,9 +261,108 @@ class DraftModelProposer(Proposer):
         self.inputs.sequences.left_pack()
 
 
-def _tree_proposal(tree: DraftTree, depth: int, shape: TreeShape | None) -> Proposal:
-    """A drafted tree as the round's proposal: one draft forward per level, no distributions (its children are the
-    draft's top choices)."""
-    return Proposal(
-        tree.tokens, None, model_steps=depth, parents=tree.parents, depths=tree.depths, shape=shape, depth=depth
-    )
+class Draws(NamedTuple):
+    """How a chain's draft tokens are chosen: sampled from the draft's processed distribution (with `generator`),
+    or its argmax."""
+
+    do_sample: bool
+    generator: torch.Generator | None
+
+
+class ChainGrowth:
+    """A chain of K draft tokens, grown one level (one token) per draft forward (`DraftModelProposer.get_candidates`).
+
+    Each level's token is sampled from the draft's processed distribution there (kept for the verifier's rule) or is
+    its argmax, and is written into the buffer after the committed tokens (the next level's forward and processors
+    read it there), and with another tokenizer into the draft's own ids. Forced tokens (an n-gram continuation)
+    replace the model's first proposals in their rows; each is a point mass, marked in the proposal's `point_mass`,
+    and the model still runs for every row (its later proposals condition on them).
+    """
+
+    in_cache = None  # a chain's positions are the draft's committed ones to be: nothing to compact
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        processor: PositionwiseProcessor,
+        sequences: Sequences,
+        lookahead: int,
+        draws: Draws,
+        tokens_of: torch.Tensor | None = None,
+        forced: Sequence[torch.Tensor] | None = None,
+        inputs: DraftIdBuffer | None = None,
+    ):
+        """
+        Args:
+            runner: the draft and its cache.
+            processor: the call's processors (applied with the target-id prefix in the buffer).
+            sequences: the target's rows (committed tokens; the drafts are written after them).
+            lookahead: K, the chain's tokens (its depth).
+            draws: sampled or argmax.
+            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
+            forced: per active row, `(m,)` tokens that replace the model's first ``m`` proposals.
+            inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
+        """
+        self.runner, self.processor, self.sequences, self.depth = runner, processor, sequences, lookahead
+        self.draws, self.tokens_of, self.forced, self.inputs = draws, tokens_of, forced, inputs
+        self.reads = sequences if inputs is None else inputs.sequences
+        self.drafted: list[torch.Tensor] = []  # per level, (batch,)
+        self.pinned: list[torch.Tensor] = []  # per level, (batch,) bool: forced
+        self.probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled level by level when sampling
+
+    def feed(self, level: int) -> torch.Tensor:
+        """`(batch, 1, width)` the draft's logits after the previous level's token (the causal mask)."""
+        return self.runner.feed_upto(self.reads, [length + level for length in self.reads.lengths], num_logits=1)
+
+    def grow(self, level: int, logits: torch.Tensor) -> None:
+        """Choose the level's token from the draft's `(batch, 1, vocab or subset)` logits and write it."""
+        sequences = self.sequences
+        prefix_lengths = [length + level for length in sequences.lengths]
+        scores = self.processor(sequences.tokens, prefix_lengths, logits, sequences.rows.active)[:, 0]
+        if self.draws.do_sample:
+            # one (batch, K, vocab) tensor per round, written in place: no list of levels stacked at the end
+            if self.probs is None:
+                self.probs = scores.new_empty((scores.shape[0], self.depth, scores.shape[-1]), dtype=torch.float32)
+            probs = self.probs[:, level]  # (batch, vocab or subset)
+            probs.copy_(probabilities(scores))
+            del scores
+            index = sample_from_weights(probs, self.draws.generator)  # (batch,)
+        else:
+            index = first_argmax(scores)
+        token = index if self.tokens_of is None else self.tokens_of[index]
+        if self.forced is not None:
+            token, forced_here = _force(self.forced, level, token)
+            self.pinned.append(forced_here)
+        sequences.write(level, token)
+        if self.inputs is not None:
+            self.inputs.write(level, token)  # the draft's next input: the token's draft id
+        self.drafted.append(token)
+
+    def proposal(self) -> Proposal:
+        """The chain: `(batch, K)` tokens, their distributions when sampled, the forced ones marked."""
+        any_forced = self.forced is not None and any(row.numel() for row in self.forced)
+        empty = self.sequences.tokens.new_empty((self.sequences.num_active, 0))
+        return Proposal(
+            tokens=torch.stack(self.drafted, dim=1) if self.drafted else empty,
+            probs=self.probs,
+            point_mass=torch.stack(self.pinned, dim=1) if self.probs is not None and any_forced else None,
+            model_steps=self.depth,
+        )
+
+
+def _force(forced: Sequence[torch.Tensor], level: int, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the rows' proposals at `level` by their forced tokens.
+
+    Args:
+        token: `(batch,)` the model's proposals.
+
+    Returns:
+        The `(batch,)` tokens, and `(batch,)` bool: True in the rows whose token was forced (a point mass).
+    """
+    forced_here = [tokens.numel() > level for tokens in forced]
+    rows = [row for row, is_forced in enumerate(forced_here) if is_forced]
+    if rows:
+        index = torch.tensor(rows, device=token.device)
+        chosen = torch.stack([forced[row][level] for row in rows]).to(token.device)
+        token = token.index_put((index,), chosen)
+    return token, torch.tensor(forced_here, dtype=torch.bool, device=token.device)

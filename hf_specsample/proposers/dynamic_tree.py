@@ -1,5 +1,5 @@
 """A dynamic draft tree (`options.DynamicTree`, EAGLE-2): each row grows its own tree per round from the draft's
-probabilities (`proposers.draft_model.DraftModelProposer.draft_tree` runs the forwards).
+probabilities (`DynamicGrowth`; `proposers.draft_model.DraftModelProposer.get_candidates` runs the forwards).
 
 Every node drafted goes into the round's pool, a `DraftTree` of `DynamicTree.drafted` nodes per row in blocks, one
 block per level: the root's top-`expand` children, then per later level the top-`expand` children of each of the
@@ -20,10 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cache.cached_model import CachedModel
 from ..cache.tree_forward import CachedTree
 from ..core.draft_tree import DraftTree
+from ..core.sequences import Sequences
 from ..options import DynamicTree
 from ..sampling.processing import PositionwiseProcessor, processed_at_paths
+from .base import Proposal
 from .tree_drafting import choices
 
 
@@ -104,6 +107,66 @@ class DynamicPool:
         parents = new_index.gather(1, torch.where(pool_parents < 0, size, pool_parents))
         tree = DraftTree(self.tree.tokens.gather(1, kept), parents, self.depths.gather(1, kept))
         return tree, kept
+
+
+class DynamicGrowth:
+    """Each row's dynamic tree, grown one level per draft forward (`DraftModelProposer.get_candidates`):
+    `spec.depth` forwards, the first at the root, each later one over the frontier's `spec.expand` nodes with the
+    tree mask; the best `spec.num_nodes` nodes of the pool are kept.
+
+    After it the draft's cache holds each row's committed tokens, the root included, then every frontier node fed, in
+    the order fed (`in_cache`, over the pool's indices), until compacted. Each level after the first reads its
+    frontier's parents on the host, for the tree mask: on an accelerator, one `(rows, expand)` device read (a sync)
+    per level.
+    """
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        processor: PositionwiseProcessor,
+        sequences: Sequences,
+        spec: DynamicTree,
+        tokens_of: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            runner: the draft and its cache.
+            processor: the call's processors.
+            sequences: the target's rows (committed tokens; not written to).
+            spec: the round's dynamic tree (cut to the room left).
+            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
+        """
+        self.runner, self.processor, self.sequences, self.tokens_of = runner, processor, sequences, tokens_of
+        self.pool = DynamicPool(spec, sequences.num_active, sequences.tokens.device)
+        self.depth = spec.depth
+        self.cached: CachedTree | None = None  # the pool in the draft's cache, from the first level's forward
+        self.in_cache: KeptNodes | None = None  # the kept nodes, once proposed
+
+    def feed(self, level: int) -> torch.Tensor:  # noqa: ARG002 (the pool knows its frontier)
+        """`(rows, expand, width)` the draft's logits at the frontier (fed with the tree mask)."""
+        assert self.cached is not None  # made by the first level
+        frontier = self.pool.frontier()
+        self.cached.set_parents(frontier, self.pool.parents[:, frontier].cpu())  # the sync named above
+        return self.cached.feed(frontier)
+
+    def grow(self, level: int, logits: torch.Tensor) -> None:
+        """The level's block of the pool from the draft's `(rows, F, vocab or subset)` logits at the root (level 0)
+        or the frontier, processed with each node's own prefix."""
+        sequences, pool = self.sequences, self.pool
+        tokens, lengths, callers = sequences.tokens, sequences.lengths, sequences.rows.active
+        if level == 0:
+            self.cached = CachedTree.after_root(self.runner, sequences, pool.tree, grows=True)
+            scores = self.processor(tokens, lengths, logits, callers)
+        else:
+            scores = processed_at_frontier(self.processor, tokens, lengths, pool, logits, callers)
+        pool.add_level(scores, self.tokens_of)
+
+    def proposal(self) -> Proposal:
+        """The kept tree: `(rows, N)` nodes, one draft forward per level, no distributions."""
+        assert self.cached is not None  # a dynamic tree has one level at least
+        tree, kept = self.pool.kept()
+        self.in_cache = KeptNodes(self.cached, kept)
+        return Proposal.of_tree(tree, self.depth, None)
 
 
 class KeptNodes:

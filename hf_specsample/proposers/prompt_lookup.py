@@ -116,9 +116,9 @@ class LookupThenModelProposer(Proposer):
     With one active row, a round in which it has a continuation drafts up to `budget.lookup_lookahead` (``max(K, N)``)
     tokens by lookup alone and the draft model does not run (its cache catches up in a later round). Otherwise the model
     drafts `budget.lookahead` (K) tokens, and rows with a continuation take its tokens first
-    (`DraftModelProposer.draft(forced=...)`, marked as point masses in the proposal). In a batch the model runs every
-    round: skipping it would leave rows behind in its cache by different amounts, and a forward feeds every row the
-    same number of positions.
+    (`DraftModelProposer.get_candidates(forced=...)`, marked as point masses in the proposal). In a batch the model
+    runs every round: skipping it would leave rows behind in its cache by different amounts, and a forward feeds every
+    row the same number of positions.
     """
 
     def __init__(self, model: DraftModelProposer, lookup: PromptLookupProposer):
@@ -143,7 +143,7 @@ class LookupThenModelProposer(Proposer):
         found = self.lookup.continuations(sequences, budget.lookup_lookahead)
         if budget.lookup_lookahead > 0 and sequences.num_active == 1 and found[0].numel():
             return self.lookup.propose(sequences, found)
-        return self.model.draft(sequences, budget.lookahead, forced=found)
+        return self.model.get_candidates(sequences, budget, forced=found)
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self.model.select_rows(rows)

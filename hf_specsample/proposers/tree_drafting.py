@@ -1,5 +1,6 @@
-"""What tree drafting does with a level's logits: processed at each parent with that parent's own prefix, then the
-top choices at each parent as its children (`proposers.draft_model.DraftModelProposer.draft_tree` runs the forwards).
+"""A static draft tree (`options.TreeShape`) grown level by level (`ShapeGrowth`): a level's logits processed at each
+parent with that parent's own prefix, then the top choices at each parent as its children
+(`proposers.draft_model.DraftModelProposer.get_candidates` runs the forwards).
 
 A parent's prefix is its row's committed tokens followed by the tokens of its path (the root's is the committed
 tokens alone), so a processor that reads the prefix (repetition penalty, n-gram bans, bad words) sees at each parent
@@ -13,9 +14,86 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cache.cached_model import CachedModel
+from ..cache.tree_forward import CachedTree
+from ..core.draft_tree import DraftTree
+from ..core.sequences import Sequences
 from ..options import TreeShape
 from ..sampling.draws import first_argmax
 from ..sampling.processing import PositionwiseProcessor, processed_at_paths
+from .base import Proposal
+
+
+class ShapeGrowth:
+    """A static tree of `shape`, grown one level per draft forward (`DraftModelProposer.get_candidates`).
+
+    The first forward gives the root's children; each later one feeds the parents of the next level's nodes with
+    the tree mask (`cache.tree_forward.CachedTree`). A parent's children are the top-(rank + 1) distinct tokens of
+    the draft's processed scores there (processed with the parent's own prefix: `processed_at_parents`), the scores
+    a greedy chain draft takes its argmax of, also when sampling: the children are deterministic. The buffer is not
+    written to. After it the draft's cache holds each row's committed tokens, the root included, then every node
+    that has children, in level order (`in_cache`), until compacted.
+    """
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        processor: PositionwiseProcessor,
+        sequences: Sequences,
+        shape: TreeShape,
+        tokens_of: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            runner: the draft and its cache.
+            processor: the call's processors.
+            sequences: the target's rows (committed tokens; not written to).
+            shape: the round's tree shape (cut to the room left).
+            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
+        """
+        self.runner, self.processor, self.sequences, self.shape, self.tokens_of = (
+            runner,
+            processor,
+            sequences,
+            shape,
+            tokens_of,
+        )
+        self.tree = DraftTree.of_shape(shape, sequences.tokens.new_zeros((sequences.num_active, shape.num_nodes)))
+        self.children = children_by_parent(shape)
+        self.levels = parents_of_levels(shape)
+        self.depth = len(self.levels)
+        self.in_cache: CachedTree | None = None  # made after the first level's forward (the root's)
+
+    def feed(self, level: int) -> torch.Tensor:
+        """`(rows, P, width)` the draft's logits at the level's parents (their nodes fed with the tree mask)."""
+        assert self.in_cache is not None  # made by the first level
+        return self.in_cache.feed(self.levels[level])
+
+    def grow(self, level: int, logits: torch.Tensor) -> None:
+        """The level's nodes: each parent's top choices of the draft's `(rows, P, vocab or subset)` logits there."""
+        sequences, parents = self.sequences, self.levels[level]
+        if level == 0:
+            self.in_cache = CachedTree.after_root(self.runner, sequences, self.tree, self.shape)
+        scores = processed_at_parents(
+            self.processor,
+            sequences.tokens,
+            sequences.lengths,
+            self.shape,
+            self.tree.tokens,
+            parents,
+            logits,
+            sequences.rows.active,
+        )
+        for lane, parent in enumerate(parents):
+            kids = self.children[parent]
+            index = choices(scores[:, lane], max(rank for _, rank in kids) + 1)  # (rows, ranks)
+            chosen = index if self.tokens_of is None else self.tokens_of[index]
+            for node, rank in kids:
+                self.tree.tokens[:, node] = chosen[:, rank]
+
+    def proposal(self) -> Proposal:
+        """The tree: `(rows, N)` nodes, one draft forward per level, no distributions (deterministic children)."""
+        return Proposal.of_tree(self.tree, self.depth, self.shape)
 
 
 def processed_at_parents(
