@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from ..cache.cached_model import CachedModel
 from ..core.draft_tree import DraftTree
 from ..core.sequences import Sequences
 from ..options import DynamicTree, TreeShape
+from ..sampling.processing import PositionwiseProcessor
 
 
 class DraftBudget(NamedTuple):
@@ -129,3 +131,45 @@ class Proposer(ABC):
         Args:
             lengths: per active row (after the round's finished rows were dropped), its committed length.
         """
+
+
+class Growth(ABC):
+    """How a draft model's round grows, level by level (`DraftModelProposer.get_candidates` runs the one loop: the
+    first level's forward catches the cache up with the committed tokens, each later one is `feed`).
+
+    Attributes:
+        depth: the levels (draft forwards): a chain's K, a tree's depth.
+        in_cache: what of the round the draft's cache holds beyond the committed tokens until compacted (a tree's
+            fed nodes), or None (a chain's drafts become committed positions or are rolled back).
+    """
+
+    depth: int
+    in_cache: Any = None
+
+    def __init__(
+        self,
+        runner: CachedModel,
+        processor: PositionwiseProcessor,
+        sequences: Sequences,
+        tokens_of: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            runner: the draft and its cache.
+            processor: the call's processors (applied with each position's target-id prefix).
+            sequences: the target's rows (the committed tokens).
+            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
+        """
+        self.runner, self.processor, self.sequences, self.tokens_of = runner, processor, sequences, tokens_of
+
+    @abstractmethod
+    def feed(self, level: int) -> torch.Tensor:
+        """`(rows, F, width)` the draft's logits at the parents of `level` (>= 1): fed with the shape's mask."""
+
+    @abstractmethod
+    def grow(self, level: int, logits: torch.Tensor) -> None:
+        """Choose the nodes of `level` from the draft's `(rows, F, vocab or subset)` logits at its parents."""
+
+    @abstractmethod
+    def proposal(self) -> Proposal:
+        """The round's draft, once every level has grown."""

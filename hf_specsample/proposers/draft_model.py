@@ -23,7 +23,7 @@ from ..core.sequences import Sequences
 from ..options import DynamicTree
 from ..sampling.draws import first_argmax, sample_from_weights
 from ..sampling.processing import PositionwiseProcessor, probabilities
-from .base import DraftBudget, Proposal, Proposer
+from .base import DraftBudget, Growth, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
 from .dynamic_tree import DynamicGrowth, KeptNodes
 from .tree_drafting import ShapeGrowth
@@ -165,9 +165,7 @@ class DraftModelProposer(Proposer):
         self.tree_in_cache = growth.in_cache
         return proposal if proposal.probs is None else proposal._replace(probs=self._full(proposal.probs))
 
-    def _growth(
-        self, sequences: Sequences, budget: DraftBudget, forced: Sequence[torch.Tensor] | None
-    ) -> ChainGrowth | ShapeGrowth | DynamicGrowth:
+    def _growth(self, sequences: Sequences, budget: DraftBudget, forced: Sequence[torch.Tensor] | None) -> Growth:
         """How this round's draft grows: a chain of K, or the budget's tree (static or dynamic)."""
         tokens_of = self.vocabulary if self.compact else None
         if budget.tree is None:
@@ -269,7 +267,7 @@ class Draws(NamedTuple):
     generator: torch.Generator | None
 
 
-class ChainGrowth:
+class ChainGrowth(Growth):
     """A chain of K draft tokens, grown one level (one token) per draft forward (`DraftModelProposer.get_candidates`).
 
     Each level's token is sampled from the draft's processed distribution there (kept for the verifier's rule) or is
@@ -278,8 +276,6 @@ class ChainGrowth:
     replace the model's first proposals in their rows; each is a point mass, marked in the proposal's `point_mass`,
     and the model still runs for every row (its later proposals condition on them).
     """
-
-    in_cache = None  # a chain's positions are the draft's committed ones to be: nothing to compact
 
     def __init__(
         self,
@@ -294,17 +290,14 @@ class ChainGrowth:
     ):
         """
         Args:
-            runner: the draft and its cache.
-            processor: the call's processors (applied with the target-id prefix in the buffer).
-            sequences: the target's rows (committed tokens; the drafts are written after them).
             lookahead: K, the chain's tokens (its depth).
             draws: sampled or argmax.
-            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
             forced: per active row, `(m,)` tokens that replace the model's first ``m`` proposals.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
+            runner, processor, sequences, tokens_of: as `Growth`'s.
         """
-        self.runner, self.processor, self.sequences, self.depth = runner, processor, sequences, lookahead
-        self.draws, self.tokens_of, self.forced, self.inputs = draws, tokens_of, forced, inputs
+        super().__init__(runner, processor, sequences, tokens_of)
+        self.depth, self.draws, self.forced, self.inputs = lookahead, draws, forced, inputs
         self.reads = sequences if inputs is None else inputs.sequences
         self.drafted: list[torch.Tensor] = []  # per level, (batch,)
         self.pinned: list[torch.Tensor] = []  # per level, (batch,) bool: forced

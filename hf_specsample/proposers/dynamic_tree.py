@@ -26,7 +26,7 @@ from ..core.draft_tree import DraftTree
 from ..core.sequences import Sequences
 from ..options import DynamicTree
 from ..sampling.processing import PositionwiseProcessor, processed_at_paths
-from .base import Proposal
+from .base import Growth, Proposal
 from .tree_drafting import choices
 
 
@@ -109,7 +109,7 @@ class DynamicPool:
         return tree, kept
 
 
-class DynamicGrowth:
+class DynamicGrowth(Growth):
     """Each row's dynamic tree, grown one level per draft forward (`DraftModelProposer.get_candidates`):
     `spec.depth` forwards, the first at the root, each later one over the frontier's `spec.expand` nodes with the
     tree mask; the best `spec.num_nodes` nodes of the pool are kept.
@@ -128,15 +128,8 @@ class DynamicGrowth:
         spec: DynamicTree,
         tokens_of: torch.Tensor | None = None,
     ):
-        """
-        Args:
-            runner: the draft and its cache.
-            processor: the call's processors.
-            sequences: the target's rows (committed tokens; not written to).
-            spec: the round's dynamic tree (cut to the room left).
-            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
-        """
-        self.runner, self.processor, self.sequences, self.tokens_of = runner, processor, sequences, tokens_of
+        """`spec`: the round's dynamic tree (cut to the room left); the rest as `Growth`'s."""
+        super().__init__(runner, processor, sequences, tokens_of)
         self.pool = DynamicPool(spec, sequences.num_active, sequences.tokens.device)
         self.depth = spec.depth
         self.cached: CachedTree | None = None  # the pool in the draft's cache, from the first level's forward

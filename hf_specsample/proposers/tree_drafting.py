@@ -21,10 +21,10 @@ from ..core.sequences import Sequences
 from ..options import TreeShape
 from ..sampling.draws import first_argmax
 from ..sampling.processing import PositionwiseProcessor, processed_at_paths
-from .base import Proposal
+from .base import Growth, Proposal
 
 
-class ShapeGrowth:
+class ShapeGrowth(Growth):
     """A static tree of `shape`, grown one level per draft forward (`DraftModelProposer.get_candidates`).
 
     The first forward gives the root's children; each later one feeds the parents of the next level's nodes with
@@ -43,21 +43,9 @@ class ShapeGrowth:
         shape: TreeShape,
         tokens_of: torch.Tensor | None = None,
     ):
-        """
-        Args:
-            runner: the draft and its cache.
-            processor: the call's processors.
-            sequences: the target's rows (committed tokens; not written to).
-            shape: the round's tree shape (cut to the room left).
-            tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
-        """
-        self.runner, self.processor, self.sequences, self.shape, self.tokens_of = (
-            runner,
-            processor,
-            sequences,
-            shape,
-            tokens_of,
-        )
+        """`shape`: the round's tree shape (cut to the room left); the rest as `Growth`'s."""
+        super().__init__(runner, processor, sequences, tokens_of)
+        self.shape = shape
         self.tree = DraftTree.of_shape(shape, sequences.tokens.new_zeros((sequences.num_active, shape.num_nodes)))
         self.children = children_by_parent(shape)
         self.levels = parents_of_levels(shape)
