@@ -26,7 +26,7 @@ from .policy.round_timer import PhaseTimer
 from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal
 from .stopping import RoundRead, StopCheck
-from .verify.rejection import Verdict
+from .verify.rules import Verdict
 from .verify.verifier import along_path
 
 

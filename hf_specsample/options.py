@@ -64,8 +64,8 @@ class DraftForm(str, enum.Enum):
 class Verification(str, enum.Enum):
     """How a row's draft block is verified; both are exact."""
 
-    TOKEN = "token"  # token by token, stopping at the first rejection (`verify.rejection.speculative_accept`)
-    BLOCK = "block"  # jointly (`verify.rejection.block_accept`): never fewer accepted tokens in expectation
+    TOKEN = "token"  # token by token, stopping at the first rejection (`verify.rules.speculative_accept`)
+    BLOCK = "block"  # jointly (`verify.rules.block_accept`): never fewer accepted tokens in expectation
 
     def __str__(self) -> str:
         return self.value

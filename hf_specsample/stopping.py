@@ -38,7 +38,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .core.devices import tensor_on
-from .verify.rejection import Verdict, raise_if_nonfinite
+from .verify.rules import Verdict, raise_if_nonfinite
 
 # A prefix length -> what plain `generate()` passes its stopping criteria after that many columns: `(batch, length)`
 # input ids of every caller row, and its scores so far (a tuple of `(batch, vocab)`, or None).

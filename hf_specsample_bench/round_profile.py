@@ -40,7 +40,7 @@ from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.policy.round_costs import weight_bytes
 from hf_specsample.prepare.surgery import quantized_forms, without_siblings
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
-from hf_specsample.verify.rejection import speculative_accept
+from hf_specsample.verify.rules import speculative_accept
 
 from .measure import cpu_name, median_ms, read_bandwidth
 from .models import LoadPath

@@ -15,7 +15,7 @@ from hf_specsample.kernels import small_rows
 from hf_specsample.options import Verification
 from hf_specsample.sampling.draws import sample_from_weights
 from hf_specsample.verify import verifier
-from hf_specsample.verify.rejection import Verdict, block_accept, speculative_accept
+from hf_specsample.verify.rules import Verdict, block_accept, speculative_accept
 
 PROMPT = torch.tensor([[1, 5, 2, 5]])  # repeats a token, so repetition penalty has something to do
 NUM_TOKENS = 3

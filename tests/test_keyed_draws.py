@@ -30,7 +30,7 @@ from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling.draws import sample_from_weights
 from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, mix64, positions_from
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
-from hf_specsample.verify.rejection import block_accept, speculative_accept
+from hf_specsample.verify.rules import block_accept, speculative_accept
 from hf_specsample.verify.verifier import Verifier
 
 RULES = {"token": speculative_accept, "block": block_accept}

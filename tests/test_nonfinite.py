@@ -7,7 +7,7 @@ import torch
 from tiny import PAD, perturbed_copy, tiny_lm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from hf_specsample.verify.rejection import NonFinite, Verdict, flag_nonfinite
+from hf_specsample.verify.rules import NonFinite, Verdict, flag_nonfinite
 
 PROMPT = torch.tensor([[1, 5, 6, 7]])
 

@@ -16,7 +16,7 @@ from hf_specsample.cache.output_head import HeadLogits, Tail
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling import draws
 from hf_specsample.sampling.processing import PositionwiseProcessor
-from hf_specsample.verify.rejection import speculative_accept
+from hf_specsample.verify.rules import speculative_accept
 from hf_specsample.verify.verifier import Verifier
 
 LOOKAHEAD = 2

@@ -6,8 +6,7 @@ from scipy import stats
 
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling.draws import first_argmax, sample_from_weights
-from hf_specsample.verify.rejection import Verdict, block_accept, flag_nonfinite, speculative_accept
-from hf_specsample.verify.tree_rule import greedy_accept
+from hf_specsample.verify.rules import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept
 
 V = 6
 

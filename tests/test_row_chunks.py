@@ -15,8 +15,8 @@ from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.sampling import draws
 from hf_specsample.sampling.draws import round_chunks, row_chunks, sample_from_weights
 from hf_specsample.sampling.processing import PositionwiseProcessor
-from hf_specsample.verify import rejection, verifier
-from hf_specsample.verify.rejection import Verdict, block_accept, speculative_accept
+from hf_specsample.verify import rules, verifier
+from hf_specsample.verify.rules import Verdict, block_accept, speculative_accept
 from hf_specsample.verify.verifier import Verifier
 
 RULES = {"token": speculative_accept, "block": block_accept}
@@ -105,7 +105,7 @@ def test_chunked_verification_flags_nonfinite_rows_in_their_chunk():
     chain = DraftTree.chain(draft_tokens)
     verdict, scores = verify(tokens, [5] * batch, logits, list(range(batch)), chain, draft_probs, None)
     assert scores is None  # not kept unless recorded
-    assert verdict.num_accepted[4] == int(rejection.NonFinite.TARGET)
+    assert verdict.num_accepted[4] == int(rules.NonFinite.TARGET)
     assert (verdict.num_accepted[[0, 1, 2, 3, 5]] >= 0).all()
 
 

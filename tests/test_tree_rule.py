@@ -1,4 +1,4 @@
-"""The draft tree's verification rule in isolation (`verify.tree_rule`), on a toy language of 6 tokens.
+"""The draft tree's verification rule in isolation (`verify.rules`), on a toy language of 6 tokens.
 
 The toy target's next-token law depends on the last two tokens (`Toy`); the draft's top choices at each node build
 the tree (deterministic children, as a draft model's top-k). Rounds follow one another until 3 tokens are out, so the
@@ -26,8 +26,7 @@ from tree_math import expected_tokens, path_probabilities
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
 from hf_specsample.sampling.draws import sample_from_weights, sample_uniform
-from hf_specsample.verify.rejection import NonFinite, Verdict, flag_nonfinite
-from hf_specsample.verify.tree_rule import greedy_accept, tree_accept, walk
+from hf_specsample.verify.rules import NonFinite, Verdict, flag_nonfinite, greedy_accept, tree_accept, walk
 
 V = 6
 EOS = 0

@@ -14,8 +14,7 @@ from hf_specsample.options import TreeShape
 from hf_specsample.sampling.draws import first_argmax
 from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, positions_from
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
-from hf_specsample.verify.rejection import NonFinite, speculative_accept
-from hf_specsample.verify.tree_rule import greedy_accept, tree_accept
+from hf_specsample.verify.rules import NonFinite, greedy_accept, speculative_accept, tree_accept
 from hf_specsample.verify.verifier import Verifier
 
 VOCAB = 12

@@ -17,7 +17,7 @@ from tiny import ARCHITECTURES, PAD, arch_draft, prepared_processors, tiny_arch,
 from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.cache.tree_forward import tree_problem
 from hf_specsample.core.model_facts import ModelFacts
-from hf_specsample.verify import tree_rule
+from hf_specsample.verify import rules
 
 TREE = SpeculativeConfig(draft_shape="tree", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=TreeShape.from_paths([(0, 0, 0), (1, 0), (2,), (0, 1)]), draft_form="as_given")
@@ -140,7 +140,7 @@ def test_tree_samples_follow_target(target, drafts, setting, draft_kind):
 def test_a_wrong_tree_rule_fails_the_same_test(target, drafts, monkeypatch):
     """Power: a rule that, where the target's draw at the root matched no child, emits the draft's second choice
     instead of that draw (a plausible bug: trusting the tree's siblings) must fail the same test."""
-    right = tree_rule.tree_accept
+    right = rules.tree_accept
 
     def second_choice_on_rejection(tree, target_probs, draws):
         verdict = right(tree, target_probs, draws)

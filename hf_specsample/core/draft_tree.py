@@ -110,7 +110,7 @@ def rank_observations(shape: TreeShape, path: torch.Tensor) -> RankCounts:
     Args:
         shape: the round's tree.
         path: `(rows, max_depth)` long on the host, each row's accepted nodes from depth 1 down, -1 after the last
-            (`verify.rejection.Verdict.path`).
+            (`verify.rules.Verdict.path`).
 
     Returns:
         Per rank 0 .. shape.max_rank, tested and accepted: at each node a row's walk stood on, the ranks offered

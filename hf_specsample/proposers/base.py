@@ -4,7 +4,7 @@ Three members: `get_candidates` as in transformers' `CandidateGenerator`, batche
 and returning what exactness needs (the distributions the draft tokens were drawn from); `rollback_to_committed` where
 transformers has `update_candidate_strategy` (roll back to the committed lengths); `forward_passes`. A token
 drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
-is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rejection.py`
+is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rules.py`
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
 drafts what it is told (`DraftBudget`, made by `lookahead.RoundLookahead`).
 

@@ -7,7 +7,7 @@ occurrence) and proposes the tokens that followed it. No model runs, so a round 
 Exact when sampling: a deterministic proposal is a draft distribution like any other, a point mass on the proposed
 token, so the verifier accepts it with probability ``target(token)`` and otherwise samples the residual, the target's
 distribution without that token. The proposal carries the token ids alone (`Proposal.probs` is None): no one-hot
-tensor over the vocabulary is built (`verify/rejection.py` handles point masses as such). A row with no match (or a
+tensor over the vocabulary is built (`verify/rules.py` handles point masses as such). A row with no match (or a
 match shorter than the round) is padded with its last token, another point mass: exactness never depends on the proposal
 being good. A round is only as wide as the longest continuation found (no row has one: a plain decoding step), and
 `draft_model="prompt_lookup"` chooses its lookahead like a model draft's K (`lookahead.AdaptiveLookahead`, with a

@@ -1,7 +1,7 @@
 """Uniforms keyed by (the call's key, a caller row, a buffer position): a counter-based stream for tree calls.
 
 With deterministic children every token a tree round commits is the target's own draw at its position
-(`verify.tree_rule`). A shared generator consumed in order would hand that draw whichever uniform comes next, which
+(`verify.rules`). A shared generator consumed in order would hand that draw whichever uniform comes next, which
 depends on how many draws the rounds before it made: on the draft, the tree's shape, its truncation, K. Drawing the
 token at buffer position t of caller row r with ``keyed_uniforms(key, r, t)`` instead makes it a function of the
 call's key and the target's distribution at t alone, so a seeded call's text does not depend on the draft.

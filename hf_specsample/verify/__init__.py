@@ -1,2 +1,2 @@
-"""What turns the target's logits into committed tokens: logits processors per position (and their exact sort-free
-forms), the acceptance rules, the stopping criteria."""
+"""What turns the target's logits into a verdict: the rules as pure tensor functions (`rules`), the one `Verifier`
+that applies them, and tensor-parallel ranks taking rank 0's verdict (`distributed`)."""

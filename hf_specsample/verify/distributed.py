@@ -14,7 +14,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from .rejection import Verdict
+from .rules import Verdict
 
 
 def _broadcast_device(device: torch.device) -> torch.device:

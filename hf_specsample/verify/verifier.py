@@ -9,14 +9,14 @@ of one position each, whose prefixes are written into a buffer of their own (onl
 Both go through the one implementation of processors per prefix, `PositionwiseProcessor`.
 
 The rule is plugged in:
-- greedy: `tree_rule.greedy_accept` on the target's argmax (a chain's leading run of matches, a tree's walk);
-- a sampled chain: the configured rule on the draft's distributions (`rejection.speculative_accept` or
+- greedy: `rules.greedy_accept` on the target's argmax (a chain's leading run of matches, a tree's walk);
+- a sampled chain: the configured rule on the draft's distributions (`rules.speculative_accept` or
   `block_accept`; point masses as token ids), with the call's generator;
-- a sampled tree: `tree_rule.tree_accept`, with keyed draws (`sampling.keyed_draws`): the uniform of depth level d
+- a sampled tree: `rules.tree_accept`, with keyed draws (`sampling.keyed_draws`): the uniform of depth level d
   of a row is the one of (the call's key, the row's caller index, its committed length + d), the buffer position
   the token drawn there is written to. A chain round of a tree call (it drafts nothing: K = 0) draws its one token
   with its keyed uniform too, so a seeded tree call's text depends on the key and the target alone.
-Sampling meets NaN/inf as plain sampling does: `rejection.flag_nonfinite` marks the rows, raised at the round's read.
+Sampling meets NaN/inf as plain sampling does: `rules.flag_nonfinite` marks the rows, raised at the round's read.
 
 The round's wide tensors (processed scores, a warper's temporaries, probabilities, residuals, float64 running sums)
 are made for at most `draws.ROW_CHUNK_ELEMENTS` logits at a time: the round's draws are made first, for all rows, in
@@ -44,8 +44,7 @@ from ..sampling.draws import first_argmax, sample_uniform, uniform_like
 from ..sampling.keyed_draws import call_key, keyed_uniforms, positions_from
 from ..sampling.processing import PositionwiseProcessor, probabilities, processed_at_paths
 from . import distributed
-from .rejection import Verdict, block_accept, flag_nonfinite, speculative_accept
-from .tree_rule import greedy_accept, tree_accept
+from .rules import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept, tree_accept
 
 Rule = Callable[..., Verdict]  # `speculative_accept` or `block_accept`
 
@@ -68,7 +67,7 @@ class Verifier:
         Args:
             processor: the call's processors, per position.
             do_sample: judge by a rule (else greedy: by argmax).
-            rule: a chain's acceptance rule (`verify.rejection`), called as ``rule(tokens, draft_probs, target_probs,
+            rule: a chain's acceptance rule (`verify.rules`), called as ``rule(tokens, draft_probs, target_probs,
                 generator)``, with ``point_mass=`` where the draft has a mask, and the round's draws (``uniform=``,
                 ``sample_draws=``) where its rows come in several chunks or its token is keyed.
             generator: the call's generator for a chain's draws.
@@ -132,7 +131,7 @@ class Verifier:
             callers: per row, its caller row (`RowBook.active`).
             tree: the round's draft, `(batch, N)` (a chain: `DraftTree.chain`).
             draft_probs: a sampled chain's `(batch, N, vocab)` draft distributions, or None (every token a point mass,
-                or a tree); point_mass: `(batch, N)` bool or None (see `verify.rejection.speculative_accept`).
+                or a tree); point_mass: `(batch, N)` bool or None (see `verify.rules.speculative_accept`).
             shape: a tree's static shape where it has one (its depths known here); None: a tree's depths are read
                 from `tree.depths` (one host read).
 
