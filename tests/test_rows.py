@@ -6,8 +6,7 @@ import weakref
 import pytest
 import torch
 
-from hf_specsample.core.rows import RowBook
-from hf_specsample.core.sequences import Sequences
+from hf_specsample.core.sequences import RowBook, Sequences
 
 
 class Recorder:
