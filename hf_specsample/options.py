@@ -219,7 +219,7 @@ class DynamicTree:
 class DraftShape(str, enum.Enum):
     """What a round drafts (`SpeculativeConfig(draft_shape=)`); a `TreeShape` names an explicit tree."""
 
-    # greedy: a chain or a tree each round, from measured acceptance and costs (`shape_policy`); sampling: chains
+    # greedy: a chain or a tree each round, from measured acceptance and costs (`shapes`); sampling: chains
     AUTO = "auto"
     CHAIN = "chain"  # K tokens in one chain, each the draft's sample (or choice); K chosen per round
     TREE = "tree"  # `TreeShape.default()`: 15 candidates, the draft's top choices; refused where trees cannot run

@@ -1,6 +1,6 @@
-"""`draft_shape="auto"`: the best tree for an acceptance vector (`tree_design`), the ranks a tree round measures
+"""`draft_shape="auto"`: the best tree for an acceptance vector (`shapes`), the ranks a tree round measures
 (`draft_tree.rank_observations`), the round-by-round choice between chains and trees at measured costs
-(`shape_policy`, fed synthetic rounds: no clock), and the calls: greedy identity with both shapes in one call,
+(`shapes`, fed synthetic rounds: no clock), and the calls: greedy identity with both shapes in one call,
 chains where trees cannot run or the call samples, and why in `speculative_stats.shape`."""
 
 import random
@@ -16,9 +16,7 @@ from hf_specsample import SpeculativeConfig, TreeShape
 from hf_specsample.core.draft_tree import rank_observations
 from hf_specsample.policy.lookahead import AdaptiveLookahead, LookaheadPolicy
 from hf_specsample.policy.round_costs import RoundRecord, StaticCosts, expected_tokens
-from hf_specsample.policy.shape_choice import SAMPLING_KEEPS_CHAINS
-from hf_specsample.policy.shape_policy import RankAcceptance, ShapeDesigner
-from hf_specsample.policy.tree_design import best_trees
+from hf_specsample.policy.shapes import SAMPLING_KEEPS_CHAINS, RankAcceptance, ShapeDesigner, best_trees
 
 # --- the design -----------------------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from tiny import ARCHITECTURES, PAD, tiny_lm
 
 from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
 from hf_specsample.core.draft_tree import DraftTree
-from hf_specsample.policy.shape_choice import choose_shape
+from hf_specsample.policy.shapes import choose_shape
 from hf_specsample.proposers.base import DraftBudget
 from hf_specsample.proposers.dynamic_tree import DynamicPool
 

@@ -1,11 +1,11 @@
-"""Tree shapes (`draft_tree`) and the call's choice between a chain and a tree (`shape_choice`)."""
+"""Tree shapes (`draft_tree`) and the call's choice between a chain and a tree (`shapes`)."""
 
 import pytest
 import torch
 
 from hf_specsample import DraftShape, SpeculativeConfig, TreeShape
 from hf_specsample.core.draft_tree import DraftTree
-from hf_specsample.policy.shape_choice import choose_shape
+from hf_specsample.policy.shapes import choose_shape
 
 
 def test_the_default_tree():
@@ -56,7 +56,7 @@ def test_ancestors_are_each_node_and_its_path():
 def test_the_choice():
     assert choose_shape(DraftShape.CHAIN, [], 8).tree is None
     auto = choose_shape(DraftShape.AUTO, [], 8, choices=3)
-    assert auto.tree is None and auto.ranks == 3  # round by round (`shape_policy`), up to the draft's 3 choices
+    assert auto.tree is None and auto.ranks == 3  # round by round (`shapes`), up to the draft's 3 choices
     fallback = choose_shape(DraftShape.AUTO, ["a hybrid target"], 8)  # auto falls back, never refuses
     assert fallback.tree is None and not fallback.ranks and fallback.reason.endswith("chains: a hybrid target)")
     sampling = choose_shape(DraftShape.AUTO, [], 8, sampling=True)

@@ -1,5 +1,5 @@
 """What a tree's verification commits in expectation, for the tests (`test_tree_rule.py`, `test_tree_verifier.py`):
-the library designs trees from acceptance by rank (`policy.tree_design`) and never needs it per node."""
+the library designs trees from acceptance by rank (`policy.shapes`) and never needs it per node."""
 
 from __future__ import annotations
 

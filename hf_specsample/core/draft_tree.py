@@ -10,7 +10,7 @@ Glossary (one word each):
 - path: the nodes from the root's child down to a node; the accepted path is where verification ended.
 
 `rank_observations` reads an accepted path as tests of the draft's ranks (did the target's token take rank r at a
-node offering it?), what `draft_shape="auto"` estimates its trees' acceptance from (`shape_policy`).
+node offering it?), what `draft_shape="auto"` estimates its trees' acceptance from (`shapes`).
 
 `options.TreeShape` is a static shape (the same for every row and round, a value a user may pass); `DraftTree` is a
 round's tree with its tokens. A chain of K tokens is the tree whose node k has parent k - 1 and rank 0

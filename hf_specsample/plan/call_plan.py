@@ -42,7 +42,7 @@ from ..policy import validation
 from ..policy.graph_choice import choose_graphs
 from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_processors
 from ..policy.round_costs import step_cost_ratio
-from ..policy.shape_choice import ShapeChoice, choose_shape
+from ..policy.shapes import ShapeChoice, choose_shape
 from ..prepare.implicit import draft_for_call
 from ..prepare.prepared_draft import DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from ..prepare.vocabulary import special_token_ids
@@ -104,7 +104,7 @@ class CallPlan:
             `SpeculativeStats.graphs`.
         pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
             not handed go back to `cache.static_addresses.POOL` for the next call.
-        shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shape_choice.choose_shape`).
+        shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shapes.choose_shape`).
         kernel_build_seconds: seconds this call's planning spent making the small-rows kernel ready (compiling it,
             or loading an earlier process's build; `kernels.small_rows.load`), 0.0 where it did not.
     """

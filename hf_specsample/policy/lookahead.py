@@ -42,7 +42,7 @@ prompt's forward: a bound on a plain step, `ProcessingCost.step_bound`) drafting
 timed by events, processors are not timed apart (`round_timer`): their cost is in the rounds' durations, as before.
 
 Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"` in a greedy call that can draft
-trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shape_policy`) and
+trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shapes`) and
 says which it chose (`chosen_tree`), K being its depth.
 
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
@@ -74,7 +74,7 @@ from .round_costs import (
     expected_rate,
 )
 from .round_timer import host_clock
-from .shape_policy import RankAcceptance, ShapeDesigner
+from .shapes import RankAcceptance, ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -150,7 +150,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         # rounds decode plainly instead of drafting first_lookahead tokens; None: unknown
         draft_cost_ratio: float | None = None,
         # `draft_shape="auto"` in a greedy call that can draft trees: each round weighs the best tree of every width
-        # against the chains (`shape_policy`); None: chains
+        # against the chains (`shapes`); None: chains
         trees: ShapeDesigner | None = None,
         # the call's processors include one of unknown cost (`sampling.processing.cost_unknown`) whose time the costs
         # measure: the first round drafts nothing, so that they are timed before a draft token pays for them
@@ -275,7 +275,7 @@ def make_policy(
             instead of starting at 2 and adding one.
         tree: every round drafts this tree (`FixedTree`); None: see `tree_ranks`.
         tree_ranks: `draft_shape="auto"` may draft trees of up to this many of the draft's choices a node, chosen
-            round by round (`shape_policy.ShapeDesigner`); 0: chains.
+            round by round (`shapes.ShapeDesigner`); 0: chains.
         processors_unknown: the call's processors include one of unknown cost (`sampling.processing.cost_unknown`)
             and the policy may time it (`times_unknown_processors`: not under `generator=`, tensor parallelism or
             CUDA): the first round drafts nothing and times them, and a clock-free policy times them too, for
@@ -411,7 +411,7 @@ class RoundLookahead:
             cost_ratio: draft/target cost of a step (`step_cost_ratio`); ignored by lookup alone (cost 0).
             draft_step_seconds: the draft's step time measured before the call (`PreparedDraft.
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
-            tree, tree_ranks: the rounds' trees (`make_policy`; `shape_choice.ShapeChoice`).
+            tree, tree_ranks: the rounds' trees (`make_policy`; `shapes.ShapeChoice`).
             processors_unknown: a processor of unknown cost, which the clock may judge (`make_policy`).
         """
         if lookup_only:

@@ -50,7 +50,7 @@ class RoundRecord:
     # nothing about a draft step (its verification's still counts)
     draft_prefill: bool = False
     refeed_forwards: int = 0  # target forwards that re-fed kept positions to restore recurrent states (hybrids)
-    # A tree round (`shape_policy`): its nodes (the target verified nodes + 1 positions; `lookahead` is its depth,
+    # A tree round (`shapes`): its nodes (the target verified nodes + 1 positions; `lookahead` is its depth,
     # the draft's forwards), and per rank of the draft's choices, the nodes' ranks tested and accepted
     # (`draft_tree.rank_observations`). None: a chain round, `lookahead` wide.
     nodes: int | None = None
@@ -231,7 +231,7 @@ class MeasuredCosts:
 
     def draft_processing_seconds(self) -> float:
         """The processing of a drafted token: as measured where chain rounds drafted (a tree's level processes each
-        of its parents: `shape_policy` counts them); before, p where the drafter processes its positions as the
+        of its parents: `shapes` counts them); before, p where the drafter processes its positions as the
         target's are processed (`draft_processes`), else 0."""
         if self.draft_processing.count > 0:
             return self.draft_processing.value

@@ -379,7 +379,7 @@ def tree_problems(
     static_cache: bool,
     config: SpeculativeConfig,
 ) -> list[str]:
-    """Why this call cannot draft trees (`shape_choice.choose_shape`), each in a phrase; empty where it can.
+    """Why this call cannot draft trees (`shapes.choose_shape`), each in a phrase; empty where it can.
 
     Args:
         target, draft: the models' facts (draft None: no draft model).
