@@ -207,9 +207,9 @@ class SpeculativeDecoder:
         with self.target.head.deferred(len(chunks) > 1 and not self.recorder.wants_raw_logits):
             if tree.parents is None:
                 upto = [length + tree.num_nodes for length in lengths]
-                raw_logits, in_target = self.target.feed_upto(self.sequences, upto, tree.num_nodes + 1), None
-            else:  # the root and the nodes with the tree's mask
-                raw_logits, in_target = tree_forward.feed_tree(self.target, self.sequences, tree, proposal.shape)
+                raw_logits = self.target.feed_upto(self.sequences, upto, tree.num_nodes + 1)
+            else:  # the root and the nodes with the tree's mask, held in the cache until `keep_path`
+                raw_logits, _ = tree_forward.feed_tree(self.target, self.sequences, tree, proposal.shape)
         verdict, scores = self.verifier(
             self.sequences.tokens,
             lengths,
@@ -224,11 +224,9 @@ class SpeculativeDecoder:
         if self.recorder.wants_raw_logits:
             raw = raw_logits if verdict.path is None else along_path(raw_logits, verdict.path)
         del raw_logits
-        return verdict, scores, raw, self.keep_path(proposal, verdict, in_target)
+        return verdict, scores, raw, self.keep_path(proposal, verdict)
 
-    def keep_path(
-        self, proposal: Proposal, verdict: Verdict, in_target: tree_forward.CachedTree | None
-    ) -> dict[str, Any]:
+    def keep_path(self, proposal: Proposal, verdict: Verdict) -> dict[str, Any]:
         """Write a tree's accepted path into the buffer after each row's committed tokens (where a chain's drafts
         already are) and compact both caches to it (a chain's accepted path is a prefix: the caches' rollback keeps
         it); the round's second host read, which raises a NaN/inf verdict.
@@ -239,13 +237,13 @@ class SpeculativeDecoder:
         """
         if verdict.path is None:
             return {}
-        assert verdict.accepted_tokens is not None and in_target is not None and self.model_drafter is not None
+        assert verdict.accepted_tokens is not None and self.draft is not None
         for depth in range(verdict.accepted_tokens.shape[1]):
             self.sequences.write(depth, verdict.accepted_tokens[:, depth])
         path = verdict.path.cpu()  # the compactions need each row's path before rows stop and caches roll back
         counts = (path >= 0).sum(dim=1).tolist()
-        in_target.compact(path, counts)
-        self.model_drafter.compact_tree(path, counts)
+        for model in (self.target, self.draft):
+            model.keep_path(path, counts)
         shape = proposal.shape
         ranks = rank_observations(shape, path) if shape is not None else RankCounts((), ())
         return dict(nodes=proposal.tokens.shape[1], **ranks._asdict())

@@ -175,13 +175,13 @@ def test_dynamic_drafts_equal_the_slow_reference_round_after_round(
                         assert reference[tokens[node]] >= best.values[spec.expand - 1] - 1e-4
                     else:
                         assert value == float("-inf")
-        tree, kept = proposal.tree, proposer.tree_in_cache.kept
+        tree, kept = proposal.tree, proposer.model.held_tree.kept
         fed_nodes = {node for start in pool.starts[:-1] for node in range(start, start + spec.expand)}
         fed = [[int(node) in fed_nodes for node in kept[row]] for row in range(sequences.num_active)]
         ends = [choose_end(tree, fed[row], row, ENDINGS[round_][row], generator) for row in range(len(padding))]
         committed = list(sequences.lengths)
         path, counts = accept(sequences, tree, ends, generator)
-        proposer.compact_tree(path, counts)
+        proposer.model.keep_path(path, counts)
         # the path's fed nodes stay (each moved from wherever it was fed), nothing else: no pruned or unfed node
         on_path = [sum(fed[row][node] for node in path[row, : counts[row]].tolist()) for row in range(len(padding))]
         assert proposer.runner.fed == [length + kept for length, kept in zip(committed, on_path)]

@@ -115,7 +115,7 @@ def test_tree_drafts_equal_the_slow_reference_round_after_round(attention, proce
         assert held == [length + inner for length in sequences.lengths]  # committed, then every inner node
         bonus = torch.randint(3, VOCAB, (len(padding),), generator=generator).tolist()
         path, counts = accept(sequences, proposal.tree, shape, ends[: len(padding)], bonus)
-        proposer.compact_tree(path, counts)
+        proposer.model.keep_path(path, counts)
         proposer.rollback_to_committed(sequences.lengths)
 
 
@@ -146,7 +146,7 @@ def test_a_draft_with_another_tokenizer_drafts_chains_only():
 
 @torch.no_grad()
 def test_a_tree_left_in_the_cache_is_never_taken_for_committed_positions():
-    """Rolling back, dropping rows or drafting again before `compact_tree` is an error, not a wrong cache."""
+    """Rolling back, dropping rows or drafting again before `CachedModel.keep_path` is an error, not a wrong cache."""
     model = tiny_model("sdpa")
     sequences = padded_batch(torch.Generator().manual_seed(0), 2, 5, [0, 1])
     proposer = proposer_for(model, sequences, [])

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import Cache, DynamicCache
@@ -55,6 +55,13 @@ from .runner import RunnerBackend, runner_for
 from .step_warm_up import warm_step
 
 
+class HeldTree(Protocol):
+    """A round's tree in a model's cache (`tree_forward.CachedTree`, `dynamic_tree.KeptNodes`)."""
+
+    def compact(self, path: torch.Tensor, counts: Sequence[int]) -> None:
+        """Keep the accepted `path` `(rows, D)` (-1 after `counts[b]`) and let go of the rest."""
+
+
 class CachedModel:
     """A model plus its KV cache, fed column ranges of a `Sequences` buffer.
 
@@ -67,6 +74,8 @@ class CachedModel:
         slot_is_real: `(batch, slots)` bool on the CPU, the attention mask over the cache's slots.
         forward_passes: number of forward calls made so far.
         forwards: how its forwards run (`Forwards`); `compiled`, `kernel`, `wide` and `step` are its fields.
+        held_tree: a round's draft tree whose nodes the cache holds after the committed positions
+            (`tree_forward.CachedTree`, or a dynamic tree's kept nodes over it), until `keep_path`; None: no tree.
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class CachedModel:
         self.runner_plan = forwards.runner if self.capacity is not None and self.states is None else None
         eager = compiled is None and step is None and self.runner_plan is None and self.states is None
         self.head = OutputHead(model, usable=eager and not facts.tensor_parallel)  # deferred verification logits
+        self.held_tree: HeldTree | None = None
 
     @property
     def slots(self) -> int:
@@ -135,8 +145,25 @@ class CachedModel:
         """Where input ids go (`ModelFacts.input_device`)."""
         return self.facts.input_device
 
+    def keep_path(self, path: torch.Tensor, counts: Sequence[int]) -> None:
+        """Keep a round's accepted path in the cache, the one call after verification on every model's cache: a held
+        tree's nodes are compacted to the path (`CachedTree.compact`); without one the accepted drafts are already a
+        prefix of the fed positions (a chain's), which `rollback_to_committed` then crops.
+
+        Args:
+            path: `(rows, D)` long, each row's accepted nodes from the root's child down, -1 after `counts[b]`.
+            counts: per row, its accepted nodes.
+        """
+        if self.held_tree is not None:
+            self.held_tree.compact(path, counts)  # which lets go of it (`CachedTree.compact`)
+
+    def _no_tree_held(self) -> None:
+        if self.held_tree is not None:
+            raise RuntimeError("hf_specsample internal error: the drafted tree must be compacted first (`keep_path`)")
+
     def feed_upto(self, sequences: Sequences, upto: Sequence[int], num_logits: int) -> torch.Tensor:
         """`feed` the buffer positions ``fed[b] .. upto[b] - 1`` of every active row of `sequences` (one width)."""
+        self._no_tree_held()
         widths = {end - fed for end, fed in zip(upto, self.fed)}
         assert len(widths) == 1, f"rows must feed the same number of positions, got {sorted(widths)}"
         return self.feed(sequences.columns(self.fed, widths.pop()), num_logits)
@@ -432,6 +459,7 @@ class CachedModel:
         Args:
             lengths: per row, the committed length.
         """
+        self._no_tree_held()  # its node slots would pass for committed positions
         keep = self.rollback_point(lengths)
         if self.states is not None:
             keep = self.states.deferred_keep(self.fed, keep, lengths, limit=self._last_num_logits - 1) or keep
@@ -477,6 +505,7 @@ class CachedModel:
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (indices into the current batch), e.g. to drop finished rows."""
+        self._no_tree_held()
         index = torch.tensor(list(rows), dtype=torch.long)
         row_ops.select_rows(self.cache, index)  # a CPU index works for cache layers on any device
         if len(rows) < len(self.fed) and self.runner_plan and self.runner_plan.backend is RunnerBackend.EAGER:

@@ -9,8 +9,9 @@ path, whatever its siblings. Transformers takes such a mask as a 4D tensor used 
 While the tree is in the cache, its node slots count as fed positions of the `CachedModel` (`fed`, `slot_is_real`):
 each row holds its committed positions, then the node slots, in its last `fed` slots, as the module invariant of
 `cache.cached_model` wants. After verification, `CachedTree.compact` moves the accepted path's entries into the slots
-right after the root and rolls the rest back: the cache then holds what a sequential feed of the committed tokens
-would, and the loop's usual `rollback_to_committed` follows.
+right after the root and rolls the rest back (`CachedModel.keep_path`, which the model holding a tree waits for): the
+cache then holds what a sequential feed of the committed tokens would, and the loop's usual `rollback_to_committed`
+follows.
 
 What trees cannot serve yet (`tree_problem` says it in words, for the plan to choose chains there): convolution and
 recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (a forward sees
@@ -127,6 +128,7 @@ class CachedTree:
             assert host_tree.depths is not None
             depths = host_tree.depths
         self.node_positions = root_positions[:, None] + depths  # (rows, N)
+        model.held_tree = self  # until `compact`: the model refuses to roll back or drop rows before
 
     def set_parents(self, nodes: Sequence[int], parents: torch.Tensor) -> None:
         """Set the parents of `nodes` (not fed yet) of a growing tree, each parent's own set already.
@@ -218,6 +220,7 @@ class CachedTree:
                 on the host once: which path nodes this model fed decides how many positions each row keeps).
             counts: per row, its accepted nodes.
         """
+        self.model.held_tree = None
         path = path.cpu()
         rows, depth = path.shape
         node_slots = torch.tensor(self.node_slots + [-1], dtype=torch.long)  # [-1]: where padding (-1) looks
@@ -242,7 +245,7 @@ def feed_tree(
 
     Returns:
         `(rows, N + 1, vocab)` float32 logits (index 0: the root's, ``i + 1``: node ``i``'s), and the tree in the
-        cache, for `CachedTree.compact` after verification.
+        cache, held by the model until `CachedModel.keep_path` after verification.
     """
     behind = {length - fed for length, fed in zip(sequences.lengths, model.fed)}
     assert len(behind) == 1 and min(behind) >= 1, f"rows must be one width behind their lengths, got {behind}"

@@ -17,7 +17,6 @@ from transformers import Cache, DynamicCache
 
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
-from ..cache.tree_forward import CachedTree
 from ..core.model_facts import ModelFacts
 from ..core.sequences import Sequences
 from ..options import DynamicTree
@@ -25,7 +24,7 @@ from ..sampling.draws import first_argmax, sample_from_weights
 from ..sampling.processing import PositionwiseProcessor, probabilities
 from .base import DraftBudget, Growth, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
-from .dynamic_tree import DynamicGrowth, KeptNodes
+from .dynamic_tree import DynamicGrowth
 from .tree_drafting import ShapeGrowth
 
 
@@ -100,7 +99,6 @@ class DraftModelProposer(Proposer):
         self.columns = None if vocabulary.columns is None else vocabulary.columns.to(device)  # (subset,)
         self.vocab_size = vocabulary.target_width
         self.compact = vocabulary.ids is not None and processor.vocabulary_free
-        self.tree_in_cache: CachedTree | KeptNodes | None = None  # the last drafted tree, until `compact_tree`
         self.position_limit = facts.position_limit
 
     @property
@@ -109,7 +107,6 @@ class DraftModelProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
-        self._no_tree_left()
         self.runner.select_rows(rows)
 
     @property
@@ -144,8 +141,8 @@ class DraftModelProposer(Proposer):
         chain's with its causal mask (the previous draft token) and a tree's with the tree mask (`Growth.feed`).
         Leaves are not fed. What a level's logits become (a sampled or argmax token, a parent's top choices, the best
         of a dynamic pool) is the `Growth`'s: `ChainGrowth`, `tree_drafting.ShapeGrowth`,
-        `dynamic_tree.DynamicGrowth`. After a tree the draft's cache holds its fed nodes (`tree_in_cache`) until
-        `compact_tree`.
+        `dynamic_tree.DynamicGrowth`. After a tree the draft's cache holds its fed nodes (`CachedModel.held_tree`) until
+        `CachedModel.keep_path`.
 
         Args:
             forced: a chain's forced tokens per active row (`ChainGrowth`), e.g. an n-gram continuation.
@@ -154,7 +151,6 @@ class DraftModelProposer(Proposer):
             `Proposal` with a chain's `(batch, K)` tokens and, when sampling, their `(batch, K, vocab)` distributions
             (None for greedy drafts: argmax tokens are point masses); or a tree's `(batch, N)` nodes.
         """
-        self._no_tree_left()
         growth = self._growth(sequences, budget, forced)
         reads = sequences if self.inputs is None else self.inputs.sequences
         with self._broken_int8():
@@ -162,7 +158,8 @@ class DraftModelProposer(Proposer):
                 logits = self.runner.feed_upto(reads, reads.lengths, num_logits=1) if level == 0 else growth.feed(level)
                 growth.grow(level, self._spread(self._columns(logits)))
         proposal = growth.proposal()
-        self.tree_in_cache = growth.in_cache
+        if growth.in_cache is not None:  # a tree's nodes, until the loop's `CachedModel.keep_path`
+            self.runner.held_tree = growth.in_cache
         return proposal if proposal.probs is None else proposal._replace(probs=self._full(proposal.probs))
 
     def _growth(self, sequences: Sequences, budget: DraftBudget, forced: Sequence[torch.Tensor] | None) -> Growth:
@@ -179,24 +176,6 @@ class DraftModelProposer(Proposer):
         if isinstance(budget.tree, DynamicTree):
             return DynamicGrowth(self.runner, self.processor, sequences, budget.tree, tokens_of)
         return ShapeGrowth(self.runner, self.processor, sequences, budget.tree, tokens_of)
-
-    def compact_tree(self, path: torch.Tensor, counts: Sequence[int]) -> None:
-        """Keep the accepted path of the last drafted tree in the draft's cache (`CachedTree.compact`): called after
-        verification, before rows are dropped and before `rollback_to_committed`.
-
-        Args:
-            path: `(rows, D)` long, each row's accepted nodes, -1 after `counts[b]`.
-            counts: per row, its accepted nodes.
-        """
-        assert self.tree_in_cache is not None, "no tree was drafted"
-        self.tree_in_cache.compact(path, counts)
-        self.tree_in_cache = None
-
-    def _no_tree_left(self) -> None:
-        if self.tree_in_cache is not None:
-            raise RuntimeError(
-                "hf_specsample internal error: the drafted tree must be compacted first (`compact_tree`)"
-            )
 
     @contextlib.contextmanager
     def _broken_int8(self) -> Iterator[None]:
@@ -244,7 +223,6 @@ class DraftModelProposer(Proposer):
         only the positions whose draft ids did not change (`DraftIdBuffer.sync`). Where the rows cannot be evened up
         by rolling back, the draft's cache is emptied and its rows packed into one left-padded block again.
         """
-        self._no_tree_left()  # its node slots would pass for committed positions
         if self.inputs is None:
             self.runner.rollback_to_committed(lengths)
             return
