@@ -1,4 +1,5 @@
-"""The decoding loop: draft -> verify -> accept -> commit, until every row stops.
+"""The decoding loop: draft -> verify -> accept -> commit, until every row stops; the loop builds what it runs (its
+statistics, verifier and drafters: `new_stats`, `call_verifier`, `call_drafters`) from the plan's decisions.
 
 `speculative_generate` is a transformers `custom_generate` callable: `generate()` prepares inputs, logits
 processors and stopping criteria exactly as for plain decoding, then hands them to it.
@@ -7,27 +8,31 @@ processors and stopping criteria exactly as for plain decoding, then hands them 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import parts
 from .cache import static_addresses, tree_forward
 from .cache.cached_model import CachedModel
 from .core import transformers_api
 from .core.draft_tree import RankCounts, rank_observations
 from .core.sequences import Sequences
-from .options import SpeculativeConfig
+from .options import NamedDraft, SpeculativeConfig, Verification
 from .outputs import OutputRecorder, SpeculativeDecoderOnlyOutput
-from .plan.call_plan import CallPlan, plan_call, resolve_inputs
+from .plan.call_plan import CallPlan, DraftPlan, plan_call, resolve_inputs
 from .policy.round_timer import PhaseTimer
 from .prepare.prepared_draft import PreparedDraft
-from .proposers.base import DraftBudget, Proposal
+from .proposers.base import DraftBudget, Proposal, Proposer
+from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
+from .proposers.draft_model import DraftModelProposer
+from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
+from .sampling.processing import PositionwiseProcessor
+from .stats import SpeculativeStats
 from .stopping import RoundRead, StopCheck
 from .verify.rules import Verdict
-from .verify.verifier import along_path
+from .verify.verifier import Verifier, along_path
 
 
 def speculative_generate(
@@ -116,10 +121,10 @@ class SpeculativeDecoder:
         real = self.sequences.is_real(plan.cached_slots)
         self.target = CachedModel(plan.target, batch_size, plan.cache, real, plan.forwards, self.sequences)
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
-        self.stats = parts.new_stats(plan)
+        self.stats = new_stats(plan)
         self.recorder = OutputRecorder(generation_config, batch_size)
-        self.verifier = parts.verifier(plan, self.recorder.keep_scores)
-        self.model_drafter, self.drafter = parts.drafters(plan, self.sequences, self.verifier.processor)
+        self.verifier = call_verifier(plan, self.recorder.keep_scores)
+        self.model_drafter, self.drafter = call_drafters(plan, self.sequences, self.verifier.processor)
         self.draft = self.model_drafter.model if self.model_drafter is not None else None  # its model and cache
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
@@ -350,6 +355,71 @@ class SpeculativeDecoder:
             self.target.stack_rows(parts)
         self.target.stop_recording()
         return self.target.cache
+
+
+def new_stats(plan: CallPlan) -> SpeculativeStats:
+    """The call's statistics, with what the plan decided already filled in."""
+    stats = SpeculativeStats.for_batch(plan.inputs.batch_size)
+    stats.linear_kernel, stats.graphs, stats.shape = plan.kernel_description, plan.graphs, plan.shape.reason
+    stats.kernel_build_seconds = plan.kernel_build_seconds
+    stats.draft_form = plan.draft.description if plan.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
+    if plan.draft is not None and plan.draft.shared is not None:
+        stats.shared_vocabulary = plan.draft.shared.size
+    return stats
+
+
+def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
+    """The call's verifier: its processors per position, the configured rule, and where the call may draft trees
+    and samples, its key (`Verifier.for_call`)."""
+    inputs = plan.inputs
+    return Verifier.for_call(
+        inputs.logits_processor,
+        inputs.batch_size,
+        plan.config.fast_processors,
+        bool(inputs.generation_config.do_sample),
+        cast(Verification, plan.config.verification),  # a string given is parsed into the enum
+        plan.generator,
+        keep_scores,
+        plan.target.tensor_parallel,
+        trees=plan.shape.tree is not None or bool(plan.shape.ranks),
+    )
+
+
+def call_drafters(
+    plan: CallPlan, sequences: Sequences, processor: PositionwiseProcessor
+) -> tuple[DraftModelProposer | None, Proposer]:
+    """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
+    n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
+    continuations first, the model else)."""
+    if plan.draft is None:
+        return None, PromptLookupProposer(cast(int, plan.max_ngram))
+    model = draft_proposer(plan, plan.draft, sequences, processor)
+    if plan.max_ngram is None:
+        return model, model
+    return model, LookupThenModelProposer(model, PromptLookupProposer(plan.max_ngram))
+
+
+def draft_proposer(
+    plan: CallPlan, draft: DraftPlan, sequences: Sequences, processor: PositionwiseProcessor
+) -> DraftModelProposer:
+    """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
+    inputs = None
+    if draft.shared is not None:  # reads the rows' text in its own ids
+        assert draft.tokenizers is not None  # the tokens both tokenizers share come with the tokenizers
+        shared = draft.shared.to(sequences.tokens.device)
+        inputs = DraftIdBuffer(sequences, shared, TextBridge(*draft.tokenizers))
+    do_sample = bool(plan.inputs.generation_config.do_sample)
+    return DraftModelProposer(
+        draft.facts,
+        draft.forwards,
+        draft.vocabulary,
+        sequences,
+        processor,
+        do_sample,
+        plan.generator,
+        inputs,
+        draft.cache,
+    )
 
 
 def _as_int(value: torch.Tensor | int | None) -> int | None:

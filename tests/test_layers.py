@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("policy", ["policy/"]),
     ("prepare", ["prepare/"]),
     ("plan", ["plan/"]),
-    ("the loop", ["outputs", "stopping", "parts", "decoding"]),
+    ("the loop", ["outputs", "stopping", "decoding"]),
     ("registration", ["registration", "__init__"]),
 ]
 MAX_TOP_LEVEL_MODULES = 12  # the rest lives in the layers' folders
