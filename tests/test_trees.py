@@ -15,8 +15,8 @@ from test_architectures import batch
 from tiny import ARCHITECTURES, PAD, arch_draft, prepared_processors, tiny_arch, tiny_lm
 
 from hf_specsample import SpeculativeConfig, TreeShape
-from hf_specsample.cache.tree_forward import tree_problem
 from hf_specsample.core.model_facts import ModelFacts
+from hf_specsample.policy.validation import tree_problem
 from hf_specsample.verify import rules
 
 TREE = SpeculativeConfig(draft_shape="tree", draft_form="as_given")

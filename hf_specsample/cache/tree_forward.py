@@ -13,12 +13,12 @@ right after the root and rolls the rest back (`CachedModel.keep_path`, which the
 cache then holds what a sequential feed of the committed tokens would, and the loop's usual `rollback_to_committed`
 follows.
 
-What trees cannot serve yet (`tree_problem` says it in words, for the plan to choose chains there): convolution and
-recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (a forward sees
-only a layer's last ``window - 1 + width`` slots, which, once nodes sit after the root, miss the start of its window,
-and models take their masks per layer type in ways of their own), attention without a 4D mask (flash
-attention, flex attention), forwards that take no position ids, compiled forwards and runners (their inputs have
-fixed shapes). A static cache (full `StaticLayer`s) run eagerly serves trees: the mask covers all its slots, and the
+What trees cannot serve yet (`validation.tree_problem` says it in words, for the plan to choose chains there):
+convolution and recurrent states (a state cannot branch), positions read off a 2D mask (ALiBi), sliding-window layers (a
+forward sees only a layer's last ``window - 1 + width`` slots, which, once nodes sit after the root, miss the start of
+its window, and models take their masks per layer type in ways of their own), attention without a 4D mask (flash
+attention, flex attention), forwards that take no position ids, compiled forwards and runners (their inputs have fixed
+shapes). A static cache (full `StaticLayer`s) run eagerly serves trees: the mask covers all its slots, and the
 compaction moves entries in place.
 """
 
@@ -27,57 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from ..core import transformers_api
 from ..core.draft_tree import DraftTree
-from ..core.model_facts import ModelFacts
 from ..core.sequences import Columns, Sequences
 from ..options import TreeShape
 from . import row_ops
 from .cached_model import CachedModel
-
-# Layer kinds (`config.layer_types`, GPT-Neo's `attention_layers`) whose mask is the causal one a tree's mask extends.
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "global", "attention"})
-
-
-def tree_problem(facts: ModelFacts, compiled: bool = False) -> str | None:
-    """Why a model's forwards cannot feed draft trees (chains run there instead), or None.
-
-    Args:
-        facts: the model's facts.
-        compiled: its rounds run compiled forwards or runners (`cache.forwards.Forwards`: `compiled`, `runner`), whose
-            inputs have fixed shapes and a 2D mask. A static cache run eagerly serves trees.
-    """
-    name = type(facts.model).__name__
-    implementation = transformers_api.attention_implementation(facts.model)
-    if facts.cache_problem is not None:
-        return facts.cache_problem
-    if facts.keeps_state:
-        return f"{name} keeps convolution / recurrent states, which cannot branch into a tree: chains there"
-    if implementation not in transformers_api.FOUR_D_MASK_ATTENTION:
-        return (
-            f"{name} runs {implementation} attention, which takes no tree mask: chains there (trees need "
-            f"attn_implementation={' or '.join(map(repr, transformers_api.FOUR_D_MASK_ATTENTION))})"
-        )
-    if not facts.takes_position_ids:
-        return f"{name}'s forward takes no position ids, which a tree's nodes need: chains there"
-    if getattr(facts.model.config, "alibi", False):
-        return f"{name} builds its ALiBi biases from a 2D padding mask, which a tree mask is not: chains there"
-    config = facts.model.config
-    layers = transformers_api.cache_layer_classes(config)
-    # Windows a model builds into its own mask (local, sliding, chunked layers), whether or not its cache trims them
-    # (GPT-Neo's local layers keep a full cache): the tree's mask would replace them.
-    kinds = set(getattr(config, "layer_types", None) or ()) | set(getattr(config, "attention_layers", None) or ())
-    windowed = sorted(kinds - FULL_ATTENTION_KINDS)
-    if windowed or any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
-        kind = ", ".join(windowed) or "sliding-window"
-        return (
-            f"{name} has {kind} layers, windows its own mask builds, which tree forwards do not serve yet: chains there"
-        )
-    if compiled:
-        return "compiled forwards and runners do not run draft trees yet: chains there"
-    return None
 
 
 class CachedTree:

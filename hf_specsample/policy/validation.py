@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 from transformers import Cache, GenerationConfig, StaticCache, StoppingCriteriaList
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
-from ..cache import row_ops, tree_forward
+from ..cache import row_ops
 from ..core import transformers_api
 from ..core.model_facts import ModelFacts, Role, unsupported_layers
 from ..options import NamedDraft, SpeculativeConfig
@@ -401,7 +402,43 @@ def tree_problems(
     if config.lookahead_policy is not None:
         problems.append("a lookahead_policy chooses a chain's K each round (a tree drafts its shape)")
     for role, facts in (("target", target), ("draft", draft)):
-        problem = tree_forward.tree_problem(facts) if facts is not None else None
+        problem = tree_problem(facts) if facts is not None else None
         if problem is not None:
             problems.append(f"the {role} {problem}")
     return problems
+
+
+# Layer kinds (`config.layer_types`, GPT-Neo's `attention_layers`) whose mask is the causal one a tree's mask extends.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "global", "attention"})
+
+
+def tree_problem(facts: ModelFacts) -> str | None:
+    """Why a model's forwards cannot feed draft trees (`cache.tree_forward`; chains run there instead), or None.
+    Compiled forwards and static caches are the call's (`tree_problems`)."""
+    name = type(facts.model).__name__
+    implementation = transformers_api.attention_implementation(facts.model)
+    if facts.cache_problem is not None:
+        return facts.cache_problem
+    if facts.keeps_state:
+        return f"{name} keeps convolution / recurrent states, which cannot branch into a tree: chains there"
+    if implementation not in transformers_api.FOUR_D_MASK_ATTENTION:
+        return (
+            f"{name} runs {implementation} attention, which takes no tree mask: chains there (trees need "
+            f"attn_implementation={' or '.join(map(repr, transformers_api.FOUR_D_MASK_ATTENTION))})"
+        )
+    if not facts.takes_position_ids:
+        return f"{name}'s forward takes no position ids, which a tree's nodes need: chains there"
+    if getattr(facts.model.config, "alibi", False):
+        return f"{name} builds its ALiBi biases from a 2D padding mask, which a tree mask is not: chains there"
+    config = facts.model.config
+    layers = transformers_api.cache_layer_classes(config)
+    # Windows a model builds into its own mask (local, sliding, chunked layers), whether or not its cache trims them
+    # (GPT-Neo's local layers keep a full cache): the tree's mask would replace them.
+    kinds = set(getattr(config, "layer_types", None) or ()) | set(getattr(config, "attention_layers", None) or ())
+    windowed = sorted(kinds - FULL_ATTENTION_KINDS)
+    if windowed or any(issubclass(layer, DynamicSlidingWindowLayer) for layer in layers):
+        kind = ", ".join(windowed) or "sliding-window"
+        return (
+            f"{name} has {kind} layers, windows its own mask builds, which tree forwards do not serve yet: chains there"
+        )
+    return None
