@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import static_addresses, tree_forward
+from .cache import row_ops, static_addresses, tree_forward
 from .cache.cached_model import CachedModel
 from .core import transformers_api
 from .core.draft_tree import RankCounts, rank_observations
@@ -119,12 +119,13 @@ class SpeculativeDecoder:
         mask = inputs.model_kwargs.get("attention_mask")
         self.sequences = Sequences(input_ids, mask, self.max_length + 1, position_ids)
         real = self.sequences.is_real(plan.cached_slots)
-        self.target = CachedModel(plan.target, batch_size, plan.cache, real, plan.forwards, self.sequences)
+        target_cache, draft_cache = static_caches(plan)
+        self.target = CachedModel(plan.target, batch_size, target_cache, real, plan.forwards, self.sequences)
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = new_stats(plan)
         self.recorder = OutputRecorder(generation_config, batch_size)
         self.verifier = call_verifier(plan, self.recorder.keep_scores)
-        self.model_drafter, self.drafter = call_drafters(plan, self.sequences, self.verifier.processor)
+        self.model_drafter, self.drafter = call_drafters(plan, self.sequences, self.verifier.processor, draft_cache)
         self.draft = self.model_drafter.model if self.model_drafter is not None else None  # its model and cache
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
         self.timer = PhaseTimer(self.lookahead.needs_timing, input_ids.device, self.verifier.processor)
@@ -357,6 +358,25 @@ class SpeculativeDecoder:
         return self.target.cache
 
 
+def static_caches(plan: CallPlan) -> tuple[Any, Any]:
+    """The target's cache and the draft's (None: a new `DynamicCache`): the one `generate()` handed over
+    (`CallPlan.cache`), or under `compile=True` static caches of `CallPlan.static_slots` slots made for the call
+    (`CallPlan.pooled`, `DraftPlan.static`). The draft's is taken first: where both are one model's, each gets back
+    the cache it ran on in the last call (`POOL.take` hands out the last given back, and the draft's went back last),
+    so that no CUDA graph re-records for a new address."""
+    draft = plan.draft
+    draft_cache = _static_cache(draft.facts.model, plan) if draft is not None and draft.static else None
+    target_cache = _static_cache(plan.target.model, plan) if plan.pooled else plan.cache
+    return target_cache, draft_cache
+
+
+def _static_cache(model: Any, plan: CallPlan) -> Any:
+    """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
+    (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
+    kept = static_addresses.POOL.take(model, plan.inputs.batch_size, plan.static_slots)
+    return kept if kept is not None else row_ops.full_static_cache(None, model.config, plan.static_slots)
+
+
 def new_stats(plan: CallPlan) -> SpeculativeStats:
     """The call's statistics, with what the plan decided already filled in."""
     stats = SpeculativeStats.for_batch(plan.inputs.batch_size)
@@ -386,21 +406,21 @@ def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
 
 
 def call_drafters(
-    plan: CallPlan, sequences: Sequences, processor: PositionwiseProcessor
+    plan: CallPlan, sequences: Sequences, processor: PositionwiseProcessor, draft_cache: Any = None
 ) -> tuple[DraftModelProposer | None, Proposer]:
     """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
     n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
     continuations first, the model else)."""
     if plan.draft is None:
         return None, PromptLookupProposer(cast(int, plan.max_ngram))
-    model = draft_proposer(plan, plan.draft, sequences, processor)
+    model = draft_proposer(plan, plan.draft, sequences, processor, draft_cache)
     if plan.max_ngram is None:
         return model, model
     return model, LookupThenModelProposer(model, PromptLookupProposer(plan.max_ngram))
 
 
 def draft_proposer(
-    plan: CallPlan, draft: DraftPlan, sequences: Sequences, processor: PositionwiseProcessor
+    plan: CallPlan, draft: DraftPlan, sequences: Sequences, processor: PositionwiseProcessor, cache: Any = None
 ) -> DraftModelProposer:
     """The draft-model proposer: over the target's ids, or with another tokenizer over the tokens both share."""
     inputs = None
@@ -418,7 +438,7 @@ def draft_proposer(
         do_sample,
         plan.generator,
         inputs,
-        draft.cache,
+        cache,
     )
 
 

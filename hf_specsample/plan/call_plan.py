@@ -13,7 +13,8 @@ the order `plan_call` runs them:
    cannot serve the target (its routing is made here: `kernels.routing.KernelRouting`);
 4. the decisions: the prepared draft (AUTO's timings and calibration forwards, the first forwards of the call) and,
    for a tensor-parallel target, that every rank runs the same one; the draft's facts, kernel routing, compiled step,
-   vocabulary and the tokenizers it reads; the target's cache and compiled forward; the rounds' K owner
+   vocabulary and the tokenizers it reads; the target's cache (the caller's made static, or one the loop makes:
+   `pooled`, `static_slots`) and compiled forward; the rounds' K owner
    (`lookahead.RoundLookahead`); whether the call returns a cache.
 
 Glossary: `docs/ARCHITECTURE.md` ("Words").
@@ -26,10 +27,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-from ..cache import row_ops, static_addresses
+from ..cache import row_ops
 from ..cache.compiled import CompiledForward, CompileSettings, compiled_forward
 from ..cache.forwards import Forwards
 from ..cache.runner import RunnerBackend, RunnerPlan
@@ -69,8 +69,8 @@ class DraftPlan:
         shared: with another tokenizer, the tokens both vocabularies share (`proposers.cross_tokenizer`); else None.
         tokenizers: with another tokenizer, (the target's, the draft's); else None.
         description: what drafts, for `SpeculativeStats.draft_form`.
-        cache: the draft's static cache (`compile=True`: allocated once at the call's final size, see
-            `static_cache_size`), or None: a new `DynamicCache`.
+        static: its steps run on a static cache of the call's `CallPlan.static_slots` (`compile=True`), which the
+            loop takes from `cache.static_addresses.POOL` or makes (`decoding.static_caches`); else a new one.
     """
 
     prepared: PreparedDraft
@@ -80,7 +80,7 @@ class DraftPlan:
     shared: SharedVocabulary | None
     tokenizers: tuple[Any, Any] | None
     description: str
-    cache: Any = None
+    static: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class CallPlan:
     Attributes:
         inputs: what `generate()` handed over (`CallInputs`).
         target: the target's facts.
-        cache: the target's cache (the caller's, made static, or None: a new dynamic one).
+        cache: the caller's cache (made static where the call runs static), or None: the loop makes one (a new
+            dynamic cache, or under `pooled` a static one of `static_slots`, `decoding.static_caches`).
         forwards: how the target's forwards run (kernel routing, compiled forward and the rounds it serves).
         draft: the draft model, or None (`draft_model="prompt_lookup"`: n-gram continuations alone).
         max_ngram: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
@@ -102,8 +103,10 @@ class CallPlan:
         kernel_description: what ran the eager forwards' linears, for `SpeculativeStats.linear_kernel`.
         graphs: whether the call's runners run as graphs, and why (`graph_choice.choose_graphs`), for
             `SpeculativeStats.graphs`.
-        pooled: the call's static caches were made for it (not the caller's): after the call, those the caller is
-            not handed go back to `cache.static_addresses.POOL` for the next call.
+        pooled: the call's static caches are made for it (not the caller's): the loop takes them from
+            `cache.static_addresses.POOL` (or makes them) and gives back those the caller is not handed.
+        static_slots: slots of the static caches made for the call under `compile=True` (`static_cache_size`),
+            else 0.
         shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shapes.choose_shape`).
         kernel_build_seconds: seconds this call's planning spent making the small-rows kernel ready (compiling it,
             or loading an earlier process's build; `kernels.small_rows.load`), 0.0 where it did not.
@@ -124,6 +127,7 @@ class CallPlan:
     pooled: bool = False
     shape: ShapeChoice = ShapeChoice(None, "chain")
     kernel_build_seconds: float = 0.0
+    static_slots: int = 0
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -220,6 +224,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         pooled,
         shape,
         build.seconds if build is not None else 0.0,
+        static_cache_size(inputs, largest) if config.compile else 0,
     )
 
 
@@ -323,10 +328,9 @@ def _draft_plan(
     # dropping slots), or it keeps recurrent states (rolled back by re-feeding).
     static = config.compile and step is None and tokenizers is None and not facts.keeps_state
     static = static and row_ops.static_cache_problem(None, facts.model.config) is None
-    cache = _static_cache(inputs, facts.model, largest) if static else None
     runner = RunnerPlan(graphs or RunnerBackend.EAGER, DRAFT_STEP_SIZES) if static else None
     forwards = Forwards(kernel=kernel, wide=prepared.wide, step=step, embeddable=embeddable, runner=runner)
-    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, cache)
+    return DraftPlan(prepared, facts, forwards, vocabulary, shared, tokenizers, description, static)
 
 
 def static_cache_size(inputs: CallInputs, largest: int) -> int:
@@ -338,17 +342,9 @@ def static_cache_size(inputs: CallInputs, largest: int) -> int:
 
 
 def makes_target_cache(config: object) -> bool:
-    """Whether a call given no cache makes its target's itself (`_target_cache`), so that `generate()` need build
+    """Whether a call given no cache makes its target's itself (`CallPlan.pooled`), so that `generate()` need build
     none: under `SpeculativeConfig(compile=True)`, a static cache at the call's final size (or a kept one)."""
     return isinstance(config, SpeculativeConfig) and config.compile
-
-
-def _static_cache(inputs: CallInputs, model: PreTrainedModel, largest: int) -> Any:
-    """A static cache of full layers for `model` at the call's final size: a kept one of the same shape
-    (`cache.static_addresses.POOL`, reset in place), else a new one (allocated by its first forward)."""
-    slots = static_cache_size(inputs, largest)
-    kept = static_addresses.POOL.take(model, inputs.batch_size, slots)
-    return kept if kept is not None else row_ops.full_static_cache(None, model.config, slots)
 
 
 def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelFacts) -> SharedVocabulary:
@@ -363,8 +359,8 @@ def _shared(prepared: PreparedDraft, tokenizers: tuple[Any, Any], target: ModelF
 def _target_forwards(
     inputs: CallInputs, target: ModelFacts, kernel: KernelRouting, largest: int, graphs: RunnerBackend | None = None
 ) -> tuple[Any, Forwards, str, bool]:
-    """The target's cache, how its forwards run, what ran its linears (for the statistics), and whether its cache
-    was made for this call under `compile=True` (`CallPlan.pooled`).
+    """The caller's cache (`CallPlan.cache`), how the target's forwards run, what ran its linears (for the
+    statistics), and whether the loop makes its cache for this call under `compile=True` (`CallPlan.pooled`).
 
     Eager rounds of a CPU bf16 target run on the small-rows kernel where it pays (`kernel`). Compiled ones
     (`compile=True`) run it inside the graph (`CompileSettings.kernel_rows`) under linear_kernel="on", and under
@@ -397,8 +393,9 @@ def _target_forwards(
 def _target_cache(
     inputs: CallInputs, target: ModelFacts, kernel_in_graph: bool, largest: int
 ) -> tuple[Any, CompiledForward | None, bool]:
-    """The target's cache, its compiled forward if this call compiles (else None), and whether the cache was made
-    for this call under `compile=True` (then at its final size, `static_cache_size`, possibly a kept one).
+    """The caller's cache (None: the loop makes one), the target's compiled forward if this call compiles (else
+    None), and whether the loop makes the target's cache for this call under `compile=True` (then at its final size,
+    `static_cache_size`, possibly a kept one: `decoding.static_caches`).
 
     A static cache is used when the caller asks for one (`cache_implementation="static"`, a `StaticCache` passed in)
     or for compiled verification (`SpeculativeConfig(compile=True)`); it is made of full `StaticLayer`s of at least
@@ -420,7 +417,7 @@ def _target_cache(
     sizes += [layer.max_cache_len for layer in getattr(cache, "layers", ()) if hasattr(layer, "max_cache_len")]
     pooled = fresh and makes_target_cache(config)
     if pooled:
-        cache = _static_cache(inputs, target.model, largest)
+        cache = None
     else:
         cache = row_ops.full_static_cache(None if fresh else cache, target.model.config, int(max(sizes)))
     if config.compile:

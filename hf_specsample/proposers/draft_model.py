@@ -80,7 +80,7 @@ class DraftModelProposer(Proposer):
             do_sample: sample proposals (else argmax).
             generator: for the draft's samples.
             inputs: with another tokenizer, the rows' draft ids the draft reads; None: it reads `sequences`.
-            cache: an empty cache to draft on (the plan's static one, `DraftPlan.cache`); None: a new dynamic one.
+            cache: an empty cache to draft on (a static one, `decoding.static_caches`); None: a new dynamic one.
         """
         self.inputs = inputs
         reads = sequences if inputs is None else inputs.sequences
