@@ -312,9 +312,11 @@ class ChainGrowth(Growth):
     def proposal(self) -> Proposal:
         """The chain: `(batch, K)` tokens, their distributions when sampled, the forced ones marked."""
         any_forced = self.forced is not None and any(row.numel() for row in self.forced)
-        empty = self.sequences.tokens.new_empty((self.sequences.num_active, 0))
+        sequences = self.sequences
         return Proposal(
-            tokens=torch.stack(self.drafted, dim=1) if self.drafted else empty,
+            tokens=torch.stack(self.drafted, dim=1)
+            if self.drafted
+            else sequences.tokens.new_empty((sequences.num_active, 0)),
             probs=self.probs,
             point_mass=torch.stack(self.pinned, dim=1) if self.probs is not None and any_forced else None,
             model_steps=self.depth,
