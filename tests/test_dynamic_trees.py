@@ -23,7 +23,7 @@ from hf_specsample import DraftShape, DynamicTree, SpeculativeConfig
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.policy.shapes import choose_shape
 from hf_specsample.proposers.base import DraftBudget
-from hf_specsample.proposers.dynamic_tree import DynamicPool
+from hf_specsample.proposers.tree_growth import DynamicPool
 
 DYNAMIC = SpeculativeConfig(draft_shape="dynamic", draft_form="as_given")
 SMALL = SpeculativeConfig(draft_shape=DynamicTree(nodes=6, depth=3, expand=2), draft_form="as_given")

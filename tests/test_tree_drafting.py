@@ -165,7 +165,7 @@ def test_choices_equal_a_stable_sort_with_ties_and_masked_scores():
     """`choices` (topk, with a slow path where the count-th score ties with the next) takes exactly what a stable
     descending sort takes: scores drawn from 4 values (ties everywhere), every other one masked to -inf (the tail of
     top-k/top-p), a wide row of distinct scores; a NaN row still gets distinct tokens."""
-    from hf_specsample.proposers.tree_drafting import choices
+    from hf_specsample.proposers.tree_growth import choices
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(200):

@@ -8,11 +8,12 @@ from tiny import ARCHITECTURES, PAD, tiny_arch
 
 from hf_specsample.cache import row_ops
 from hf_specsample.cache.cached_model import CachedModel
-from hf_specsample.cache.tree_forward import feed_tree, tree_problem
+from hf_specsample.cache.tree_forward import feed_tree
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.core.model_facts import ModelFacts
 from hf_specsample.core.sequences import Sequences
-from hf_specsample.options import TreeShape
+from hf_specsample.options import SpeculativeConfig, TreeShape
+from hf_specsample.policy.validation import tree_problem, tree_problems
 
 VOCAB = 32
 ATOL = 1e-5
@@ -140,7 +141,8 @@ def test_tree_after_a_prefilled_cache_and_a_chain_shape(attention):
 
 
 def test_tree_problem_refuses_what_trees_cannot_serve():
-    """Flash / flex attention, hybrid layers, sliding windows, compiled forwards: chains, said why."""
+    """Flash / flex attention, hybrid layers, sliding windows, compiled forwards: chains, said why
+    (`validation.tree_problem` for a model, `tree_problems` for a call)."""
     from hf_specsample_bench.hybrids import HYBRID_FAMILIES, available, tiny_hybrid
 
     assert tree_problem(ModelFacts.of(tiny_model("sdpa"))) is None
@@ -153,8 +155,10 @@ def test_tree_problem_refuses_what_trees_cannot_serve():
         )
     sliding = tiny_arch("mistral_sliding", seed=0, vocab_size=VOCAB)
     assert "sliding-window" in tree_problem(ModelFacts.of(sliding))
-    facts = ModelFacts.of(tiny_model("sdpa"))
-    assert "chains there" in tree_problem(facts, compiled=True)
+    facts = ModelFacts.of(tiny_model("sdpa"))  # compiled forwards are the call's: compile=True runs chains
+    compiled = SpeculativeConfig(compile=True)
+    problems = tree_problems(facts, facts, lookup=False, other_tokenizer=False, static_cache=False, config=compiled)
+    assert problems == ["static caches and compile=True run chains"]
     hybrid = next(name for name in HYBRID_FAMILIES if available(name))
     problem = tree_problem(ModelFacts.of(tiny_hybrid(hybrid, seed=0, vocab_size=VOCAB)))
     assert problem is not None and "convolution / recurrent states" in problem and "chains there" in problem

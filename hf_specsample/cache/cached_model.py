@@ -56,7 +56,7 @@ from .step_warm_up import warm_step
 
 
 class HeldTree(Protocol):
-    """A round's tree in a model's cache (`tree_forward.CachedTree`, `dynamic_tree.KeptNodes`)."""
+    """A round's tree in a model's cache (`tree_forward.CachedTree`, `tree_growth.KeptNodes`)."""
 
     def compact(self, path: torch.Tensor, counts: Sequence[int]) -> None:
         """Keep the accepted `path` `(rows, D)` (-1 after `counts[b]`) and let go of the rest."""

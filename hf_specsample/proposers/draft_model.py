@@ -24,8 +24,7 @@ from ..sampling.draws import first_argmax, sample_from_weights
 from ..sampling.processing import PositionwiseProcessor, probabilities
 from .base import DraftBudget, Growth, Proposal, Proposer
 from .cross_tokenizer import DraftIdBuffer
-from .dynamic_tree import DynamicGrowth
-from .tree_drafting import ShapeGrowth
+from .tree_growth import DynamicGrowth, ShapeGrowth
 
 
 class DraftVocabulary(NamedTuple):
@@ -140,8 +139,8 @@ class DraftModelProposer(Proposer):
         last one or two committed tokens) and gives the first level; each later forward feeds the level's parents, a
         chain's with its causal mask (the previous draft token) and a tree's with the tree mask (`Growth.feed`).
         Leaves are not fed. What a level's logits become (a sampled or argmax token, a parent's top choices, the best
-        of a dynamic pool) is the `Growth`'s: `ChainGrowth`, `tree_drafting.ShapeGrowth`,
-        `dynamic_tree.DynamicGrowth`. After a tree the draft's cache holds its fed nodes (`CachedModel.held_tree`) until
+        of a dynamic pool) is the `Growth`'s: `ChainGrowth`, `tree_growth.ShapeGrowth`,
+        `tree_growth.DynamicGrowth`. After a tree the draft's cache holds its fed nodes (`CachedModel.held_tree`) until
         `CachedModel.keep_path`.
 
         Args:
