@@ -1,4 +1,4 @@
-"""Keyed draws (`sampling.keyed_draws`): a seeded tree call's text depends on the seed and the target alone.
+"""Keyed draws (`sampling.draws`): a seeded tree call's text depends on the seed and the target alone.
 
 - the uniforms: bit for bit a plain-Python splitmix64 (64-bit wrap-around, logical shifts), in [0, 1), uniform
   (chi-square of binned values over a million (row, position) pairs) and independent (chi-square of the joint bins of
@@ -27,8 +27,7 @@ from transformers import LogitsProcessorList
 
 from hf_specsample import DynamicTree, SpeculativeConfig, TreeShape
 from hf_specsample.core.draft_tree import DraftTree
-from hf_specsample.sampling.draws import sample_from_weights
-from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, mix64, positions_from
+from hf_specsample.sampling.draws import call_key, keyed_uniforms, mix64, positions_from, sample_from_weights
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rules import block_accept, speculative_accept
 from hf_specsample.verify.verifier import Verifier

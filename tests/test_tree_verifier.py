@@ -11,8 +11,7 @@ from transformers.generation import logits_process as lp
 
 from hf_specsample.core.draft_tree import DraftTree
 from hf_specsample.options import TreeShape
-from hf_specsample.sampling.draws import first_argmax
-from hf_specsample.sampling.keyed_draws import call_key, keyed_uniforms, positions_from
+from hf_specsample.sampling.draws import call_key, first_argmax, keyed_uniforms, positions_from
 from hf_specsample.sampling.processing import PositionwiseProcessor, probabilities
 from hf_specsample.verify.rules import NonFinite, greedy_accept, speculative_accept, tree_accept
 from hf_specsample.verify.verifier import Verifier

@@ -12,7 +12,7 @@ The rule is plugged in:
 - greedy: `rules.greedy_accept` on the target's argmax (a chain's leading run of matches, a tree's walk);
 - a sampled chain: the configured rule on the draft's distributions (`rules.speculative_accept` or
   `block_accept`; point masses as token ids), with the call's generator;
-- a sampled tree: `rules.tree_accept`, with keyed draws (`sampling.keyed_draws`): the uniform of depth level d
+- a sampled tree: `rules.tree_accept`, with keyed draws (`sampling.draws`): the uniform of depth level d
   of a row is the one of (the call's key, the row's caller index, its committed length + d), the buffer position
   the token drawn there is written to. A chain round of a tree call (it drafts nothing: K = 0) draws its one token
   with its keyed uniform too, so a seeded tree call's text depends on the key and the target alone.
@@ -40,8 +40,7 @@ from ..cache.output_head import HeadLogits
 from ..core.draft_tree import DraftTree
 from ..options import TreeShape, Verification
 from ..sampling import draws
-from ..sampling.draws import first_argmax, sample_uniform, uniform_like
-from ..sampling.keyed_draws import call_key, keyed_uniforms, positions_from
+from ..sampling.draws import call_key, first_argmax, keyed_uniforms, positions_from, sample_uniform, uniform_like
 from ..sampling.processing import PositionwiseProcessor, probabilities, processed_at_paths
 from . import distributed
 from .rules import Verdict, block_accept, flag_nonfinite, greedy_accept, speculative_accept, tree_accept
@@ -71,7 +70,7 @@ class Verifier:
                 generator)``, with ``point_mass=`` where the draft has a mask, and the round's draws (``uniform=``,
                 ``sample_draws=``) where its rows come in several chunks or its token is keyed.
             generator: the call's generator for a chain's draws.
-            key: the call's key (`keyed_draws.call_key`) where it may draft trees and samples: trees, and its rounds
+            key: the call's key (`draws.call_key`) where it may draft trees and samples: trees, and its rounds
                 that draft nothing, draw keyed uniforms; None: draws from `generator`.
             keep_scores: return the processed scores (the caller records them).
             chunk_elements: the most logits verified at a time (None: `draws.ROW_CHUNK_ELEMENTS`, read at each
