@@ -402,6 +402,7 @@ def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
         keep_scores,
         plan.target.tensor_parallel,
         trees=plan.shape.tree is not None or bool(plan.shape.ranks),
+        prompt_length=inputs.input_ids.shape[1],
     )
 
 

@@ -38,12 +38,14 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers.generation import logits_process as lp
 
 from ..core.devices import tensor_on, to_device
 from .fast_processors import fast_equivalent
+from .grammars import GrammarPrefixes, check_stateful, is_xgrammar_processor
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
 # and not on which token id a column stands for: they give the same result on any subset of the vocabulary.
@@ -108,7 +110,9 @@ UNSUPPORTED_PROCESSORS: tuple[type, ...] = (
 
 
 def check_supported(processors: Sequence[lp.LogitsProcessor]) -> None:
-    """Raise a `ValueError` naming any processor speculative sampling cannot apply exactly."""
+    """Raise a `ValueError` naming any processor speculative sampling cannot apply exactly (transformers' own that
+    keep state; structured-generation processors no adapter drives, `grammars.check_stateful`)."""
+    check_stateful(processors)
     for processor in processors:
         if isinstance(processor, UNSUPPORTED_PROCESSORS):
             raise ValueError(
@@ -145,7 +149,13 @@ class PositionwiseProcessor:
     plain `generate()` passes when it samples that position.
     """
 
-    def __init__(self, processors: Sequence[lp.LogitsProcessor], batch_size: int, fast: bool = True):
+    def __init__(
+        self,
+        processors: Sequence[lp.LogitsProcessor],
+        batch_size: int,
+        fast: bool = True,
+        prompt_length: int | None = None,
+    ):
         """
         Args:
             processors: the list `generate()` built.
@@ -153,9 +163,17 @@ class PositionwiseProcessor:
                 not row-local.
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
                 (`sampling.fast_processors.fast_equivalent`); any other processor runs as given.
+            prompt_length: columns of the prompt `generate()` was given, where a grammar processor's state starts
+                (`grammars.GrammarPrefixes` drives xgrammar's processor in its place); needed only with one.
         """
         check_supported(processors)
-        self.runs = _runs(processors)
+        adapted: list[Any] = [
+            GrammarPrefixes(processor, _prompt_length(prompt_length), batch_size)
+            if is_xgrammar_processor(processor)
+            else processor
+            for processor in processors
+        ]
+        self.runs = _runs(adapted)
         self.batch_size = batch_size
         self.fast = fast
         # Exact type, as for prefix-freedom: a subclass may read token ids.
@@ -239,7 +257,9 @@ class PositionwiseProcessor:
             group_scores = scores[rows, cols]  # (group, vocab)
             caller_rows = [callers[row] for row, _ in pairs]
             for processor in processors:
-                if _row_local(processor):
+                if isinstance(processor, GrammarPrefixes):  # a pure function of each caller row's prefix
+                    group_scores = processor(group_ids, group_scores, caller_rows)
+                elif _row_local(processor):
                     group_scores = processor(group_ids, group_scores)
                 else:
                     group_scores = self._whole_batch_call(processor, group_ids, group_scores, caller_rows)
@@ -277,6 +297,12 @@ class PositionwiseProcessor:
             whole_scores[rows] = scores[picked]
             out[picked] = processor(whole_ids, whole_scores)[rows]
         return out
+
+
+def _prompt_length(prompt_length: int | None) -> int:
+    if prompt_length is None:
+        raise ValueError("hf_specsample internal error: a grammar processor needs the call's prompt length")
+    return prompt_length
 
 
 def _row_local(processor: lp.LogitsProcessor) -> bool:
