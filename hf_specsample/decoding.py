@@ -403,6 +403,7 @@ def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
         plan.target.tensor_parallel,
         trees=plan.shape.tree is not None or bool(plan.shape.ranks),
         prompt_length=inputs.input_ids.shape[1],
+        stateful=plan.config.stateful_processors,
     )
 
 

@@ -327,6 +327,11 @@ class SpeculativeConfig:
             A tree is refused, before any forward, where it cannot run (recurrent or convolution layers, attention
             without a 4D mask, static caches and `compile=True`, lookup drafts and drafts with another tokenizer);
             `SpeculativeStats.shape` says which ran.
+        stateful_processors: logits processor classes whose instances keep a state across calls (a counter, a
+            matcher advanced by the last token): each is replayed as plain decoding calls it, from a copy of its
+            state after the prefix one token shorter (`sampling.stateful.ReplayedProcessor`): exact, one row per
+            call, at the cost of a copy per processed position. () (default): every processor not known to keep
+            state is taken to be a function of its prefix (docs/structured_output.md).
     """
 
     num_lookahead: int | None = None
@@ -340,6 +345,7 @@ class SpeculativeConfig:
     compile_draft: bool = False
     linear_kernel: LinearKernel | str = LinearKernel.AUTO
     draft_shape: DraftShape | str | TreeShape | DynamicTree = DraftShape.AUTO
+    stateful_processors: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
         _check_lookahead("num_lookahead", self.num_lookahead)
@@ -355,6 +361,13 @@ class SpeculativeConfig:
                     f"got {self.draft_shape!r}."
                 )
             object.__setattr__(self, "draft_shape", parse_choice(DraftShape, self.draft_shape, "draft_shape"))
+        stateful = self.stateful_processors
+        if not isinstance(stateful, (tuple, list)) or not all(isinstance(kind, type) for kind in stateful):
+            raise TypeError(
+                "stateful_processors must be a tuple of logits processor classes (e.g. (MyProcessor,)), got "
+                f"{stateful!r}."
+            )
+        object.__setattr__(self, "stateful_processors", tuple(stateful))
         for name in ("fast_processors", "compile", "compile_draft"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -1,4 +1,4 @@
-"""Structured output with speculation (`sampling/grammars.py`): xgrammar's transformers processor driven as a pure
+"""Structured output with speculation (`sampling/stateful.py`): xgrammar's transformers processor driven as a pure
 function of each row's prefix, so that greedy output is plain `generate()`'s token for token and sampled output is
 distributed as the grammar-masked target; the processors of libraries no adapter drives yet are refused before any
 forward.
@@ -15,7 +15,7 @@ from tiny import PAD, ForwardCounter, perturbed_copy, prepared_processors, tiny_
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_specsample import DynamicTree, SpeculativeConfig
-from hf_specsample.sampling import grammars
+from hf_specsample.sampling import stateful
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.contrib.hf import LogitsProcessor as XGrammarProcessor  # noqa: E402
@@ -131,8 +131,8 @@ def test_a_stale_mask_fails_the_same_test(models, compiled, monkeypatch):
     fails the chi-square above."""
     target, draft = models
     grammar = compiled[0]
-    masked_at = grammars.GrammarPrefixes._mask
-    monkeypatch.setattr(grammars.GrammarPrefixes, "_mask", lambda self, row, tokens: masked_at(self, row, tokens[:-1]))
+    masked_at = stateful.GrammarPrefixes._mask
+    monkeypatch.setattr(stateful.GrammarPrefixes, "_mask", lambda self, row, tokens: masked_at(self, row, tokens[:-1]))
     prompt = torch.tensor([[1, 5, 6, 10]])
     out = generate(
         target,

@@ -361,6 +361,19 @@ def check_cache_plan(
         raise ValueError(problem)
 
 
+def check_replayed(processors: Any, declared: tuple[type, ...], batch_size: int) -> None:
+    """Refuse, before any work, a batch with a processor declared stateful: plain decoding calls it with every row
+    at one step, which rows that accept different numbers of tokens never are (`sampling.stateful.ReplayedProcessor`
+    replays one row)."""
+    replayed = [type(processor).__name__ for processor in processors if isinstance(processor, declared)]
+    if replayed and batch_size > 1:
+        raise ValueError(
+            f"{', '.join(replayed)} is declared stateful (SpeculativeConfig(stateful_processors=...)), which is "
+            f"replayed for one row per call; this call has {batch_size} rows (num_return_sequences included). Call "
+            "generate() once per row, or make the processor a function of each row's prefix and leave it undeclared."
+        )
+
+
 def check_draft_compiles(draft: ModelFacts) -> None:
     """Refuse `compile_draft=True`, before any forward, for a draft whose forward cannot compile (a hybrid model, an
     offloaded one, a quantization transformers marks not compileable, a tensor-parallel one)."""

@@ -45,7 +45,7 @@ from transformers.generation import logits_process as lp
 
 from ..core.devices import tensor_on, to_device
 from .fast_processors import fast_equivalent
-from .grammars import GrammarPrefixes, check_stateful, is_xgrammar_processor
+from .stateful import RowsProcessor, check_stateful, driven
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
 # and not on which token id a column stands for: they give the same result on any subset of the vocabulary.
@@ -109,10 +109,10 @@ UNSUPPORTED_PROCESSORS: tuple[type, ...] = (
 )
 
 
-def check_supported(processors: Sequence[lp.LogitsProcessor]) -> None:
+def check_supported(processors: Sequence[lp.LogitsProcessor], declared: tuple[type, ...] = ()) -> None:
     """Raise a `ValueError` naming any processor speculative sampling cannot apply exactly (transformers' own that
-    keep state; structured-generation processors no adapter drives, `grammars.check_stateful`)."""
-    check_stateful(processors)
+    keep state; structured-generation processors no adapter drives, `stateful.check_stateful`)."""
+    check_stateful(processors, declared)
     for processor in processors:
         if isinstance(processor, UNSUPPORTED_PROCESSORS):
             raise ValueError(
@@ -155,6 +155,7 @@ class PositionwiseProcessor:
         batch_size: int,
         fast: bool = True,
         prompt_length: int | None = None,
+        stateful: tuple[type, ...] = (),
     ):
         """
         Args:
@@ -163,16 +164,12 @@ class PositionwiseProcessor:
                 not row-local.
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
                 (`sampling.fast_processors.fast_equivalent`); any other processor runs as given.
-            prompt_length: columns of the prompt `generate()` was given, where a grammar processor's state starts
-                (`grammars.GrammarPrefixes` drives xgrammar's processor in its place); needed only with one.
+            prompt_length: columns of the prompt `generate()` was given, where a stateful processor's state starts
+                (`stateful.driven`: xgrammar's processor, those `stateful` declares); needed only with one.
+            stateful: classes declared stateful (`SpeculativeConfig.stateful_processors`): replayed.
         """
-        check_supported(processors)
-        adapted: list[Any] = [
-            GrammarPrefixes(processor, _prompt_length(prompt_length), batch_size)
-            if is_xgrammar_processor(processor)
-            else processor
-            for processor in processors
-        ]
+        check_supported(processors, stateful)
+        adapted: list[Any] = [driven(processor, prompt_length, batch_size, stateful) for processor in processors]
         self.runs = _runs(adapted)
         self.batch_size = batch_size
         self.fast = fast
@@ -257,7 +254,7 @@ class PositionwiseProcessor:
             group_scores = scores[rows, cols]  # (group, vocab)
             caller_rows = [callers[row] for row, _ in pairs]
             for processor in processors:
-                if isinstance(processor, GrammarPrefixes):  # a pure function of each caller row's prefix
+                if isinstance(processor, RowsProcessor):  # driven here: by each caller row's prefix
                     group_scores = processor(group_ids, group_scores, caller_rows)
                 elif _row_local(processor):
                     group_scores = processor(group_ids, group_scores)
@@ -297,12 +294,6 @@ class PositionwiseProcessor:
             whole_scores[rows] = scores[picked]
             out[picked] = processor(whole_ids, whole_scores)[rows]
         return out
-
-
-def _prompt_length(prompt_length: int | None) -> int:
-    if prompt_length is None:
-        raise ValueError("hf_specsample internal error: a grammar processor needs the call's prompt length")
-    return prompt_length
 
 
 def _row_local(processor: lp.LogitsProcessor) -> bool:

@@ -95,13 +95,14 @@ class Verifier:
         tensor_parallel: bool,
         trees: bool = False,
         prompt_length: int | None = None,
+        stateful: tuple[type, ...] = (),
     ) -> Verifier:
         """A call's verifier: its processors per position (`PositionwiseProcessor`, built here once per call and
         shared with the draft model's proposer), judging chains by the configured rule (`Verification`:
         `block_accept` or `speculative_accept`); where the call may draft trees (`trees`) and samples, its key is
         drawn here from `generator` (else the global generator), once. `prompt_length`: the prompt's columns, where a
-        grammar processor's state starts (`PositionwiseProcessor`)."""
-        processor = PositionwiseProcessor(processors, batch_size, fast_processors, prompt_length)
+        grammar processor's state starts; `stateful`: the classes declared stateful (`PositionwiseProcessor`)."""
+        processor = PositionwiseProcessor(processors, batch_size, fast_processors, prompt_length, stateful)
         rule = block_accept if verification is Verification.BLOCK else speculative_accept
         key = call_key(generator) if do_sample and trees else None
         return cls(processor, do_sample, rule, generator, key, keep_scores, tensor_parallel=tensor_parallel)

@@ -1,4 +1,5 @@
-"""Logits processors that keep a grammar's state per row, made exact under speculation.
+"""Logits processors that keep a state across calls, made exact under speculation: xgrammar's (`GrammarPrefixes`),
+those a user declares stateful (`ReplayedProcessor`), and a refusal for the rest that are known to keep state.
 
 Structured-output processors (xgrammar, outlines, llguidance, transformers-cfg, lm-format-enforcer) keep a matcher
 per row that each call advances by the last token of `input_ids`: plain `generate()` calls them once per step, with a
@@ -15,13 +16,20 @@ that is rejected with probability one, since the target's processed probability 
 last allowed prefix, so no position is ever all -inf. The user's processor object is read (its grammars), never
 advanced.
 
+A processor declared stateful (`SpeculativeConfig.stateful_processors`) is replayed (`ReplayedProcessor`): called
+as plain decoding calls it along each prefix, on a copy of its state after the prefix one token shorter, so that a
+prefix's call sees the state plain's call there would see, whatever was called before at prefixes that were then
+rejected. Always exact, one row per call, and as slow as a copy of the processor per position.
+
 Processors of the other libraries, whose state we do not drive yet, are refused before any work (`check_stateful`),
-saying what to use instead. A processor the library does not know is taken to be a function of its prefix, as
-transformers' own are (docs/structured_output.md says what that means for a user's processor).
+saying what to use instead, unless declared stateful. A processor the library does not know is taken to be a
+function of its prefix, as transformers' own are (docs/structured_output.md says what that means for a user's
+processor).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,10 +54,12 @@ def is_xgrammar_processor(processor: Any) -> bool:
     return (kind.__module__, kind.__qualname__) == XGRAMMAR_HF_PROCESSOR
 
 
-def check_stateful(processors: Sequence[Any]) -> None:
+def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -> None:
     """Refuse, before any work, a processor of a structured-generation library whose per-row state no adapter here
-    drives (it would be advanced by draft tokens)."""
+    drives (it would be advanced by draft tokens), unless its class is `declared` stateful (then replayed)."""
     for processor in processors:
+        if isinstance(processor, declared):
+            continue
         root = type(processor).__module__.split(".")[0]
         library = STATEFUL_LIBRARIES.get(root)
         if library is not None:
@@ -58,11 +68,35 @@ def check_stateful(processors: Sequence[Any]) -> None:
                 "last token; a speculative round calls processors at draft positions that may be rejected, which "
                 "would advance it past what is committed. hf_specsample drives xgrammar's processor exactly "
                 "(xgrammar.contrib.hf.LogitsProcessor, docs/structured_output.md): use it for structured output with "
-                "draft_model=, or generate without draft_model= for this processor."
+                "draft_model=; or declare this processor's class stateful (SpeculativeConfig(stateful_processors="
+                f"({type(processor).__name__},)), one row per call, replayed: exact and slower); or generate without "
+                "draft_model= for this processor."
             )
 
 
-class GrammarPrefixes:
+class RowsProcessor:
+    """A processor the library drives itself, called by `PositionwiseProcessor` with the rows of one prefix length
+    and their caller rows: ``processor(ids, scores, caller_rows)``, ids `(group, length)`, scores `(group, vocab)`."""
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor, caller_rows: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def driven(processor: Any, prompt_length: int | None, batch_size: int, declared: tuple[type, ...] = ()) -> Any:
+    """The processor a call applies in place of `processor`: xgrammar's driven by prefix (`GrammarPrefixes`), one of
+    a class `declared` stateful replayed (`ReplayedProcessor`), any other as given. `prompt_length`: the prompt's
+    columns, where their state starts (needed only for those two)."""
+    xgrammar, replayed = is_xgrammar_processor(processor), isinstance(processor, declared)
+    if not (xgrammar or replayed):
+        return processor
+    if prompt_length is None:
+        raise ValueError("hf_specsample internal error: a stateful processor needs the call's prompt length")
+    if xgrammar:
+        return GrammarPrefixes(processor, prompt_length, batch_size)
+    return ReplayedProcessor(processor, prompt_length)
+
+
+class GrammarPrefixes(RowsProcessor):
     """xgrammar's transformers processor as a pure function of each row's prefix (module docstring).
 
     Called as ``adapter(ids, scores, caller_rows)`` by `sampling.processing.PositionwiseProcessor` with the rows of
@@ -136,3 +170,52 @@ class GrammarPrefixes:
                 held.pop()
                 break
         return matcher
+
+
+class ReplayedProcessor(RowsProcessor):
+    """A processor declared stateful, called as plain decoding calls it along each prefix (module docstring).
+
+    Plain `generate()` calls it once per step, at prefixes of 0, 1, 2, ... generated tokens. Here each call at a
+    prefix starts from a copy of the processor as it was after its call at the prefix one token shorter (`after`),
+    and its own state afterwards is kept for the prefixes that extend it: a round's positions (a chain's, a tree's
+    paths, the draft's) are called parents first, so every call sees exactly the state plain's would at that prefix.
+    The verifier calls the round's positions after the draft did, in order, so the states a committed prefix leaves
+    come from calls with the target's scores, as plain's do. The caller's object is copied once and never called.
+
+    Called as ``replayed(ids, scores, caller_rows)`` by `PositionwiseProcessor`, with the group's prefixes of one row
+    (`validation` refuses a batch): ids `(group, length)`, scores `(group, vocab)`.
+    """
+
+    def __init__(self, processor: Any, prompt_length: int):
+        """
+        Args:
+            processor: the user's processor, declared stateful.
+            prompt_length: columns of the prompt `generate()` was given (prefixes count generated tokens after it).
+        """
+        self.pristine = copy.deepcopy(processor)  # as before its first call
+        self.prompt_length = prompt_length
+        self.after: dict[tuple[int, ...], Any] = {}  # generated tokens -> the processor after its call there
+        self.last_length = -1  # generated tokens of the last call's prefix
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor, caller_rows: Sequence[int]) -> torch.Tensor:  # noqa: ARG002 (one row)
+        """`(group, vocab)` scores, each row as the processor's call at its prefix in plain decoding returns them."""
+        return torch.cat([self._at(ids[row : row + 1], scores[row : row + 1]) for row in range(ids.shape[0])])
+
+    def _at(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """`(1, vocab)` the processor's output at the one prefix `ids` `(1, length)`."""
+        generated = tuple(ids[0, self.prompt_length :].tolist())
+        # A pass (the draft's, the verifier's) starts at the committed tokens, each of its calls at a prefix no
+        # shorter than the call before: a call shorter than the last starts a new pass, and no later call needs a
+        # prefix shorter than its parent (committed tokens only grow).
+        if len(generated) < self.last_length:
+            self.after = {key: state for key, state in self.after.items() if len(key) >= len(generated) - 1}
+        self.last_length = len(generated)
+        base = self.pristine if not generated else self.after.get(generated[:-1])
+        if base is None:
+            raise RuntimeError(
+                "hf_specsample internal error: a replayed processor was called at a prefix before its parent prefix"
+            )
+        processor = copy.deepcopy(base)
+        out = processor(ids, scores)
+        self.after[generated] = processor
+        return out
