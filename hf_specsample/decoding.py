@@ -269,7 +269,9 @@ class SpeculativeDecoder:
         stops, counts = self.stop(read, callers, scores, raw_logits)
         self.emit(read, counts)
         nodes, tree = proposal.tokens.shape[1], proposal.parents is not None
-        self.stats.record_round(callers, proposal.lookahead, read.num_accepted, counts, nodes, tree)
+        self.stats.record_round(
+            callers, proposal.lookahead, read.num_accepted, counts, nodes, tree, proposal.forced_levels
+        )
         self.shrink(counts, [stop is not None for stop in stops])
         return read.num_accepted
 

@@ -63,6 +63,9 @@ class SpeculativeStats:
     # they processed (rows x positions: plain decoding processes one per row and new token); 0 without processors.
     processing_seconds: float = 0.0
     processed_positions: int = 0
+    # Accepted draft tokens that a grammar forced (the only token it allowed there, in every row: proposed without a
+    # draft forward, `ChainGrowth.take_forced`), also counted in the accepted tokens; 0 without a grammar processor.
+    grammar_forced_tokens: int = 0
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":
@@ -83,6 +86,7 @@ class SpeculativeStats:
         counts: Sequence[int],
         nodes: int | None = None,
         tree: bool = False,
+        forced_levels: Sequence[int] = (),
     ) -> None:
         """Count one round.
 
@@ -93,6 +97,7 @@ class SpeculativeStats:
             counts: per active row, tokens committed (after stopping).
             nodes: draft tokens proposed to every row (a tree's nodes; None: a chain's `lookahead`).
             tree: the round drafted a tree (else a chain).
+            forced_levels: a chain's levels a grammar forced (`Proposal.forced_levels`).
         """
         nodes = lookahead if nodes is None else nodes
         self.rounds += 1
@@ -100,6 +105,7 @@ class SpeculativeStats:
         self.nodes_per_round.append(nodes)
         self.shape_per_round.append("tree" if tree else "chain")
         self.accepted_depth_per_round.append(sum(num_accepted) / len(num_accepted) if num_accepted else 0.0)
+        self.grammar_forced_tokens += sum(level < accepted for accepted in num_accepted for level in forced_levels)
         for row, accepted, count in zip(callers, num_accepted, counts, strict=True):
             self.row_draft_tokens[row] += nodes
             self.row_accepted_tokens[row] += accepted

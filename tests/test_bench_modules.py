@@ -25,6 +25,7 @@ from hf_specsample_bench import (
     processor_cost,
     rank_oracle,
     round_profile,
+    structured,
 )
 from hf_specsample_bench.hybrids import tiny_hybrid
 
@@ -63,6 +64,14 @@ def test_processor_cost_on_the_poor_pair(capsys):
     )
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("poor  0 ms processor") and "ratio" in out[-1]
+
+
+def test_structured_on_the_tiny_pair(capsys):
+    pytest.importorskip("xgrammar")
+    structured.main(["--pair", "tiny", "--problems", "1", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert "identical texts 1/1" in out  # greedy under the grammar: plain's text
+    assert "sampling:" in out and "assistant_model=" in out.splitlines()[-1]
 
 
 def test_draft_weight_forms_on_a_tiny_shape(capsys):

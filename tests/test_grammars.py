@@ -90,6 +90,29 @@ def test_greedy_is_plain_greedy_under_a_grammar(models, compiled, shape):
         assert (plain[:, prompt.shape[1]] == VOCAB.index("{")).all()  # the grammar forced it: the test has power
 
 
+def test_forced_tokens_cost_no_draft_forward(models):
+    """Where the grammar allows one token only, the draft proposes it without a forward (a point mass) and the
+    statistics count it: a grammar that forces every token runs no draft forward at all, and the text is plain's."""
+    target, draft = models
+    info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, vocab_size=V, stop_token_ids=[EOS])
+    forced_only = xgr.GrammarCompiler(info).compile_grammar('root ::= "{" "a" "," "b" "," "a" "}"')
+    prompt = torch.tensor([[1, 5, 6, 10]])
+    for do_sample in (False, True):
+        plain = generate(target, prompt, forced_only, do_sample=do_sample)
+        out = generate(
+            target,
+            prompt,
+            forced_only,
+            do_sample=do_sample,
+            draft_model=draft,
+            num_lookahead=4,
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, plain)  # the only text the grammar allows
+        stats = out.speculative_stats
+        assert stats.draft_forward_passes == 0 and stats.grammar_forced_tokens == sum(stats.row_accepted_tokens) > 0
+
+
 def test_the_callers_processor_is_not_advanced(models, compiled):
     """The user's processor is read (its grammars), never called: its matchers stay unmade."""
     target, draft = models

@@ -60,6 +60,8 @@ class Proposal(NamedTuple):
         shape: the tree's static shape (`DraftBudget.tree`: its depths known on the host), or None (a chain, or a
             dynamic tree: each row's own).
         depth: a tree's depth (None: a chain, whose depth is its K).
+        forced_levels: a chain's levels that a grammar forced in every row, proposed without a draft forward
+            (`ChainGrowth.take_forced`; point masses).
     """
 
     tokens: torch.Tensor
@@ -70,6 +72,7 @@ class Proposal(NamedTuple):
     depths: torch.Tensor | None = None
     shape: TreeShape | None = None
     depth: int | None = None
+    forced_levels: tuple[int, ...] = ()
 
     @classmethod
     def of_tree(cls, tree: DraftTree, depth: int, shape: TreeShape | None) -> Proposal:
@@ -161,6 +164,11 @@ class Growth(ABC):
             tokens_of: `(subset,)` the target id each score column stands for (a compact vocabulary); None: itself.
         """
         self.runner, self.processor, self.sequences, self.tokens_of = runner, processor, sequences, tokens_of
+
+    def take_forced(self, level: int) -> bool:  # noqa: ARG002 (a chain's)
+        """Grow `level` without a forward where the processors allow one token only (a grammar's forced run);
+        whether it did."""
+        return False
 
     @abstractmethod
     def feed(self, level: int) -> torch.Tensor:

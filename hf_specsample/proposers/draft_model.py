@@ -154,6 +154,8 @@ class DraftModelProposer(Proposer):
         reads = sequences if self.inputs is None else self.inputs.sequences
         with self._broken_int8():
             for level in range(growth.depth):
+                if growth.take_forced(level):  # no forward: a later one (or the next round's) feeds the token
+                    continue
                 logits = self.runner.feed_upto(reads, reads.lengths, num_logits=1) if level == 0 else growth.feed(level)
                 growth.grow(level, self._spread(self._columns(logits)))
         proposal = growth.proposal()
@@ -277,12 +279,33 @@ class ChainGrowth(Growth):
         self.depth, self.draws, self.forced, self.inputs = lookahead, draws, forced, inputs
         self.reads = sequences if inputs is None else inputs.sequences
         self.drafted: list[torch.Tensor] = []  # per level, (batch,)
-        self.pinned: list[torch.Tensor] = []  # per level, (batch,) bool: forced
+        self.pinned: list[torch.Tensor] = []  # per level, (batch,) bool: a point mass (forced)
+        self.forced_levels: list[int] = []  # levels a grammar forced in every row (no forward)
         self.probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled level by level when sampling
 
     def feed(self, level: int) -> torch.Tensor:
         """`(batch, 1, width)` the draft's logits after the previous level's token (the causal mask)."""
         return self.runner.feed_upto(self.reads, [length + level for length in self.reads.lengths], num_logits=1)
+
+    def take_forced(self, level: int) -> bool:
+        """Where the processors allow one token only in every row (a grammar's forced run: `PositionwiseProcessor.
+        forced_tokens`), propose it as a point mass without a forward: the draft's processed distribution there is
+        that point mass. Not with forced n-gram tokens nor another tokenizer's ids (their forwards read each token)."""
+        if self.forced is not None or self.inputs is not None:
+            return False
+        sequences = self.sequences
+        prefix_lengths = [length + level for length in sequences.lengths]
+        tokens = self.processor.forced_tokens(sequences.tokens, prefix_lengths, sequences.rows.active)
+        if tokens is None:
+            return False
+        token = torch.tensor(tokens, dtype=torch.long, device=sequences.tokens.device)
+        if self.probs is not None:
+            self.probs[:, level].zero_()  # a point mass: its row is not read (`Proposal.point_mass`), but finite
+        sequences.write(level, token)
+        self.drafted.append(token)
+        self.pinned.append(torch.ones_like(token, dtype=torch.bool))
+        self.forced_levels.append(level)
+        return True
 
     def grow(self, level: int, logits: torch.Tensor) -> None:
         """Choose the level's token from the draft's `(batch, 1, vocab or subset)` logits and write it."""
@@ -293,6 +316,7 @@ class ChainGrowth(Growth):
             # one (batch, K, vocab) tensor per round, written in place: no list of levels stacked at the end
             if self.probs is None:
                 self.probs = scores.new_empty((scores.shape[0], self.depth, scores.shape[-1]), dtype=torch.float32)
+                self.probs[:, self.forced_levels].zero_()  # levels forced before: point masses
             probs = self.probs[:, level]  # (batch, vocab or subset)
             probs.copy_(probabilities(scores))
             del scores
@@ -302,7 +326,9 @@ class ChainGrowth(Growth):
         token = index if self.tokens_of is None else self.tokens_of[index]
         if self.forced is not None:
             token, forced_here = _force(self.forced, level, token)
-            self.pinned.append(forced_here)
+        else:
+            forced_here = torch.zeros_like(token, dtype=torch.bool)
+        self.pinned.append(forced_here)
         sequences.write(level, token)
         if self.inputs is not None:
             self.inputs.write(level, token)  # the draft's next input: the token's draft id
@@ -310,7 +336,7 @@ class ChainGrowth(Growth):
 
     def proposal(self) -> Proposal:
         """The chain: `(batch, K)` tokens, their distributions when sampled, the forced ones marked."""
-        any_forced = self.forced is not None and any(row.numel() for row in self.forced)
+        any_forced = bool(self.forced_levels) or (self.forced is not None and any(row.numel() for row in self.forced))
         sequences = self.sequences
         return Proposal(
             tokens=torch.stack(self.drafted, dim=1)
@@ -318,7 +344,8 @@ class ChainGrowth(Growth):
             else sequences.tokens.new_empty((sequences.num_active, 0)),
             probs=self.probs,
             point_mass=torch.stack(self.pinned, dim=1) if self.probs is not None and any_forced else None,
-            model_steps=self.depth,
+            model_steps=self.depth - len(self.forced_levels),
+            forced_levels=tuple(self.forced_levels),
         )
 
 

@@ -45,7 +45,7 @@ from transformers.generation import logits_process as lp
 
 from ..core.devices import tensor_on, to_device
 from .fast_processors import fast_equivalent
-from .stateful import RowsProcessor, check_stateful, driven
+from .stateful import GrammarPrefixes, RowsProcessor, check_stateful, driven
 
 # Processors whose output row depends only on the same row of `scores` (never on `input_ids`, nor on the batch),
 # and not on which token id a column stands for: they give the same result on any subset of the vocabulary.
@@ -180,6 +180,26 @@ class PositionwiseProcessor:
         # what the calls cost (the policy's `round_costs.ProcessingCost` reads the seconds per round phase)
         self.seconds = 0.0  # host seconds inside calls that had processors to apply
         self.positions = 0  # positions processed: rows x positions of each such call
+
+    def forced_tokens(
+        self, tokens: torch.Tensor, prefix_lengths: Sequence[int], callers: Sequence[int]
+    ) -> list[int] | None:
+        """Per row, the one token a grammar processor (`stateful.GrammarPrefixes`) allows after its prefix
+        ``tokens[b, : prefix_lengths[b]]``, where every row has one; else None. The processed distribution there is
+        then that token's point mass, whatever the other processors do (they never unmask a token), so a draft may
+        propose it without a forward."""
+        grammars = [processor for _, run in self.runs for processor in run if isinstance(processor, GrammarPrefixes)]
+        if not grammars:
+            return None
+        forced = []
+        for row, (length, caller) in enumerate(zip(prefix_lengths, callers)):
+            generated = tokens[row, grammars[0].prompt_length : length].tolist()
+            allowed = {grammar.forced(caller, generated) for grammar in grammars}
+            token = allowed.pop() if len(allowed) == 1 else None
+            if token is None:
+                return None
+            forced.append(token)
+        return forced
 
     def __call__(
         self,

@@ -126,6 +126,9 @@ class GrammarPrefixes(RowsProcessor):
         self.matchers: dict[int, Any] = {}  # caller row -> its GrammarMatcher
         self.accepted: dict[int, list[int]] = {}  # caller row -> the tokens its matcher holds, in order
         self.bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        # (caller row, generated tokens) -> its mask: the verifier asks again at the prefixes the draft asked at
+        self.masks: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self.last_length = -1  # generated tokens of the last prefix asked
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor, caller_rows: Sequence[int]) -> torch.Tensor:
         """`(group, vocab)` scores with what each row's grammar forbids after its prefix at -inf, as plain's call
@@ -137,12 +140,33 @@ class GrammarPrefixes(RowsProcessor):
         self.xgrammar.apply_token_bitmask_inplace(out, masks.to(out.device))
         return out.to(scores.device)
 
+    def forced(self, row: int, tokens: list[int]) -> int | None:
+        """The one token the row's grammar allows after `tokens` (its generated tokens), or None where it allows
+        several (or none)."""
+        mask = self._mask(row, tokens)
+        words = mask.nonzero().flatten()
+        if words.numel() != 1:
+            return None
+        word = int(mask[words[0]]) & 0xFFFFFFFF  # the bits of one int32 word, token 32 * word + bit allowed
+        if word & (word - 1):
+            return None
+        token = 32 * int(words[0]) + word.bit_length() - 1
+        return token if token < self.vocab_size else None
+
     def _mask(self, row: int, tokens: list[int]) -> torch.Tensor:
-        """`(words,)` int32: the bitmask plain's processor applies after `tokens` (the row's generated tokens)."""
-        matcher = self._matcher_at(row, tokens)
-        self.bitmask.fill_(0)
-        matcher.fill_next_token_bitmask(self.bitmask, 0)
-        return self.bitmask[0].clone()
+        """`(words,)` int32: the bitmask plain's processor applies after `tokens` (the row's generated tokens), made
+        once per prefix: a round's draft and verifier ask at the same prefixes."""
+        if len(tokens) < self.last_length:  # a new pass starts at committed tokens: no shorter prefix is asked again
+            self.masks = {key: mask for key, mask in self.masks.items() if len(key[1]) >= len(tokens)}
+        self.last_length = len(tokens)
+        key = (row, tuple(tokens))
+        mask = self.masks.get(key)
+        if mask is None:
+            matcher = self._matcher_at(row, tokens)
+            self.bitmask.fill_(0)
+            matcher.fill_next_token_bitmask(self.bitmask, 0)
+            mask = self.masks[key] = self.bitmask[0].clone()
+        return mask
 
     def _matcher_at(self, row: int, tokens: list[int]) -> Any:
         """The row's matcher moved to the state plain's processor is in after `tokens`: each accepted in turn until
