@@ -291,7 +291,7 @@ class ChainGrowth(Growth):
         """Where the processors allow one token only in every row (a grammar's forced run: `PositionwiseProcessor.
         forced_tokens`), propose it as a point mass without a forward: the draft's processed distribution there is
         that point mass. Not with forced n-gram tokens nor another tokenizer's ids (their forwards read each token)."""
-        if self.forced is not None or self.inputs is not None:
+        if not self.processor.grammars or self.forced is not None or self.inputs is not None:
             return False
         sequences = self.sequences
         prefix_lengths = [length + level for length in sequences.lengths]

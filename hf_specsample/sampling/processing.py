@@ -171,6 +171,7 @@ class PositionwiseProcessor:
         check_supported(processors, stateful)
         adapted: list[Any] = [driven(processor, prompt_length, batch_size, stateful) for processor in processors]
         self.runs = _runs(adapted)
+        self.grammars = [processor for processor in adapted if isinstance(processor, GrammarPrefixes)]
         self.batch_size = batch_size
         self.fast = fast
         # Exact type, as for prefix-freedom: a subclass may read token ids.
@@ -188,7 +189,7 @@ class PositionwiseProcessor:
         ``tokens[b, : prefix_lengths[b]]``, where every row has one; else None. The processed distribution there is
         then that token's point mass, whatever the other processors do (they never unmask a token), so a draft may
         propose it without a forward."""
-        grammars = [processor for _, run in self.runs for processor in run if isinstance(processor, GrammarPrefixes)]
+        grammars = self.grammars
         if not grammars:
             return None
         forced = []
