@@ -124,7 +124,7 @@ class SpeculativeDecoder:
         self.lookahead, self.keep_cache = plan.lookahead, plan.keep_cache
         self.stats = new_stats(plan)
         self.recorder = OutputRecorder(generation_config, batch_size)
-        self.verifier = call_verifier(plan, self.recorder.keep_scores)
+        self.verifier = call_verifier(plan, self.recorder.keep_scores, self.sequences)
         self.model_drafter, self.drafter = call_drafters(plan, self.sequences, self.verifier.processor, draft_cache)
         self.draft = self.model_drafter.model if self.model_drafter is not None else None  # its model and cache
         self.finished_caches: dict[int, CachedModel] = {}  # caller's row -> that row's target cache, once finished
@@ -390,7 +390,7 @@ def new_stats(plan: CallPlan) -> SpeculativeStats:
     return stats
 
 
-def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
+def call_verifier(plan: CallPlan, keep_scores: bool, sequences: Sequences | None = None) -> Verifier:
     """The call's verifier: its processors per position, the configured rule, and where the call may draft trees
     and samples, its key (`Verifier.for_call`)."""
     inputs = plan.inputs
@@ -406,6 +406,7 @@ def call_verifier(plan: CallPlan, keep_scores: bool) -> Verifier:
         trees=plan.shape.tree is not None or bool(plan.shape.ranks),
         prompt_length=inputs.input_ids.shape[1],
         stateful=plan.config.stateful_processors,
+        sequences=sequences,
     )
 
 

@@ -156,6 +156,8 @@ def test_a_stale_mask_fails_the_same_test(models, compiled, monkeypatch):
     grammar = compiled[0]
     masked_at = stateful.GrammarPrefixes._mask
     monkeypatch.setattr(stateful.GrammarPrefixes, "_mask", lambda self, row, tokens: masked_at(self, row, tokens[:-1]))
+    # its samples break the grammar, which the real adapter refuses to commit: let them through to the test
+    monkeypatch.setattr(stateful.GrammarPrefixes, "_refuse_if_committed", lambda *args: None)
     prompt = torch.tensor([[1, 5, 6, 10]])
     out = generate(
         target,
@@ -191,6 +193,34 @@ def test_grammar_processors_without_an_adapter_are_refused_before_any_forward(mo
         target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, logits_processor=[stateful()], draft_model=draft)
     assert counter.calls == 0
     assert "xgrammar.contrib.hf.LogitsProcessor" in str(refusal.value)
+
+
+def test_a_subclass_of_xgramars_processor_is_refused_before_any_forward(models, compiled):
+    """A subclass may keep a state of its own: it is not driven as xgrammar's processor, and it is refused (it keeps
+    the grammar's state per row) unless declared stateful."""
+    target, draft = models
+    subclass = type("LoggingGrammarProcessor", (XGrammarProcessor,), {})
+    prompt = torch.tensor([[1, 5, 6, 10]])
+    with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match="not a subclass"):
+        target.generate(
+            prompt, max_new_tokens=4, pad_token_id=PAD, logits_processor=[subclass(compiled[0])], draft_model=draft
+        )
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("case", ["min_new_tokens", "suppress_tokens"])
+def test_a_committed_token_the_grammar_forbids_raises_as_plain_does(models, compiled, case):
+    """A grammar that must end (EOS its only token) while another processor forbids EOS: the target's greedy token
+    is one the grammar forbids. Plain `generate()` fails at its next step (xgrammar's processor asserts); so does the
+    speculative call, saying why, instead of committing text the grammar does not allow."""
+    target, draft = models
+    short = compiled[1]
+    prompt = torch.tensor([[1, 6, 10, 11]])
+    settings = dict(min_new_tokens=6) if case == "min_new_tokens" else dict(suppress_tokens=[EOS])
+    with pytest.raises(AssertionError):
+        generate(target, prompt, short, do_sample=False, max_new_tokens=10, **settings)
+    with pytest.raises(ValueError, match="does not allow"):
+        generate(target, prompt, short, do_sample=False, max_new_tokens=10, draft_model=draft, **settings)
 
 
 def test_a_grammar_per_row_must_fit_the_batch(models, compiled):

@@ -137,6 +137,26 @@ def test_a_declared_grammar_library_processor_is_replayed_not_refused(models):
     assert torch.equal(ours, plain)
 
 
+def test_a_declared_processor_that_cannot_be_copied_is_refused_before_any_forward(models):
+    import threading
+
+    target, draft = models
+    locked = type("LockedCounter", (CountingBan,), {})
+    processor = locked()
+    processor.lock = threading.Lock()  # copy.deepcopy cannot copy a lock
+    config = SpeculativeConfig(stateful_processors=(locked,))
+    with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match="cannot copy"):
+        target.generate(
+            PROMPT,
+            max_new_tokens=4,
+            pad_token_id=PAD,
+            logits_processor=[processor],
+            draft_model=draft,
+            speculative_config=config,
+        )
+    assert counter.calls == 0
+
+
 def test_the_callers_processor_is_not_called(models):
     target, draft = models
     processor = CountingBan()

@@ -362,10 +362,21 @@ def check_cache_plan(
 
 
 def check_replayed(processors: Any, declared: tuple[type, ...], batch_size: int) -> None:
-    """Refuse, before any work, a batch with a processor declared stateful: plain decoding calls it with every row
-    at one step, which rows that accept different numbers of tokens never are (`sampling.stateful.ReplayedProcessor`
-    replays one row)."""
+    """Refuse, before any work, a processor declared stateful that cannot be copied (replaying copies it), and a batch
+    with one: plain decoding calls it with every row at one step, which rows that accept different numbers of tokens
+    never are (`sampling.stateful.ReplayedProcessor` replays one row)."""
     replayed = [type(processor).__name__ for processor in processors if isinstance(processor, declared)]
+    for processor in processors:
+        if isinstance(processor, declared):
+            try:
+                copy.deepcopy(processor)  # what replaying does at every processed position
+            except Exception as error:  # noqa: BLE001 (whatever copying raises, the advice is the same)
+                raise ValueError(
+                    f"{type(processor).__name__} is declared stateful (SpeculativeConfig(stateful_processors=...)), "
+                    "which replays it from copies of its state, but copy.deepcopy cannot copy it "
+                    f"({type(error).__name__}: {error}). Make it copyable (a __deepcopy__), keep its state as a "
+                    "function of each row's prefix and leave it undeclared, or generate without draft_model= for it."
+                ) from error
     if replayed and batch_size > 1:
         raise ValueError(
             f"{', '.join(replayed)} is declared stateful (SpeculativeConfig(stateful_processors=...)), which is "

@@ -44,6 +44,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from ..core.devices import tensor_on, to_device
+from ..core.sequences import Sequences
 from .fast_processors import fast_equivalent
 from .stateful import GrammarPrefixes, RowsProcessor, check_stateful, driven
 
@@ -156,6 +157,7 @@ class PositionwiseProcessor:
         fast: bool = True,
         prompt_length: int | None = None,
         stateful: tuple[type, ...] = (),
+        sequences: Sequences | None = None,
     ):
         """
         Args:
@@ -167,9 +169,12 @@ class PositionwiseProcessor:
             prompt_length: columns of the prompt `generate()` was given, where a stateful processor's state starts
                 (`stateful.driven`: xgrammar's processor, those `stateful` declares); needed only with one.
             stateful: classes declared stateful (`SpeculativeConfig.stateful_processors`): replayed.
+            sequences: the call's rows (a grammar's processor checks committed tokens against their lengths).
         """
         check_supported(processors, stateful)
-        adapted: list[Any] = [driven(processor, prompt_length, batch_size, stateful) for processor in processors]
+        adapted: list[Any] = [
+            driven(processor, prompt_length, batch_size, stateful, sequences) for processor in processors
+        ]
         self.runs = _runs(adapted)
         self.grammars = [processor for processor in adapted if isinstance(processor, GrammarPrefixes)]
         self.batch_size = batch_size

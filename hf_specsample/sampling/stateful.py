@@ -35,9 +35,12 @@ from typing import Any
 
 import torch
 
+from ..core.sequences import Sequences
+
 # Top-level modules of structured-generation libraries whose processors keep a state per row that a speculative
 # round would advance with draft tokens, and which no adapter here drives yet.
 STATEFUL_LIBRARIES = {
+    "xgrammar": "xgrammar",  # its processor itself is driven (`GrammarPrefixes`); any other of its classes is not
     "outlines": "outlines",
     "outlines_core": "outlines",
     "llguidance": "llguidance",
@@ -58,16 +61,18 @@ def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -
     """Refuse, before any work, a processor of a structured-generation library whose per-row state no adapter here
     drives (it would be advanced by draft tokens), unless its class is `declared` stateful (then replayed)."""
     for processor in processors:
-        if isinstance(processor, declared):
+        if isinstance(processor, declared) or is_xgrammar_processor(processor):
             continue
-        root = type(processor).__module__.split(".")[0]
-        library = STATEFUL_LIBRARIES.get(root)
+        # the class or any class it derives from (a user's subclass of a library's processor keeps its state too)
+        roots = [kind.__module__.split(".")[0] for kind in type(processor).__mro__]
+        library = next((STATEFUL_LIBRARIES[root] for root in roots if root in STATEFUL_LIBRARIES), None)
         if library is not None:
             raise ValueError(
                 f"{type(processor).__name__} ({library}) keeps a grammar state per row that each call advances by the "
                 "last token; a speculative round calls processors at draft positions that may be rejected, which "
                 "would advance it past what is committed. hf_specsample drives xgrammar's processor exactly "
-                "(xgrammar.contrib.hf.LogitsProcessor, docs/structured_output.md): use it for structured output with "
+                "(xgrammar.contrib.hf.LogitsProcessor itself, not a subclass, docs/structured_output.md): use it for "
+                "structured output with "
                 "draft_model=; or declare this processor's class stateful (SpeculativeConfig(stateful_processors="
                 f"({type(processor).__name__},)), one row per call, replayed: exact and slower); or generate without "
                 "draft_model= for this processor."
@@ -82,7 +87,13 @@ class RowsProcessor:
         raise NotImplementedError
 
 
-def driven(processor: Any, prompt_length: int | None, batch_size: int, declared: tuple[type, ...] = ()) -> Any:
+def driven(
+    processor: Any,
+    prompt_length: int | None,
+    batch_size: int,
+    declared: tuple[type, ...] = (),
+    sequences: Sequences | None = None,
+) -> Any:
     """The processor a call applies in place of `processor`: xgrammar's driven by prefix (`GrammarPrefixes`), one of
     a class `declared` stateful replayed (`ReplayedProcessor`), any other as given. `prompt_length`: the prompt's
     columns, where their state starts (needed only for those two)."""
@@ -92,7 +103,7 @@ def driven(processor: Any, prompt_length: int | None, batch_size: int, declared:
     if prompt_length is None:
         raise ValueError("hf_specsample internal error: a stateful processor needs the call's prompt length")
     if xgrammar:
-        return GrammarPrefixes(processor, prompt_length, batch_size)
+        return GrammarPrefixes(processor, prompt_length, batch_size, sequences)
     return ReplayedProcessor(processor, prompt_length)
 
 
@@ -104,12 +115,14 @@ class GrammarPrefixes(RowsProcessor):
     which picks its grammar and matcher.
     """
 
-    def __init__(self, processor: Any, prompt_length: int, batch_size: int):
+    def __init__(self, processor: Any, prompt_length: int, batch_size: int, sequences: Sequences | None = None):
         """
         Args:
             processor: an `xgrammar.contrib.hf.LogitsProcessor` (its compiled grammars: one, or one per row).
             prompt_length: columns of the prompt `generate()` was given: the grammar starts after them.
             batch_size: rows of the caller's batch (`num_return_sequences` included).
+            sequences: the call's rows, whose committed lengths say which tokens of a prefix are committed (a
+                committed token the grammar forbids raises, as plain's processor does); None: not checked.
         """
         import xgrammar
 
@@ -122,12 +135,13 @@ class GrammarPrefixes(RowsProcessor):
             )
         self.grammars = grammars if len(grammars) > 1 else grammars * batch_size
         self.vocab_size = processor.full_vocab_size
-        self.prompt_length = prompt_length
+        self.prompt_length, self.sequences = prompt_length, sequences
         self.matchers: dict[int, Any] = {}  # caller row -> its GrammarMatcher
         self.accepted: dict[int, list[int]] = {}  # caller row -> the tokens its matcher holds, in order
         self.bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        # (caller row, generated tokens) -> its mask: the verifier asks again at the prefixes the draft asked at
-        self.masks: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        # (caller row, generated tokens) -> its mask and the index of a token the grammar forbids (None: none): the
+        # verifier asks again at the prefixes the draft asked at
+        self.masks: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, int | None]] = {}
         self.last_length = -1  # generated tokens of the last prefix asked
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor, caller_rows: Sequence[int]) -> torch.Tensor:
@@ -160,18 +174,38 @@ class GrammarPrefixes(RowsProcessor):
             self.masks = {key: mask for key, mask in self.masks.items() if len(key[1]) >= len(tokens)}
         self.last_length = len(tokens)
         key = (row, tuple(tokens))
-        mask = self.masks.get(key)
-        if mask is None:
-            matcher = self._matcher_at(row, tokens)
+        made = self.masks.get(key)
+        if made is None:
+            matcher, forbidden = self._matcher_at(row, tokens)
             self.bitmask.fill_(0)
             matcher.fill_next_token_bitmask(self.bitmask, 0)
-            mask = self.masks[key] = self.bitmask[0].clone()
+            made = self.masks[key] = (self.bitmask[0].clone(), forbidden)
+        mask, forbidden = made
+        if forbidden is not None:
+            self._refuse_if_committed(row, tokens, forbidden)
         return mask
 
-    def _matcher_at(self, row: int, tokens: list[int]) -> Any:
+    def _refuse_if_committed(self, row: int, tokens: list[int], forbidden: int) -> None:
+        """Raise where the grammar forbids a committed token (``tokens[forbidden]``), as plain's processor does
+        (xgrammar's `accept_token` assertion) at its next call; a forbidden draft token is rejected with certainty."""
+        if self.sequences is None:
+            return
+        committed = dict(zip(self.sequences.rows.active, self.sequences.lengths)).get(row)
+        if committed is None or self.prompt_length + forbidden >= committed:
+            return
+        raise ValueError(
+            f"Row {row} committed token {tokens[forbidden]}, which its grammar does not allow there: the target's "
+            "processed scores left no token the grammar allows (another processor forbids them all: min_new_tokens "
+            "or suppress_tokens against a grammar that must end, say), or the grammar's vocabulary is narrower than "
+            "the model's logits (xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config."
+            "vocab_size)). Plain generate() fails here too (xgrammar's processor asserts)."
+        )
+
+    def _matcher_at(self, row: int, tokens: list[int]) -> tuple[Any, int | None]:
         """The row's matcher moved to the state plain's processor is in after `tokens`: each accepted in turn until
         the grammar terminates (plain accepts nothing after), the terminating one not counted (plain's mask then
-        stays the one filled before it); a forbidden token ends the walk where it stands."""
+        stays the one filled before it); a forbidden token ends the walk where it stands, and its index comes back
+        (None: none)."""
         matcher = self.matchers.get(row)
         if matcher is None:
             matcher = self.xgrammar.GrammarMatcher(self.grammars[row], max_rollback_tokens=-1)
@@ -187,13 +221,13 @@ class GrammarPrefixes(RowsProcessor):
             del held[common:]
         for token in tokens[common:]:
             if not matcher.accept_token(token):
-                break
+                return matcher, len(held)
             held.append(token)
             if matcher.is_terminated():  # plain's mask stays the one filled before this token
                 matcher.rollback(1)
                 held.pop()
                 break
-        return matcher
+        return matcher, None
 
 
 class ReplayedProcessor(RowsProcessor):

@@ -38,6 +38,7 @@ from transformers import LogitsProcessorList
 
 from ..cache.output_head import HeadLogits
 from ..core.draft_tree import DraftTree
+from ..core.sequences import Sequences
 from ..options import TreeShape, Verification
 from ..sampling import draws
 from ..sampling.draws import call_key, first_argmax, keyed_uniforms, positions_from, sample_uniform, uniform_like
@@ -96,13 +97,15 @@ class Verifier:
         trees: bool = False,
         prompt_length: int | None = None,
         stateful: tuple[type, ...] = (),
+        sequences: Sequences | None = None,
     ) -> Verifier:
         """A call's verifier: its processors per position (`PositionwiseProcessor`, built here once per call and
         shared with the draft model's proposer), judging chains by the configured rule (`Verification`:
         `block_accept` or `speculative_accept`); where the call may draft trees (`trees`) and samples, its key is
         drawn here from `generator` (else the global generator), once. `prompt_length`: the prompt's columns, where a
-        grammar processor's state starts; `stateful`: the classes declared stateful (`PositionwiseProcessor`)."""
-        processor = PositionwiseProcessor(processors, batch_size, fast_processors, prompt_length, stateful)
+        grammar processor's state starts; `stateful`: the classes declared stateful; `sequences`: the call's rows
+        (`PositionwiseProcessor`)."""
+        processor = PositionwiseProcessor(processors, batch_size, fast_processors, prompt_length, stateful, sequences)
         rule = block_accept if verification is Verification.BLOCK else speculative_accept
         key = call_key(generator) if do_sample and trees else None
         return cls(processor, do_sample, rule, generator, key, keep_scores, tensor_parallel=tensor_parallel)
