@@ -253,7 +253,8 @@ class ChainGrowth(Growth):
     its argmax, and is written into the buffer after the committed tokens (the next level's forward and processors
     read it there), and with another tokenizer into the draft's own ids. Forced tokens (an n-gram continuation)
     replace the model's first proposals in their rows; each is a point mass, marked in the proposal's `point_mass`,
-    and the model still runs for every row (its later proposals condition on them).
+    and the model still runs for every row (its later proposals condition on them). A level a grammar forces in every
+    row runs no forward at all (`take_forced`).
     """
 
     def __init__(
@@ -279,7 +280,7 @@ class ChainGrowth(Growth):
         self.depth, self.draws, self.forced, self.inputs = lookahead, draws, forced, inputs
         self.reads = sequences if inputs is None else inputs.sequences
         self.drafted: list[torch.Tensor] = []  # per level, (batch,)
-        self.pinned: list[torch.Tensor] = []  # per level, (batch,) bool: a point mass (forced)
+        self.pinned: list[torch.Tensor | None] = []  # per level, (batch,) bool: a point mass (forced); None: none
         self.forced_levels: list[int] = []  # levels a grammar forced in every row (no forward)
         self.probs: torch.Tensor | None = None  # (batch, K, vocab or subset), filled level by level when sampling
 
@@ -316,7 +317,8 @@ class ChainGrowth(Growth):
             # one (batch, K, vocab) tensor per round, written in place: no list of levels stacked at the end
             if self.probs is None:
                 self.probs = scores.new_empty((scores.shape[0], self.depth, scores.shape[-1]), dtype=torch.float32)
-                self.probs[:, self.forced_levels].zero_()  # levels forced before: point masses
+                for forced_level in self.forced_levels:  # levels forced before: point masses, rows not read but finite
+                    self.probs[:, forced_level].zero_()
             probs = self.probs[:, level]  # (batch, vocab or subset)
             probs.copy_(probabilities(scores))
             del scores
@@ -324,15 +326,17 @@ class ChainGrowth(Growth):
         else:
             index = first_argmax(scores)
         token = index if self.tokens_of is None else self.tokens_of[index]
+        forced_here = None  # no tensor made where nothing is forced (the usual round)
         if self.forced is not None:
             token, forced_here = _force(self.forced, level, token)
-        else:
-            forced_here = torch.zeros_like(token, dtype=torch.bool)
         self.pinned.append(forced_here)
         sequences.write(level, token)
         if self.inputs is not None:
             self.inputs.write(level, token)  # the draft's next input: the token's draft id
         self.drafted.append(token)
+
+    def _point_mass(self) -> torch.Tensor:
+        return _point_masses(self.pinned, self.sequences.num_active, self.sequences.tokens.device)
 
     def proposal(self) -> Proposal:
         """The chain: `(batch, K)` tokens, their distributions when sampled, the forced ones marked."""
@@ -343,10 +347,16 @@ class ChainGrowth(Growth):
             if self.drafted
             else sequences.tokens.new_empty((sequences.num_active, 0)),
             probs=self.probs,
-            point_mass=torch.stack(self.pinned, dim=1) if self.probs is not None and any_forced else None,
+            point_mass=self._point_mass() if self.probs is not None and any_forced else None,
             model_steps=self.depth - len(self.forced_levels),
             forced_levels=tuple(self.forced_levels),
         )
+
+
+def _point_masses(pinned: Sequence[torch.Tensor | None], rows: int, device: torch.device) -> torch.Tensor:
+    """`(rows, K)` bool: per level, the rows whose token is a point mass (None: none)."""
+    none = torch.zeros(rows, dtype=torch.bool, device=device)
+    return torch.stack([level if level is not None else none for level in pinned], dim=1)
 
 
 def _force(forced: Sequence[torch.Tensor], level: int, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
