@@ -137,6 +137,18 @@ def test_a_declared_grammar_library_processor_is_replayed_not_refused(models):
     assert torch.equal(ours, plain)
 
 
+def declared_call(target, draft, processor: LogitsProcessor, config: SpeculativeConfig) -> torch.Tensor:
+    """A greedy `draft_model=` call of 8 tokens with `processor` under `config`."""
+    return target.generate(
+        PROMPT,
+        max_new_tokens=8,
+        pad_token_id=PAD,
+        logits_processor=[processor],
+        draft_model=draft,
+        speculative_config=config,
+    )
+
+
 def test_a_declared_processor_that_cannot_be_copied_is_refused_before_any_forward(models):
     import threading
 
@@ -146,28 +158,14 @@ def test_a_declared_processor_that_cannot_be_copied_is_refused_before_any_forwar
     processor.lock = threading.Lock()  # copy.deepcopy cannot copy a lock
     config = SpeculativeConfig(stateful_processors=(locked,))
     with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match="cannot copy"):
-        target.generate(
-            PROMPT,
-            max_new_tokens=4,
-            pad_token_id=PAD,
-            logits_processor=[processor],
-            draft_model=draft,
-            speculative_config=config,
-        )
+        declared_call(target, draft, processor, config)
     assert counter.calls == 0
 
 
 def test_the_callers_processor_is_not_called(models):
     target, draft = models
     processor = CountingBan()
-    target.generate(
-        PROMPT,
-        max_new_tokens=8,
-        pad_token_id=PAD,
-        logits_processor=[processor],
-        draft_model=draft,
-        speculative_config=DECLARED,
-    )
+    declared_call(target, draft, processor, DECLARED)
     assert processor.calls == 0
 
 
