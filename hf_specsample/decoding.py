@@ -152,6 +152,7 @@ class SpeculativeDecoder:
         self.stats.draft_positions_ended = self.lookahead.draft_positions_ended
         processor = self.verifier.processor  # the drafter's and the trees' too
         self.stats.processing_seconds, self.stats.processed_positions = processor.seconds, processor.positions
+        self.stats.grammar_seconds = sum(grammar.seconds for grammar in processor.grammars)
         if self.target.compile_seconds is not None:
             self.stats.compile_seconds = self.target.compile_seconds - compile_before
         if draft is not None and draft.compile_seconds is not None:

@@ -66,6 +66,9 @@ class SpeculativeStats:
     # Accepted draft tokens that a grammar forced (the only token it allowed there, in every row: proposed without a
     # draft forward, `ChainGrowth.take_forced`), also counted in the accepted tokens; 0 without a grammar processor.
     grammar_forced_tokens: int = 0
+    # Host seconds a grammar processor's own work took (matchers moved along prefixes, masks made and applied, forced
+    # tokens found), within `processing_seconds`; what plain decoding's processor takes is its calls' time.
+    grammar_seconds: float = 0.0
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":

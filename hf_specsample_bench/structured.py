@@ -10,7 +10,7 @@ Plain `generate()` and the default `draft_model=` call alternate per problem, gr
 alike), after one warm-up call each; the new tokens (up to EOS) over the summed times give tokens per second, and the
 ratio of those is printed with the tokens per target pass, the share of accepted draft tokens the grammar forced
 (proposed without a draft forward: `speculative_stats.grammar_forced_tokens`), the grammar processor's milliseconds per
-committed token (plain's timed around its calls, ours from `speculative_stats.processing_seconds`), whether each text
+committed token (plain's timed around its calls, ours from `speculative_stats.grammar_seconds`), whether each text
 parses as JSON with the schema's keys, and whether greedy texts are identical. transformers' `assistant_model=` is tried
 once with the same processor and its outcome printed. Figures are printed, never asserted.
 """
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         if ours:
             stats = out.speculative_stats
             forced = stats.grammar_forced_tokens / max(1, sum(stats.row_accepted_tokens))
-            return seconds, new, stats.processing_seconds, stats.tokens_per_target_pass, forced
+            return seconds, new, stats.grammar_seconds, stats.tokens_per_target_pass, forced
         return seconds, new, timed.seconds, 1.0, 0.0
 
     for mode in [mode for mode in args.modes.split(",") if mode]:

@@ -228,3 +228,35 @@ def test_a_grammar_per_row_must_fit_the_batch(models, compiled):
     prompt = torch.tensor([[1, 5, 6, 10]] * 3)
     with pytest.raises(ValueError, match="one per row"):
         generate(target, prompt, list(compiled), draft_model=draft)
+
+
+@pytest.mark.parametrize("allowed", [1, 3, 200, 0.5, 0.97])
+@pytest.mark.parametrize("extra", [-40, 0, 45])
+def test_a_mask_applies_as_xgrammars_kernel_does(allowed, extra):
+    """`GrammarMask` (by index where few tokens are allowed, by a cap elsewhere) writes what xgrammar's CPU kernel
+    writes, over logits narrower than the bitmask, as wide, and wider (past it: left as they are), float32 and
+    bfloat16, with a -inf score kept; and finds the one token a mask allows."""
+    from hf_specsample.sampling.grammar_matchers import GrammarMask, MaskKind
+
+    generator = torch.Generator().manual_seed(allowed if isinstance(allowed, int) else int(100 * allowed))
+    vocab = 20_000  # past `SPARSE` tokens: a dense mask is applied by a cap
+    chosen = (
+        torch.randperm(vocab, generator=generator)[:allowed]
+        if isinstance(allowed, int)
+        else (torch.rand(vocab, generator=generator) < allowed).nonzero().flatten()
+    )
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    bitmask.zero_()
+    for token in chosen.tolist():
+        bitmask[0, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    mask = GrammarMask(bitmask[0].clone())
+    assert mask.kind is (MaskKind.KEEP if isinstance(allowed, int) else MaskKind.CAP)
+    assert mask.forced == (int(chosen[0]) if allowed == 1 else None)
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randn(vocab + extra, generator=generator).to(dtype)
+        scores[int(chosen[0]) % scores.shape[0]] = float("-inf")
+        expected = scores.clone().unsqueeze(0)
+        xgr.apply_token_bitmask_inplace(expected, bitmask)
+        out = torch.empty_like(scores)
+        mask.write(scores, out)
+        assert torch.equal(out, expected[0]), (allowed, extra, dtype)

@@ -99,6 +99,7 @@ class RunKind(enum.Enum):
     PREFIX_FREE = "prefix_free"  # once, on all positions flattened
     LENGTH_ONLY = "length_only"  # once, from each position's prefix length
     PREFIX = "prefix"  # once per distinct prefix length, with that prefix
+    GRAMMAR = "grammar"  # a grammar driven here (`stateful.GrammarPrefixes`): once, each position by its prefix
 
 
 # Processors that keep state across calls or need a second batch: calling them for draft positions (or for
@@ -128,6 +129,8 @@ def _kind(processor: lp.LogitsProcessor) -> RunKind:
         return RunKind.PREFIX_FREE
     if type(processor) in LENGTH_ONLY_PROCESSORS:
         return RunKind.LENGTH_ONLY
+    if isinstance(processor, GrammarPrefixes):
+        return RunKind.GRAMMAR
     return RunKind.PREFIX
 
 
@@ -182,7 +185,7 @@ class PositionwiseProcessor:
         # Exact type, as for prefix-freedom: a subclass may read token ids.
         self.vocabulary_free = all(type(p) in VOCABULARY_FREE_PROCESSORS for p in processors)
         # whether any processor reads a prefix's tokens (else a tree's positions' prefixes are never built)
-        self.reads_tokens = any(kind is RunKind.PREFIX for kind, _ in self.runs)
+        self.reads_tokens = any(kind in (RunKind.PREFIX, RunKind.GRAMMAR) for kind, _ in self.runs)
         # what the calls cost (the policy's `round_costs.ProcessingCost` reads the seconds per round phase)
         self.seconds = 0.0  # host seconds inside calls that had processors to apply
         self.positions = 0  # positions processed: rows x positions of each such call
@@ -253,6 +256,10 @@ class PositionwiseProcessor:
             elif kind is RunKind.LENGTH_ONLY:
                 for processor in processors:
                     scores = _forbid_eos_while_short(processor, prefix_lengths, scores)
+            elif kind is RunKind.GRAMMAR:
+                callers = list(range(batch)) if callers is None else callers
+                for processor in processors:
+                    scores = processor.positions(tokens, prefix_lengths, scores, callers)
             else:
                 callers = list(range(batch)) if callers is None else callers
                 scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, callers)
@@ -274,11 +281,11 @@ class PositionwiseProcessor:
                 groups[prefix_lengths[row] + position].append((row, position))
         out = scores.clone()
         for length, pairs in groups.items():
+            caller_rows = [callers[row] for row, _ in pairs]
             rows = torch.tensor([row for row, _ in pairs], device=scores.device)
             cols = torch.tensor([col for _, col in pairs], device=scores.device)
             group_ids = tokens[rows, :length]  # (group, length)
             group_scores = scores[rows, cols]  # (group, vocab)
-            caller_rows = [callers[row] for row, _ in pairs]
             for processor in processors:
                 if isinstance(processor, RowsProcessor):  # driven here: by each caller row's prefix
                     group_scores = processor(group_ids, group_scores, caller_rows)

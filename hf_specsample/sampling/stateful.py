@@ -1,4 +1,4 @@
-"""Logits processors that keep a state across calls, made exact under speculation: xgrammar's (`GrammarPrefixes`),
+"""Logits processors that keep a state across calls, made exact under speculation: grammars' (`GrammarPrefixes`),
 those a user declares stateful (`ReplayedProcessor`), and a refusal for the rest that are known to keep state.
 
 Structured-output processors (xgrammar, outlines, llguidance, transformers-cfg, lm-format-enforcer) keep a matcher
@@ -7,14 +7,13 @@ prefix one token longer each time. A speculative round calls its processors at K
 of a tree) whose prefixes end in draft tokens that may be rejected, so such a processor, called as given, would
 accept tokens that are never committed (xgrammar's asserts; others give other text than plain's, silently).
 
-`GrammarPrefixes` makes xgrammar's `xgrammar.contrib.hf.LogitsProcessor` a pure function of each row's prefix: one
-`GrammarMatcher` per caller row, moved to each prefix asked for by rolling back to the tokens it shares with the
-matcher's and accepting the rest (xgrammar keeps every accepted token for rollback, `max_rollback_tokens=-1`), then
-the mask of what the grammar allows next, exactly as the processor fills it in plain decoding (also where the
-grammar has terminated: the last mask filled before). A prefix holding a token the grammar forbids (a draft token
-that is rejected with probability one, since the target's processed probability of it is 0) keeps the mask of its
-last allowed prefix, so no position is ever all -inf. The user's processor object is read (its grammars), never
-advanced.
+`GrammarPrefixes` makes a grammar library's processor (those `grammar_matchers` has a matcher for: xgrammar's
+`xgrammar.contrib.hf.LogitsProcessor`) a pure function of each row's prefix: one matcher per caller row, moved to
+each prefix asked for by rolling back to the tokens it shares with the matcher's and accepting the rest, then the
+mask of what the grammar allows next, exactly as the processor fills it in plain decoding (also where the grammar has
+terminated). A prefix holding a token the grammar forbids (a draft token that is rejected with probability one, since
+the target's processed probability of it is 0) keeps the mask of its last allowed prefix, so no position is ever all
+-inf. The user's processor object is read (its grammars), never advanced.
 
 A processor declared stateful (`SpeculativeConfig.stateful_processors`) is replayed (`ReplayedProcessor`): called
 as plain decoding calls it along each prefix, on a copy of its state after the prefix one token shorter, so that a
@@ -30,12 +29,14 @@ processor).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..core.sequences import Sequences
+from .grammar_matchers import DRIVEN_NAMES, GrammarMask, RowMatcher, Step, is_driven, matchers_for
 
 # Top-level modules of structured-generation libraries whose processors keep a state per row that a speculative
 # round would advance with draft tokens, and which no adapter here drives yet.
@@ -47,21 +48,13 @@ STATEFUL_LIBRARIES = {
     "transformers_cfg": "transformers-cfg",
     "lmformatenforcer": "lm-format-enforcer",
 }
-XGRAMMAR_HF_PROCESSOR = ("xgrammar.contrib.hf", "LogitsProcessor")
-
-
-def is_xgrammar_processor(processor: Any) -> bool:
-    """Whether `processor` is xgrammar's transformers processor (`xgrammar.contrib.hf.LogitsProcessor`), by exact
-    class (a subclass may keep a state of its own)."""
-    kind = type(processor)
-    return (kind.__module__, kind.__qualname__) == XGRAMMAR_HF_PROCESSOR
 
 
 def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -> None:
     """Refuse, before any work, a processor of a structured-generation library whose per-row state no adapter here
     drives (it would be advanced by draft tokens), unless its class is `declared` stateful (then replayed)."""
     for processor in processors:
-        if isinstance(processor, declared) or is_xgrammar_processor(processor):
+        if isinstance(processor, declared) or is_driven(processor):
             continue
         # the class or any class it derives from (a user's subclass of a library's processor keeps its state too)
         roots = [kind.__module__.split(".")[0] for kind in type(processor).__mro__]
@@ -70,13 +63,17 @@ def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -
             raise ValueError(
                 f"{type(processor).__name__} ({library}) keeps a grammar state per row that each call advances by the "
                 "last token; a speculative round calls processors at draft positions that may be rejected, which "
-                "would advance it past what is committed. hf_specsample drives xgrammar's processor exactly "
-                "(xgrammar.contrib.hf.LogitsProcessor itself, not a subclass, docs/structured_output.md): use it for "
-                "structured output with "
-                "draft_model=; or declare this processor's class stateful (SpeculativeConfig(stateful_processors="
-                f"({type(processor).__name__},)), one row per call, replayed: exact and slower); or generate without "
-                "draft_model= for this processor."
+                "would advance it past what is committed. hf_specsample drives these processors exactly: "
+                f"{DRIVEN_NAMES} (the class itself, not a subclass; docs/structured_output.md): use one of "
+                "them for structured output with draft_model=; or declare this processor's class stateful "
+                f"(SpeculativeConfig(stateful_processors=({type(processor).__name__},)), one row per call, replayed: "
+                "exact and slower); or generate without draft_model= for this processor."
             )
+
+
+# bytes of distinct masks one call keeps (each a vocabulary's float32 cap at most: 55 of 152k tokens); past it, the
+# least recently used are made again when asked
+MASK_BYTES = 32 << 20
 
 
 class RowsProcessor:
@@ -94,100 +91,116 @@ def driven(
     declared: tuple[type, ...] = (),
     sequences: Sequences | None = None,
 ) -> Any:
-    """The processor a call applies in place of `processor`: xgrammar's driven by prefix (`GrammarPrefixes`), one of
-    a class `declared` stateful replayed (`ReplayedProcessor`), any other as given. `prompt_length`: the prompt's
-    columns, where their state starts (needed only for those two)."""
-    xgrammar, replayed = is_xgrammar_processor(processor), isinstance(processor, declared)
-    if not (xgrammar or replayed):
-        return processor
+    """The processor a call applies in place of `processor`: a grammar library's driven by prefix
+    (`GrammarPrefixes`, where `grammar_matchers` has its matcher), one of a class `declared` stateful replayed
+    (`ReplayedProcessor`), any other as given. `prompt_length`: the prompt's columns, where their state starts
+    (needed only for those two)."""
+    new_matcher = matchers_for(processor, batch_size)
+    if new_matcher is not None:
+        return GrammarPrefixes(new_matcher, _needed(prompt_length), sequences)
+    if isinstance(processor, declared):
+        return ReplayedProcessor(processor, _needed(prompt_length))
+    return processor
+
+
+def _needed(prompt_length: int | None) -> int:
     if prompt_length is None:
         raise ValueError("hf_specsample internal error: a stateful processor needs the call's prompt length")
-    if xgrammar:
-        return GrammarPrefixes(processor, prompt_length, batch_size, sequences)
-    return ReplayedProcessor(processor, prompt_length)
+    return prompt_length
 
 
-class GrammarPrefixes(RowsProcessor):
-    """xgrammar's transformers processor as a pure function of each row's prefix (module docstring).
-
-    Called as ``adapter(ids, scores, caller_rows)`` by `sampling.processing.PositionwiseProcessor` with the rows of
-    one prefix length (`_by_prefix_length`): ids `(group, length)`, scores `(group, vocab)`, and each row's caller row,
-    which picks its grammar and matcher.
+class GrammarPrefixes:
+    """A grammar library's processor as a pure function of each row's prefix (module docstring), applied by
+    `sampling.processing.PositionwiseProcessor` to all positions of a call at once (`positions`); each row's
+    caller row picks its grammar and matcher (`grammar_matchers.RowMatcher`).
     """
 
-    def __init__(self, processor: Any, prompt_length: int, batch_size: int, sequences: Sequences | None = None):
+    def __init__(
+        self, new_matcher: Callable[[int], RowMatcher], prompt_length: int, sequences: Sequences | None = None
+    ):
         """
         Args:
-            processor: an `xgrammar.contrib.hf.LogitsProcessor` (its compiled grammars: one, or one per row).
+            new_matcher: caller row -> a new matcher of its grammar (`grammar_matchers.matchers_for`).
             prompt_length: columns of the prompt `generate()` was given: the grammar starts after them.
-            batch_size: rows of the caller's batch (`num_return_sequences` included).
             sequences: the call's rows, whose committed lengths say which tokens of a prefix are committed (a
                 committed token the grammar forbids raises, as plain's processor does); None: not checked.
         """
-        import xgrammar
-
-        self.xgrammar = xgrammar
-        grammars = list(processor.compiled_grammars)
-        if len(grammars) > 1 and len(grammars) != batch_size:
-            raise ValueError(
-                f"xgrammar's LogitsProcessor holds {len(grammars)} grammars for a batch of {batch_size} rows: give "
-                "one grammar, or one per row of the batch (num_return_sequences included)."
-            )
-        self.grammars = grammars if len(grammars) > 1 else grammars * batch_size
-        self.vocab_size = processor.full_vocab_size
+        self.new_matcher = new_matcher
         self.prompt_length, self.sequences = prompt_length, sequences
-        self.matchers: dict[int, Any] = {}  # caller row -> its GrammarMatcher
+        self.matchers: dict[int, RowMatcher] = {}  # caller row -> its matcher
         self.accepted: dict[int, list[int]] = {}  # caller row -> the tokens its matcher holds, in order
-        self.bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        # (caller row, generated tokens) -> its mask and the index of a token the grammar forbids (None: none): the
-        # verifier asks again at the prefixes the draft asked at
-        self.masks: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, int | None]] = {}
-        self.last_length = -1  # generated tokens of the last prefix asked
+        # caller row -> {generated tokens -> what plain's processor does there}: the verifier asks again at the
+        # prefixes the draft asked at
+        self.masks: dict[int, dict[tuple[int, ...], tuple[GrammarMask, int | None]]] = {}
+        self.last_length: dict[int, int] = {}  # caller row -> generated tokens of the last prefix asked
+        # (bitmask bytes, beyond) -> its mask, least recently used first: a grammar's masks repeat (inside a string,
+        # after each key)
+        self.contents: dict[tuple[bytes, float], GrammarMask] = {}
+        self.seconds = 0.0  # host seconds in `positions` and `forced`
 
-    def __call__(self, ids: torch.Tensor, scores: torch.Tensor, caller_rows: Sequence[int]) -> torch.Tensor:
-        """`(group, vocab)` scores with what each row's grammar forbids after its prefix at -inf, as plain's call
-        at that prefix would mask them."""
-        generated = ids[:, self.prompt_length :].tolist()  # one host read per group: the grammar reads token ids
-        masks = torch.stack([self._mask(row, tokens) for row, tokens in zip(caller_rows, generated)])
-        # xgrammar masks in place on CUDA or the CPU (plain's processor moves other devices' scores to the CPU)
-        out = scores.clone() if scores.device.type in ("cuda", "cpu") else scores.to("cpu")
-        self.xgrammar.apply_token_bitmask_inplace(out, masks.to(out.device))
-        return out.to(scores.device)
+    def positions(
+        self, tokens: torch.Tensor, prefix_lengths: Sequence[int], scores: torch.Tensor, callers: Sequence[int]
+    ) -> torch.Tensor:
+        """`(batch, positions, vocab)` scores with what each row's grammar forbids after each position's prefix at
+        -inf, as plain's call at that prefix would mask them.
+
+        Args:
+            tokens: `(batch, columns)` each row's tokens; position ``j`` of row ``b`` follows the prefix
+                ``tokens[b, : prefix_lengths[b] + j]``.
+            prefix_lengths: per row, the prefix length of position 0.
+            scores: `(batch, positions, vocab)`.
+            callers: per row, its caller row.
+        """
+        started = time.perf_counter()
+        count = scores.shape[1]
+        start = self.prompt_length
+        generated = tokens[:, start : max(prefix_lengths) + count - 1].tolist()  # one host read: grammars read ids
+        out = torch.empty_like(scores)
+        for row, (row_tokens, length, caller) in enumerate(zip(generated, prefix_lengths, callers)):
+            for position in range(count):
+                mask = self._mask(caller, row_tokens[: length - start + position])
+                mask.write(scores[row, position], out[row, position])
+        self.seconds += time.perf_counter() - started
+        return out
 
     def forced(self, row: int, tokens: list[int]) -> int | None:
         """The one token the row's grammar allows after `tokens` (its generated tokens), or None where it allows
-        several (or none)."""
-        mask = self._mask(row, tokens)
-        words = mask.nonzero().flatten()
-        if words.numel() != 1:
-            return None
-        word = int(mask[words[0]]) & 0xFFFFFFFF  # the bits of one int32 word, token 32 * word + bit allowed
-        if word & (word - 1):
-            return None
-        token = 32 * int(words[0]) + word.bit_length() - 1
-        return token if token < self.vocab_size else None
+        several (or none). (Logits past the grammar's vocabulary, which its processor leaves as they are, are not
+        counted: a draft's point mass stays exact wherever it is proposed, it is only less likely accepted.)"""
+        started = time.perf_counter()
+        forced = self._mask(row, tokens).forced
+        self.seconds += time.perf_counter() - started
+        return forced
 
-    def _mask(self, row: int, tokens: list[int]) -> torch.Tensor:
-        """`(words,)` int32: the bitmask plain's processor applies after `tokens` (the row's generated tokens), made
-        once per prefix: a round's draft and verifier ask at the same prefixes."""
-        if len(tokens) < self.last_length:  # a new pass starts at committed tokens: no shorter prefix is asked again
-            self.masks = {key: mask for key, mask in self.masks.items() if len(key[1]) >= len(tokens)}
-        self.last_length = len(tokens)
-        key = (row, tuple(tokens))
-        made = self.masks.get(key)
+    def _mask(self, row: int, tokens: list[int]) -> GrammarMask:
+        """What plain's processor masks after `tokens` (the row's generated tokens), made once per prefix (a round's
+        draft and verifier ask at the same prefixes) and once per content; the index of a forbidden token of the
+        prefix (`_matcher_at`) is kept with it."""
+        masks = self.masks.setdefault(row, {})
+        if len(tokens) < self.last_length.get(row, -1):  # a new pass starts at committed tokens: none shorter again
+            masks = self.masks[row] = {key: mask for key, mask in masks.items() if len(key) >= len(tokens)}
+        self.last_length[row] = len(tokens)
+        key = tuple(tokens)
+        made = masks.get(key)
         if made is None:
             matcher, forbidden = self._matcher_at(row, tokens)
-            self.bitmask.fill_(0)
-            matcher.fill_next_token_bitmask(self.bitmask, 0)
-            made = self.masks[key] = (self.bitmask[0].clone(), forbidden)
+            bits = matcher.bits()
+            content = (bits.numpy().tobytes(), matcher.beyond)
+            mask = self.contents.pop(content, None)
+            if mask is None:
+                mask = GrammarMask(bits, matcher.beyond)
+                if len(self.contents) >= MASK_BYTES // (4 * mask.width):
+                    del self.contents[next(iter(self.contents))]  # the least recently used
+            self.contents[content] = mask  # the most recently used last
+            made = masks[key] = (mask, forbidden)
         mask, forbidden = made
         if forbidden is not None:
             self._refuse_if_committed(row, tokens, forbidden)
         return mask
 
     def _refuse_if_committed(self, row: int, tokens: list[int], forbidden: int) -> None:
-        """Raise where the grammar forbids a committed token (``tokens[forbidden]``), as plain's processor does
-        (xgrammar's `accept_token` assertion) at its next call; a forbidden draft token is rejected with certainty."""
+        """Raise where the grammar forbids a committed token (``tokens[forbidden]``), as plain's processor does at
+        its next call (xgrammar's asserts); a forbidden draft token is rejected with certainty."""
         if self.sequences is None:
             return
         committed = dict(zip(self.sequences.rows.active, self.sequences.lengths)).get(row)
@@ -201,15 +214,14 @@ class GrammarPrefixes(RowsProcessor):
             "vocab_size)). Plain generate() fails here too (xgrammar's processor asserts)."
         )
 
-    def _matcher_at(self, row: int, tokens: list[int]) -> tuple[Any, int | None]:
-        """The row's matcher moved to the state plain's processor is in after `tokens`: each accepted in turn until
-        the grammar terminates (plain accepts nothing after), the terminating one not counted (plain's mask then
-        stays the one filled before it); a forbidden token ends the walk where it stands, and its index comes back
-        (None: none)."""
+    def _matcher_at(self, row: int, tokens: list[int]) -> tuple[RowMatcher, int | None]:
+        """The row's matcher moved to the state plain's processor is in after `tokens`: rolled back to what it shares
+        with them, then each further token accepted in turn until plain's processor stops (`Step.FINAL`); a
+        forbidden token ends the walk where it stands, and its index comes back (None: none)."""
         matcher = self.matchers.get(row)
         if matcher is None:
-            matcher = self.xgrammar.GrammarMatcher(self.grammars[row], max_rollback_tokens=-1)
-            self.matchers[row], self.accepted[row] = matcher, []
+            matcher = self.matchers[row] = self.new_matcher(row)
+            self.accepted[row] = []
         held = self.accepted[row]
         common = 0
         for have, want in zip(held, tokens):
@@ -220,13 +232,12 @@ class GrammarPrefixes(RowsProcessor):
             matcher.rollback(len(held) - common)
             del held[common:]
         for token in tokens[common:]:
-            if not matcher.accept_token(token):
+            step = matcher.accept(token)
+            if step is Step.FORBIDDEN:
                 return matcher, len(held)
-            held.append(token)
-            if matcher.is_terminated():  # plain's mask stays the one filled before this token
-                matcher.rollback(1)
-                held.pop()
+            if step is Step.FINAL:
                 break
+            held.append(token)
         return matcher, None
 
 
