@@ -186,7 +186,7 @@ def test_a_stale_mask_fails_the_same_test(models, compiled, monkeypatch):
 )
 def test_grammar_processors_without_an_adapter_are_refused_before_any_forward(models, module, library):
     target, draft = models
-    stateful = type("GrammarConstrainedLogitsProcessor", (LogitsProcessor,), {"__module__": module})
+    stateful = type("OtherGrammarProcessor", (LogitsProcessor,), {"__module__": module})
     stateful.__call__ = lambda self, input_ids, scores: scores
     prompt = torch.tensor([[1, 5, 6, 10]])
     with ForwardCounter(target, draft) as counter, pytest.raises(ValueError, match=library) as refusal:

@@ -170,7 +170,7 @@ class PositionwiseProcessor:
             fast: replace processors that sort the vocabulary by exact sort-free equivalents
                 (`sampling.fast_processors.fast_equivalent`); any other processor runs as given.
             prompt_length: columns of the prompt `generate()` was given, where a stateful processor's state starts
-                (`stateful.driven`: xgrammar's processor, those `stateful` declares); needed only with one.
+                (`stateful.driven`: a grammar library's, those `stateful` declares); needed only with one.
             stateful: classes declared stateful (`SpeculativeConfig.stateful_processors`): replayed.
             sequences: the call's rows (a grammar's processor checks committed tokens against their lengths).
         """
@@ -280,7 +280,9 @@ class PositionwiseProcessor:
             for position in range(positions):
                 groups[prefix_lengths[row] + position].append((row, position))
         out = scores.clone()
-        for length, pairs in groups.items():
+        # shortest prefixes first: a function that keeps each prefix's state and derives it from its parent's
+        # (lm-format-enforcer's `prefix_allowed_tokens_fn`) finds every parent asked before it
+        for length, pairs in sorted(groups.items()):
             caller_rows = [callers[row] for row, _ in pairs]
             rows = torch.tensor([row for row, _ in pairs], device=scores.device)
             cols = torch.tensor([col for _, col in pairs], device=scores.device)

@@ -7,13 +7,13 @@ prefix one token longer each time. A speculative round calls its processors at K
 of a tree) whose prefixes end in draft tokens that may be rejected, so such a processor, called as given, would
 accept tokens that are never committed (xgrammar's asserts; others give other text than plain's, silently).
 
-`GrammarPrefixes` makes a grammar library's processor (those `grammar_matchers` has a matcher for: xgrammar's
-`xgrammar.contrib.hf.LogitsProcessor`) a pure function of each row's prefix: one matcher per caller row, moved to
-each prefix asked for by rolling back to the tokens it shares with the matcher's and accepting the rest, then the
-mask of what the grammar allows next, exactly as the processor fills it in plain decoding (also where the grammar has
-terminated). A prefix holding a token the grammar forbids (a draft token that is rejected with probability one, since
-the target's processed probability of it is 0) keeps the mask of its last allowed prefix, so no position is ever all
--inf. The user's processor object is read (its grammars), never advanced.
+`GrammarPrefixes` makes a grammar library's processor (those `grammar_matchers.DRIVEN` names: xgrammar's own,
+outlines' three backends', transformers-cfg's) a pure function of each row's prefix: one matcher per caller row,
+moved to each prefix asked for by rolling back to the tokens it shares with the matcher's and accepting the rest,
+then the mask of what the grammar allows next, exactly as the processor fills it in plain decoding (also where the
+grammar has terminated). A prefix holding a token the grammar forbids (a draft token that is rejected with
+probability one, since the target's processed probability of it is 0) keeps the mask of its last allowed prefix, so
+no position is ever all -inf. The user's processor object is read (its grammars), never advanced.
 
 A processor declared stateful (`SpeculativeConfig.stateful_processors`) is replayed (`ReplayedProcessor`): called
 as plain decoding calls it along each prefix, on a copy of its state after the prefix one token shorter, so that a
@@ -39,9 +39,10 @@ from ..core.sequences import Sequences
 from .grammar_matchers import DRIVEN_NAMES, GrammarMask, RowMatcher, Step, is_driven, matchers_for
 
 # Top-level modules of structured-generation libraries whose processors keep a state per row that a speculative
-# round would advance with draft tokens, and which no adapter here drives yet.
+# round would advance with draft tokens.
 STATEFUL_LIBRARIES = {
-    "xgrammar": "xgrammar",  # its processor itself is driven (`GrammarPrefixes`); any other of its classes is not
+    # the processors `grammar_matchers.DRIVEN` names are driven (`GrammarPrefixes`); any other class is not
+    "xgrammar": "xgrammar",
     "outlines": "outlines",
     "outlines_core": "outlines",
     "llguidance": "llguidance",
@@ -135,7 +136,7 @@ class GrammarPrefixes:
         self.last_length: dict[int, int] = {}  # caller row -> generated tokens of the last prefix asked
         # (bitmask bytes, beyond) -> its mask, least recently used first: a grammar's masks repeat (inside a string,
         # after each key)
-        self.contents: dict[tuple[bytes, float], GrammarMask] = {}
+        self.contents: dict[tuple[bytes, float | None], GrammarMask] = {}
         self.seconds = 0.0  # host seconds in `positions` and `forced`
 
     def positions(
@@ -200,7 +201,8 @@ class GrammarPrefixes:
 
     def _refuse_if_committed(self, row: int, tokens: list[int], forbidden: int) -> None:
         """Raise where the grammar forbids a committed token (``tokens[forbidden]``), as plain's processor does at
-        its next call (xgrammar's asserts); a forbidden draft token is rejected with certainty."""
+        its next call (or, where it would go on from a state we do not reproduce, instead: the matcher's
+        `plain_on_forbidden` says which); a forbidden draft token is rejected with certainty."""
         if self.sequences is None:
             return
         committed = dict(zip(self.sequences.rows.active, self.sequences.lengths)).get(row)
@@ -209,9 +211,7 @@ class GrammarPrefixes:
         raise ValueError(
             f"Row {row} committed token {tokens[forbidden]}, which its grammar does not allow there: the target's "
             "processed scores left no token the grammar allows (another processor forbids them all: min_new_tokens "
-            "or suppress_tokens against a grammar that must end, say), or the grammar's vocabulary is narrower than "
-            "the model's logits (xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config."
-            "vocab_size)). Plain generate() fails here too (xgrammar's processor asserts)."
+            f"or suppress_tokens against a grammar that must end, say). {self.matchers[row].plain_on_forbidden}"
         )
 
     def _matcher_at(self, row: int, tokens: list[int]) -> tuple[RowMatcher, int | None]:
