@@ -258,8 +258,9 @@ class PositionwiseProcessor:
                     scores = _forbid_eos_while_short(processor, prefix_lengths, scores)
             elif kind is RunKind.GRAMMAR:
                 callers = list(range(batch)) if callers is None else callers
-                for processor in processors:
-                    scores = processor.positions(tokens, prefix_lengths, scores, callers)
+                for grammar in processors:
+                    assert isinstance(grammar, GrammarPrefixes)  # what `_kind` puts in this run
+                    scores = grammar.positions(tokens, prefix_lengths, scores, callers)
             else:
                 callers = list(range(batch)) if callers is None else callers
                 scores = self._by_prefix_length(processors, tokens, prefix_lengths, scores, callers)
