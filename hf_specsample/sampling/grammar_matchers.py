@@ -1,6 +1,6 @@
 """One grammar matcher per caller row, as each structured-generation library's own processor drives it in plain
 decoding: the small interface `stateful.GrammarPrefixes` moves along prefixes (accept a token, roll back, the mask
-of what the grammar allows next), and the table that says which processors have one (`matchers_for`).
+of what the grammar allows next), and the table that says which processors have one (`DRIVEN`).
 
 A library's processor keeps one matcher per row and, at each call of plain `generate()`, advances it by the row's
 last token, then masks what the matcher forbids next. `RowMatcher` is that matcher behind three calls, so that the
@@ -397,16 +397,3 @@ DRIVEN: dict[tuple[str, str], Callable[[Any, int], Callable[[int], RowMatcher]]]
 
 
 DRIVEN_NAMES = ", ".join(f"{module}.{name}" for module, name in DRIVEN)
-
-
-def is_driven(processor: Any) -> bool:
-    """Whether `processor`'s class (exactly) has its matcher here."""
-    kind = type(processor)
-    return (kind.__module__, kind.__qualname__) in DRIVEN
-
-
-def matchers_for(processor: Any, batch_size: int) -> Callable[[int], RowMatcher] | None:
-    """Caller row -> a new `RowMatcher` for `processor`, or None where no adapter here drives its class."""
-    kind = type(processor)
-    factory = DRIVEN.get((kind.__module__, kind.__qualname__))
-    return None if factory is None else factory(processor, batch_size)

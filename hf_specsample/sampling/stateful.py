@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..core.sequences import Sequences
-from .grammar_matchers import DRIVEN_NAMES, GrammarMask, RowMatcher, Step, is_driven, matchers_for
+from .grammar_matchers import DRIVEN, DRIVEN_NAMES, GrammarMask, RowMatcher, Step
 
 # Top-level modules of structured-generation libraries whose processors keep a state per row that a speculative
 # round would advance with draft tokens.
@@ -75,6 +75,18 @@ def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -
 # bytes of distinct masks one call keeps (each a vocabulary's float32 cap at most: 55 of 152k tokens); past it, the
 # least recently used are made again when asked
 MASK_BYTES = 32 << 20
+
+
+def matchers_for(processor: Any, batch_size: int) -> Callable[[int], RowMatcher] | None:
+    """Caller row -> a new matcher of `processor`'s grammar (`grammar_matchers.DRIVEN`), or None where no adapter
+    drives its class (exactly: a subclass may keep a state of its own)."""
+    factory = DRIVEN.get((type(processor).__module__, type(processor).__qualname__))
+    return None if factory is None else factory(processor, batch_size)
+
+
+def is_driven(processor: Any) -> bool:
+    """Whether an adapter drives `processor`'s class (exactly)."""
+    return (type(processor).__module__, type(processor).__qualname__) in DRIVEN
 
 
 class RowsProcessor:
@@ -121,7 +133,7 @@ class GrammarPrefixes:
     ):
         """
         Args:
-            new_matcher: caller row -> a new matcher of its grammar (`grammar_matchers.matchers_for`).
+            new_matcher: caller row -> a new matcher of its grammar (`matchers_for`).
             prompt_length: columns of the prompt `generate()` was given: the grammar starts after them.
             sequences: the call's rows, whose committed lengths say which tokens of a prefix are committed (a
                 committed token the grammar forbids raises, as plain's processor does); None: not checked.
