@@ -5,7 +5,8 @@
 
 For each HumanEval problem, the model is asked for a JSON object describing the function (its name, its arguments
 with their types, its return type, a one-line summary and three example calls) under a fixed JSON schema, compiled
-once by xgrammar for the target's tokenizer; each call gets a fresh `xgrammar.contrib.hf.LogitsProcessor` of it.
+once by xgrammar for the target's tokenizer (laid out with an indent of 2, no other whitespace); each call gets a
+fresh `xgrammar.contrib.hf.LogitsProcessor` of it.
 Plain `generate()` and the default `draft_model=` call alternate per problem, greedy and sampling (T = 0.7, seeded
 alike), after one warm-up call each; the new tokens (up to EOS) over the summed times give tokens per second, and the
 ratio of those is printed with the tokens per target pass, the share of accepted draft tokens the grammar forced
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_bench_pair(args.pair, progress=False)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=target.config.vocab_size)
-    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    # laid out as json.dumps(indent=2) does: with any whitespace allowed, Qwen2.5-Coder greedy fills half the texts
+    # with newlines until max_new_tokens (plain and ours alike), and they never parse
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, indent=2)
     eos = tokenizer.eos_token_id
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; pair {args.pair.value}; {args.problems} problems")
     problems = load_problems(args.problems)
