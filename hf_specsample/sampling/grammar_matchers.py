@@ -88,9 +88,9 @@ class GrammarMask:
         allowed = set_bits(words, nonzero) if few else None
         self.forced = int(allowed[0]) if allowed is not None and allowed.shape[0] == 1 else None
         if allowed is not None:
-            self.kind, self.index = MaskKind.KEEP, allowed
+            self.kind, self.table = MaskKind.KEEP, allowed  # (allowed,) long: the tokens allowed
         else:
-            self.kind, self.index = MaskKind.CAP, cap_from_bitmask(words)
+            self.kind, self.table = MaskKind.CAP, cap_from_bitmask(words)  # (32 * words,) float32: the cap
         self.fitted: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def write(self, scores: torch.Tensor, out: torch.Tensor) -> None:
@@ -124,12 +124,12 @@ class GrammarMask:
         if fitted is None:
             beyond = self._beyond(width)
             if self.kind is MaskKind.CAP:
-                cap = self.index[:width]
+                cap = self.table[:width]
                 if cap.shape[0] < width:
                     cap = torch.cat([cap, cap.new_full((width - cap.shape[0],), beyond)])
                 fitted = cap.to(device=scores.device, dtype=scores.dtype)
             else:
-                fitted = self.index[self.index < width].to(scores.device)
+                fitted = self.table[self.table < width].to(scores.device)
             self.fitted[key] = fitted
         return fitted
 
