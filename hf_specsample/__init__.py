@@ -31,6 +31,7 @@ from .outputs import SpeculativeDecoderOnlyOutput
 from .policy.lookahead import DEFAULT_MAX_LOOKAHEAD, AdaptiveLookahead, FixedLookahead, LookaheadPolicy
 from .prepare.prepared_draft import PreparedDraft, prepare_draft
 from .prepare.vocabulary import frequent_tokens
+from .proposers.suffix_store import SuffixDraft, SuffixStats
 from .registration import generate, is_registered, register, unregister
 from .stats import SpeculativeStats
 
@@ -53,6 +54,8 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
+    "SuffixDraft",
+    "SuffixStats",
     "TreeShape",
     "Verification",
     "LinearKernel",

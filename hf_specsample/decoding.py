@@ -28,6 +28,7 @@ from .proposers.base import DraftBudget, Proposal, Proposer
 from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
+from .proposers.suffix import SuffixProposer
 from .sampling.processing import PositionwiseProcessor
 from .stats import SpeculativeStats
 from .stopping import RoundRead, StopCheck
@@ -158,6 +159,11 @@ class SpeculativeDecoder:
         if draft is not None and draft.compile_seconds is not None:
             self.stats.draft_compile_seconds = draft.compile_seconds - draft_compile_before
         sequences = self.sequences.output(self.pad_token_id)
+        prompt_length = self.sequences.prompt_length
+        self.drafter.finished(
+            [sequences[row, prompt_length : prompt_length + new] for row, new in enumerate(self.stats.row_new_tokens)]
+        )
+        self.stats.suffix_accepted_tokens = self.drafter.accepted_by_source()
         cache = self.plain_cache(sequences) if self.keep_cache else None
         if self.plan.pooled:  # the call's own static caches, kept for the next call where the caller gets none
             for model, static_cache in self.own_static_caches(handed_out=cache):
@@ -244,13 +250,14 @@ class SpeculativeDecoder:
         """
         if verdict.path is None:
             return {}
-        assert verdict.accepted_tokens is not None and self.draft is not None
+        assert verdict.accepted_tokens is not None
         for depth in range(verdict.accepted_tokens.shape[1]):
             self.sequences.write(depth, verdict.accepted_tokens[:, depth])
         path = verdict.path.cpu()  # the compactions need each row's path before rows stop and caches roll back
         counts = (path >= 0).sum(dim=1).tolist()
-        for model in (self.target, self.draft):
-            model.keep_path(path, counts)
+        for model in (self.target, self.draft):  # a suffix drafter's trees are in the target's cache alone
+            if model is not None:
+                model.keep_path(path, counts)
         shape = proposal.shape
         ranks = rank_observations(shape, path) if shape is not None else RankCounts((), ())
         return dict(nodes=proposal.tokens.shape[1], **ranks._asdict())
@@ -273,6 +280,7 @@ class SpeculativeDecoder:
         self.stats.record_round(
             callers, proposal.lookahead, read.num_accepted, counts, nodes, tree, proposal.forced_levels
         )
+        self.drafter.observe(read.num_accepted)
         self.shrink(counts, [stop is not None for stop in stops])
         return read.num_accepted
 
@@ -385,7 +393,8 @@ def new_stats(plan: CallPlan) -> SpeculativeStats:
     stats = SpeculativeStats.for_batch(plan.inputs.batch_size)
     stats.linear_kernel, stats.graphs, stats.shape = plan.kernel_description, plan.graphs, plan.shape.reason
     stats.kernel_build_seconds = plan.kernel_build_seconds
-    stats.draft_form = plan.draft.description if plan.draft is not None else str(NamedDraft.PROMPT_LOOKUP)
+    named = NamedDraft.SUFFIX if plan.suffix is not None else NamedDraft.PROMPT_LOOKUP
+    stats.draft_form = plan.draft.description if plan.draft is not None else str(named)
     if plan.draft is not None and plan.draft.shared is not None:
         stats.shared_vocabulary = plan.draft.shared.size
     return stats
@@ -404,7 +413,7 @@ def call_verifier(plan: CallPlan, keep_scores: bool, sequences: Sequences | None
         plan.generator,
         keep_scores,
         plan.target.tensor_parallel,
-        trees=plan.shape.tree is not None or bool(plan.shape.ranks),
+        trees=plan.shape.tree is not None or bool(plan.shape.ranks) or plan.shape.suffix_trees,
         prompt_length=inputs.input_ids.shape[1],
         stateful=plan.config.stateful_processors,
         sequences=sequences,
@@ -417,6 +426,8 @@ def call_drafters(
     """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
     n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
     continuations first, the model else)."""
+    if plan.suffix is not None:
+        return None, SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees)
     if plan.draft is None:
         return None, PromptLookupProposer(cast(int, plan.max_ngram))
     model = draft_proposer(plan, plan.draft, sequences, processor, draft_cache)

@@ -1,7 +1,7 @@
 """The call's options, and every enum a user passes: values only, the bottom layer (imports nothing of the library's).
 
 - `SpeculativeConfig`: the options of `speculative_config=`, validated on construction.
-- `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`).
+- `NamedDraft`: the drafts `draft_model=` accepts by name (`"auto"`, `"prompt_lookup"`, `"suffix"`).
 - `DraftForm`: the form a draft model runs in (`draft_form=`, `prepare_draft(form=)`).
 - `Verification`: how a draft block is verified (`verification=`).
 - `DraftShape`: whether a round drafts one chain or a tree of candidates (`draft_shape=`); `TreeShape`, an explicit
@@ -37,10 +37,11 @@ def parse_choice(kind: type[EnumT], value: object, name: str) -> EnumT:
 
 
 class NamedDraft(str, enum.Enum):
-    """`draft_model="auto"` / `draft_model="prompt_lookup"` (a `str` enum: the plain strings compare equal)."""
+    """`draft_model="auto"` / `"prompt_lookup"` / `"suffix"` (a `str` enum: the plain strings compare equal)."""
 
     AUTO = "auto"  # a draft made from the target: an int8 copy on the CPU, a layer-skipping view elsewhere
     PROMPT_LOOKUP = "prompt_lookup"  # n-gram continuations from the prompt and the text so far; no model runs
+    SUFFIX = "suffix"  # trees of what followed the rows' last tokens in the call's text (a one-call `SuffixDraft`)
 
     def __str__(self) -> str:
         return self.value

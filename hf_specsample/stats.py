@@ -69,6 +69,9 @@ class SpeculativeStats:
     # Host seconds a grammar processor's own work took (matchers moved along prefixes, masks made and applied, forced
     # tokens found), within `processing_seconds`; what plain decoding's processor takes is its calls' time.
     grammar_seconds: float = 0.0
+    # A suffix drafter's accepted draft tokens by where its round's occurrences came from ("call": the rows' own
+    # prompts and text; "store": earlier calls' outputs, a `SuffixDraft`); empty for other drafters.
+    suffix_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def for_batch(cls, batch_size: int) -> "SpeculativeStats":

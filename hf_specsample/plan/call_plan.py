@@ -42,13 +42,14 @@ from ..policy import validation
 from ..policy.graph_choice import choose_graphs
 from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_processors
 from ..policy.round_costs import step_cost_ratio
-from ..policy.shapes import ShapeChoice, choose_shape
+from ..policy.shapes import ShapeChoice, choose_shape, suffix_shape
 from ..prepare.implicit import draft_for_call
 from ..prepare.prepared_draft import DraftSpec, PreparedDraft, check_draft, resolve_draft, same_tokenizers
 from ..prepare.vocabulary import special_token_ids
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from ..proposers.draft_model import DraftVocabulary
 from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM
+from ..proposers.suffix_store import SuffixDraft
 from ..sampling.processing import check_supported
 from ..verify import distributed
 from .call_inputs import CallInputs
@@ -108,6 +109,7 @@ class CallPlan:
         static_slots: slots of the static caches made for the call under `compile=True` (`static_cache_size`),
             else 0.
         shape: what the rounds draft: a tree (`shape.tree`) or chains, and why (`shapes.choose_shape`).
+        suffix: the suffix drafter's store (`draft_model="suffix"` or a `SuffixDraft`), or None.
         kernel_build_seconds: seconds this call's planning spent making the small-rows kernel ready (compiling it,
             or loading an earlier process's build; `kernels.small_rows.load`), 0.0 where it did not.
     """
@@ -128,6 +130,7 @@ class CallPlan:
     shape: ShapeChoice = ShapeChoice(None, "chain")
     kernel_build_seconds: float = 0.0
     static_slots: int = 0
+    suffix: SuffixDraft | None = None
 
     @property
     def config(self) -> SpeculativeConfig:
@@ -167,7 +170,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
     kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
-    lookup_only = spec.kind is NamedDraft.PROMPT_LOOKUP
+    lookup_only = spec.model_free  # n-gram lookups or a suffix drafter: no draft model
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
     graphs = choose_graphs(target.input_device, config.compile)
     draft_plan = (
@@ -206,7 +209,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
     if unbuilt:
         kernel_description += " (a call with max_time= builds no kernel: none was built yet)"
-    max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookup_only or inputs.lookup_tokens is not None else None
+    lookups = spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None
+    max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookups else None
     build = None if kernel_ready else loaded()
     return CallPlan(
         inputs,
@@ -225,6 +229,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         shape,
         build.seconds if build is not None else 0.0,
         static_cache_size(inputs, largest) if config.compile else 0,
+        spec.store,
     )
 
 
@@ -243,18 +248,18 @@ def _refuse(
     validation.check_stopping(inputs.stopping_criteria, inputs.batch_size)
     check_supported(inputs.logits_processor, config.stateful_processors)
     validation.check_replayed(inputs.logits_processor, config.stateful_processors, inputs.batch_size)
-    if spec.kind is NamedDraft.PROMPT_LOOKUP and (
-        config.draft_form is not DraftForm.AUTO or config.draft_vocabulary is not None
-    ):
+    if spec.model_free and (config.draft_form is not DraftForm.AUTO or config.draft_vocabulary is not None):
         raise ValueError(
-            "draft_model='prompt_lookup' runs no draft model: draft_form / draft_vocabulary have nothing to act on. "
-            "Drop them, or pass a model as draft_model= with prompt_lookup_num_tokens=."
+            f"draft_model='{spec.kind}' runs no draft model: draft_form / draft_vocabulary have nothing to act on. "
+            "Drop them, or pass a model as draft_model=."
         )
-    if config.compile_draft and spec.kind is not NamedDraft.PROMPT_LOOKUP:  # before any forward (AUTO's timings too)
+    if spec.store is not None:
+        validation.check_suffix(spec.store, target.logit_width, inputs.tokenizers, inputs.lookup_tokens)
+    if config.compile_draft and not spec.model_free:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
     problems = validation.tree_problems(
         target,
-        draft if draft is not None or spec.kind is NamedDraft.PROMPT_LOOKUP else target,
+        draft if draft is not None or spec.model_free else target,
         lookup=spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
         other_tokenizer=tokenizers is not None,
         config=config,
@@ -266,6 +271,8 @@ def _refuse(
     choices = vocabulary.numel() if isinstance(vocabulary, torch.Tensor) else vocabulary  # N: N ids at least
     choices = min(drafting.logit_width, choices or drafting.logit_width, target.logit_width)
     sampling, fixed = bool(generation_config.do_sample), config.num_lookahead is not None
+    if spec.store is not None:
+        return tokenizers, suffix_shape(cast(DraftShape, config.draft_shape), problems)
     return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices, sampling, fixed)
 
 

@@ -74,7 +74,7 @@ from .round_costs import (
     expected_rate,
 )
 from .round_timer import host_clock
-from .shapes import RankAcceptance, ShapeDesigner
+from .shapes import TREE_NODES, RankAcceptance, ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
@@ -455,8 +455,9 @@ class RoundLookahead:
         tree = self.policy.chosen_tree() if lookahead > 0 else None
         if tree is not None:  # trees draft with a model alone (`validation.tree_problems`)
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0, tree=tree.truncated(lookahead))
-        if self.lookup_only:
-            return DraftBudget(lookahead=lookahead, lookup_lookahead=lookahead)
+        if self.lookup_only:  # a suffix drafter's tree: K deep, as wide as one verification pass serves well
+            nodes = max(lookahead, TREE_NODES // max(1, len(lengths)))
+            return DraftBudget(lookahead=lookahead, lookup_lookahead=lookahead, nodes=nodes)
         if self.lookup_tokens is None:
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0)
         return DraftBudget(lookahead=lookahead, lookup_lookahead=max(0, min(max(lookahead, self.lookup_tokens), room)))

@@ -72,6 +72,26 @@ class ShapeChoice(NamedTuple):
     tree: TreeShape | DynamicTree | None
     reason: str
     ranks: int = 0
+    suffix_trees: bool = False  # a suffix drafter proposes trees of its own (`proposers.suffix`); `tree` is None
+
+
+def suffix_shape(asked: DraftShape | TreeShape | DynamicTree, problems: list[str]) -> ShapeChoice:
+    """A suffix drafter's shape: its own trees (their size follows the matches), or chains where `problems` (why
+    this call cannot verify trees) or `draft_shape="chain"` say so.
+
+    Raises:
+        ValueError: a model draft's tree shape (`"tree"`, `"dynamic"`, a `TreeShape` or a `DynamicTree`) asked of it.
+    """
+    if asked is DraftShape.CHAIN:
+        return ShapeChoice(None, "suffix chains (draft_shape='chain')")
+    if asked is not DraftShape.AUTO:
+        raise ValueError(
+            "A suffix drafter drafts trees of its own, shaped by what it matched: draft_shape= other than 'auto' "
+            "(its trees where the call can verify them) or 'chain' has nothing to shape."
+        )
+    if problems:
+        return ShapeChoice(None, f"suffix chains (the call cannot verify trees: {'; '.join(problems)})")
+    return ShapeChoice(None, "suffix trees", suffix_trees=True)
 
 
 def choose_shape(

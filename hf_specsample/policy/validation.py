@@ -16,6 +16,7 @@ from ..core import transformers_api
 from ..core.model_facts import ModelFacts, Role, unsupported_layers
 from ..options import NamedDraft, SpeculativeConfig
 from ..proposers.cross_tokenizer import shared_vocabulary
+from ..proposers.suffix_store import SuffixDraft
 
 # Keyword arguments `generate()` hands to a decoding method that this loop understands.
 KNOWN_MODEL_KWARGS = frozenset(
@@ -395,6 +396,23 @@ def check_draft_compiles(draft: ModelFacts) -> None:
         )
 
 
+def check_suffix(
+    store: SuffixDraft, logit_width: int, tokenizers: tuple[Any, Any] | None, lookup_tokens: int | None
+) -> None:
+    """Refuse a suffix drafter's call that cannot run: a store of another vocabulary (`SuffixDraft.check_vocabulary`),
+    or n-gram lookups beside it (it drafts from the rows' own text already).
+
+    Raises:
+        ValueError: saying what to do instead.
+    """
+    store.check_vocabulary(logit_width, tokenizers[0] if tokenizers is not None else None)
+    if lookup_tokens is not None:
+        raise ValueError(
+            "prompt_lookup_num_tokens= adds n-gram lookups to a draft model; a suffix drafter already drafts from "
+            "each row's prompt and text. Drop prompt_lookup_num_tokens=."
+        )
+
+
 def tree_problems(
     target: ModelFacts,
     draft: ModelFacts | None,
@@ -413,8 +431,8 @@ def tree_problems(
         static_cache: the target's cache is static (the caller's, `cache_implementation="static"`, `compile=True`).
     """
     problems = []
-    if draft is None or lookup:
-        problems.append("n-gram lookups propose chains (trees need a draft model)")
+    if lookup:
+        problems.append("n-gram lookups propose chains (trees need a draft model or a suffix drafter)")
     if other_tokenizer:
         problems.append("a draft with another tokenizer drafts chains (its tokens do not map one to one)")
     if static_cache or config.compile:

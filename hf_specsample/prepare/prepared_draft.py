@@ -34,6 +34,7 @@ from ..kernels.routing import KernelRouting
 from ..options import DraftForm, LinearKernel, NamedDraft, parse_choice
 from ..policy.validation import check_models, check_tokenizers
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
+from ..proposers.suffix_store import SuffixDraft
 from .form_choice import choose_form, weighed_forms
 from .self_draft import default_layers_to_keep, layer_skip_draft
 from .surgery import CANNOT_MAKE, quantized_forms, restrict_vocabulary, without_siblings
@@ -181,10 +182,18 @@ class DraftSpec(NamedTuple):
     Attributes:
         kind: what it is: a model object's `DraftKind`, or the `NamedDraft` a string names.
         given: the model or the `PreparedDraft` passed; None for "auto" and "prompt_lookup".
+        store: the suffix drafter's store (kind `NamedDraft.SUFFIX`): the `SuffixDraft` passed, or a new one for
+            "suffix"; else None.
     """
 
     kind: DraftKind | NamedDraft
     given: PreTrainedModel | PreparedDraft | None = None
+    store: SuffixDraft | None = None
+
+    @property
+    def model_free(self) -> bool:
+        """No draft model runs: n-gram lookups or a suffix drafter."""
+        return self.kind in (NamedDraft.PROMPT_LOOKUP, NamedDraft.SUFFIX)
 
     @property
     def model(self) -> PreTrainedModel | None:
@@ -197,11 +206,15 @@ class DraftSpec(NamedTuple):
 
 
 def resolve_draft(draft_model: Any) -> DraftSpec:
-    """What `draft_model=` is: a model, a `PreparedDraft`, "auto" or "prompt_lookup".
+    """What `draft_model=` is: a model, a `PreparedDraft`, a `SuffixDraft`, "auto", "prompt_lookup" or "suffix".
 
     Raises:
         TypeError: anything else.
     """
+    if isinstance(draft_model, SuffixDraft):
+        return DraftSpec(NamedDraft.SUFFIX, store=draft_model)
+    if isinstance(draft_model, str) and draft_model == NamedDraft.SUFFIX:
+        return DraftSpec(NamedDraft.SUFFIX, store=SuffixDraft())
     if isinstance(draft_model, PreparedDraft):
         return DraftSpec(DraftKind.PREPARED, draft_model)
     if isinstance(draft_model, PreTrainedModel):
@@ -210,8 +223,9 @@ def resolve_draft(draft_model: Any) -> DraftSpec:
         return DraftSpec(NamedDraft(draft_model))
     raise TypeError(
         f"draft_model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)), "
-        f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target) or '{NamedDraft.PROMPT_LOOKUP}' "
-        f"(n-gram continuations from the prompt and text so far), got {draft_model!r}."
+        f"a PreparedDraft, '{NamedDraft.AUTO}' (a draft made from the target), '{NamedDraft.PROMPT_LOOKUP}' "
+        f"(n-gram continuations from the prompt and text so far), '{NamedDraft.SUFFIX}' or a SuffixDraft (trees "
+        f"of what followed the text's end in the call and in earlier calls), got {draft_model!r}."
     )
 
 

@@ -9,7 +9,8 @@ handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLoo
 drafts what it is told (`DraftBudget`, made by `lookahead.RoundLookahead`).
 
 Drafters: `proposers.draft_model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer`
-(n-gram continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both).
+(n-gram continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both), `proposers.suffix.SuffixProposer`
+(trees of what followed the rows' last tokens in the call and in earlier calls' outputs).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ class DraftBudget(NamedTuple):
         lookup_lookahead: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
         tree: the tree a draft model drafts this round instead of a chain, K its depth; None: a chain.
+        nodes: the most nodes a suffix drafter's tree offers a row (`proposers.suffix`; depth: `lookup_lookahead`).
     """
 
     lookahead: int
     lookup_lookahead: int
     tree: TreeShape | DynamicTree | None = None
+    nodes: int = 0
 
 
 class Proposal(NamedTuple):
@@ -134,6 +137,18 @@ class Proposer(ABC):
         Args:
             lengths: per active row (after the round's finished rows were dropped), its committed length.
         """
+
+    def observe(self, num_accepted: Sequence[int]) -> None:  # noqa: B027 (optional hook)
+        """The round's accepted draft tokens, per row active in it (before finished rows are dropped)."""
+
+    def accepted_by_source(self) -> dict[str, int]:
+        """Draft tokens accepted so far, by where the drafter found them (`SpeculativeStats.suffix_accepted_tokens`);
+        empty for a drafter with one source."""
+        return {}
+
+    def finished(self, outputs: Sequence[torch.Tensor]) -> None:  # noqa: B027 (optional hook)
+        """The call ended without error: per caller row, its new tokens `(new,)` long (a drafter that learns from
+        earlier calls keeps them)."""
 
 
 class Growth(ABC):

@@ -1,0 +1,281 @@
+"""Suffix drafting (SuffixDecoding, arXiv 2411.04975): each row's round is a tree of what followed the row's last
+tokens wherever they occurred before: in the row's own prompt and text, in the call's other rows, and in the outputs
+of earlier calls a `SuffixDraft` holds.
+
+Each round, per active row: the latest occurrences of the row's last tokens are found in two indexes
+(`suffix_store.TokenIndex.matches`): the call's own (every row's real tokens at their buffer columns, kept up to date
+with the committed tokens) and the store's. The occurrences matching the most tokens are kept (a suffix tree's node of
+the longest match), and what followed each of them (`continuations`) is counted into a tree (`count_tree`): a node's
+count is the occurrences whose continuation starts with its path, its probability that count over the occurrences.
+The tree keeps the most probable nodes (an ancestor is never less probable than its child, so the kept nodes form a
+tree) above `MIN_PROBABILITY`, at most `SPEC_FACTOR` times the match length of them (a short match is weak evidence)
+and the round's budget (`DraftBudget.nodes`, depth `DraftBudget.lookup_lookahead`).
+
+Exact: the tree is a function of committed tokens and earlier calls' outputs only, fixed before the target's draws,
+and siblings carry distinct tokens, so the tree walk (`verify.rules.walk`) commits the target's own draws; with keyed
+draws a seeded call's text does not depend on the store. Where the call cannot verify trees (`validation
+.tree_problems`), each row proposes its tree's most probable path as a chain of point masses. Rows are padded to the
+round's widest tree with copies of their first node (a sibling the walk never takes: it takes the first match), or,
+in a row with no occurrence, with its last token.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..core.sequences import Sequences
+from .base import DraftBudget, Proposal, Proposer
+from .suffix_store import MAX_MATCH, SEPARATOR, SuffixDraft, TokenIndex
+
+MIN_PROBABILITY = 0.1  # SuffixDecoding's floor: a node seen in fewer than this share of the occurrences is dropped
+SPEC_FACTOR = 2.0  # at most this many nodes per matched token (SuffixDecoding's max_spec_factor)
+
+
+class Source(str, enum.Enum):
+    """Where a round's suffix draft came from (`SpeculativeStats.suffix_accepted_tokens` counts by it)."""
+
+    CALL = "call"  # the row's own prompt and text, and the call's other rows
+    STORE = "store"  # earlier calls' outputs (`SuffixDraft`)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CountedTree(NamedTuple):
+    """One row's draft tree, level order (a parent's index below its children's).
+
+    Attributes:
+        tokens, parents, depths: per node (parents -1: the root; depths 1: a child of the root).
+        counts: per node, the occurrences whose continuation starts with its path.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    counts: list[int]
+
+
+def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float = MIN_PROBABILITY) -> CountedTree:
+    """The tree of the most frequent continuations (module docstring).
+
+    Args:
+        continuations: `(m, depth)` int64, each occurrence's following tokens, `SEPARATOR` after its end; rows in
+            order of preference (the latest occurrence first: ties between equal counts go to it).
+        max_nodes: the most nodes kept.
+        min_probability: a node's count over m below this drops it.
+
+    Returns:
+        The kept nodes, level order; siblings distinct.
+    """
+    occurrences, depth = continuations.shape
+    if occurrences == 0 or max_nodes <= 0:
+        return CountedTree([], [], [], [])
+    least = min_probability * occurrences
+    node_of = np.full(occurrences, -1, dtype=np.int64)  # each occurrence's node so far (-1: the root)
+    alive = np.ones(occurrences, dtype=bool)
+    parents: list[int] = []
+    tokens: list[int] = []
+    depths: list[int] = []
+    counts: list[int] = []
+    firsts: list[int] = []
+    width = np.int64(1) << np.int64(32)  # keys: (parent + 1) * width + token
+    for level in range(depth):
+        alive &= continuations[:, level] != SEPARATOR
+        rows = np.nonzero(alive)[0]
+        if rows.size == 0:
+            break
+        keys = (node_of[rows] + 1) * width + continuations[rows, level]
+        unique, first, inverse, count = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
+        kept = count >= least
+        ids = np.full(unique.shape[0], -2, dtype=np.int64)
+        ids[kept] = len(tokens) + np.arange(int(kept.sum()))
+        parents += (unique[kept] // width - 1).tolist()
+        tokens += (unique[kept] % width).tolist()
+        depths += [level + 1] * int(kept.sum())
+        counts += count[kept].tolist()
+        firsts += rows[first[kept]].tolist()
+        node_of[rows] = ids[inverse.reshape(-1)]
+        alive[rows] &= kept[inverse.reshape(-1)]
+    if not tokens:
+        return CountedTree([], [], [], [])
+    # most probable first; an ancestor (count >= its child's, shallower) always before its descendants
+    order = sorted(range(len(tokens)), key=lambda node: (-counts[node], depths[node], firsts[node]))[:max_nodes]
+    order.sort(key=lambda node: (depths[node], -counts[node], firsts[node]))  # level order
+    new_index = {node: index for index, node in enumerate(order)}
+    return CountedTree(
+        [tokens[node] for node in order],
+        [new_index[parents[node]] if parents[node] >= 0 else -1 for node in order],
+        [depths[node] for node in order],
+        [counts[node] for node in order],
+    )
+
+
+def best_path(tree: CountedTree) -> list[int]:
+    """The tree's most probable path from the root (the most counted child at each node; ties: the first)."""
+    path: list[int] = []
+    parent = -1
+    while True:
+        children = [node for node, above in enumerate(tree.parents) if above == parent]
+        if not children:
+            return path
+        parent = max(children, key=lambda node: tree.counts[node])  # max keeps the first of equal counts
+        path.append(tree.tokens[parent])
+
+
+class SuffixProposer(Proposer):
+    """Drafts each row's round from suffix matches in the call's rows and a `SuffixDraft` (module docstring).
+
+    Attributes:
+        store: the earlier calls' outputs (None: the call's own text alone).
+        trees: propose trees (else each row's best path as a chain).
+        forward_passes: always 0 (no model runs).
+    """
+
+    forward_passes = 0
+
+    def __init__(self, sequences: Sequences, store: SuffixDraft | None, trees: bool):
+        """
+        Args:
+            sequences: the call's rows (their prompts are indexed now, their committed tokens each round).
+            store: earlier calls' outputs, or None.
+            trees: the call verifies trees.
+        """
+        self.store, self.trees = store, trees
+        rows, capacity = sequences.tokens.shape
+        self.stride = capacity + 1  # caller row r's column c sits at global position r * stride + c
+        buckets = 1 << max(10, (2 * rows * self.stride - 1).bit_length())
+        self.index = TokenIndex(capacity=rows * self.stride, buckets=buckets)
+        self.indexed = [0] * rows  # per caller row, the columns indexed so far
+        self.accepted = {source: 0 for source in Source}  # draft tokens accepted, by the source of their round
+        self.sources: list[Source | None] = []  # per active row, the last round's source (None: no draft)
+
+    def _index_committed(self, sequences: Sequences, tokens: np.ndarray, real: np.ndarray) -> None:
+        """Index every active row's committed tokens not indexed yet (prompt padding stays a separator).
+
+        Args:
+            tokens: `(rows, capacity)` the buffer on the host; real: `(rows, capacity)` bool, False for padding.
+        """
+        for row, (caller, length) in enumerate(zip(sequences.rows.callers(), sequences.lengths)):
+            start = self.indexed[caller]
+            if start >= length:
+                continue
+            written = np.where(real[row, start:length], tokens[row, start:length], SEPARATOR).astype(np.int32)
+            self.index.write(caller * self.stride + start, written)
+            self.indexed[caller] = length
+
+    def row_tree(
+        self, query: np.ndarray, own_end: int, depth: int, max_nodes: int
+    ) -> tuple[CountedTree, Source | None]:
+        """One row's tree from its last tokens `query` `(q,)`, and where its occurrences came from.
+
+        Args:
+            own_end: the global position of the row's last committed token in the call's index (never a match).
+            depth, max_nodes: the tree's deepest level and most nodes.
+        """
+        found = [(Source.CALL, self.index, self.index.matches(query, exclude=own_end))]
+        if self.store is not None:
+            self.store.stats.lookups += 1
+            found.append((Source.STORE, self.store.index, self.store.index.matches(query)))
+        parts = []
+        for source, index, matches in found:
+            continuations = index.continuations(matches.positions, depth)
+            useful = continuations[:, 0] != SEPARATOR  # an occurrence at a document's end continues nothing
+            parts.append((source, continuations[useful], matches.lengths[useful]))
+        longest = max((int(lengths.max()) for _, _, lengths in parts if lengths.size), default=0)
+        if longest == 0:
+            return CountedTree([], [], [], []), None
+        kept = [(source, rows[lengths >= longest]) for source, rows, lengths in parts]
+        if self.store is not None and any(source is Source.STORE and rows.shape[0] for source, rows in kept):
+            self.store.stats.matched += 1
+        continuations = np.concatenate([rows for _, rows in kept])
+        budget = min(max_nodes, max(1, int(SPEC_FACTOR * min(longest, MAX_MATCH))))
+        tree = count_tree(continuations, budget)
+        store_share = sum(rows.shape[0] for source, rows in kept if source is Source.STORE)
+        source = Source.STORE if 2 * store_share > continuations.shape[0] else Source.CALL
+        return tree, source
+
+    def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
+        """Each row's tree (or best path), at most `budget.lookup_lookahead` deep and `budget.nodes` wide.
+
+        Returns:
+            A tree `Proposal`: `(rows, N)` tokens, parents and depths, N the widest row's nodes (the others padded);
+            or a chain of `(rows, K)` point masses written after each row's committed tokens (no trees, or no row
+            found a continuation: K = 0).
+        """
+        tokens = sequences.tokens.cpu().numpy()
+        real = sequences.is_real(sequences.capacity).cpu().numpy()
+        self._index_committed(sequences, tokens, real)
+        depth = budget.lookup_lookahead
+        trees: list[CountedTree] = []
+        self.sources = []
+        for row, (caller, length) in enumerate(zip(sequences.rows.callers(), sequences.lengths)):
+            if depth <= 0:
+                trees.append(CountedTree([], [], [], []))
+                self.sources.append(None)
+                continue
+            start = max(0, length - MAX_MATCH)
+            query = tokens[row, start:length][real[row, start:length]]
+            tree, source = self.row_tree(query, caller * self.stride + length - 1, depth, max(budget.nodes, 1))
+            trees.append(tree)
+            self.sources.append(source if tree.tokens else None)
+        if not self.trees:
+            return self._chains(sequences, [best_path(tree) for tree in trees])
+        return self._trees(sequences, trees)
+
+    def _chains(self, sequences: Sequences, paths: list[list[int]]) -> Proposal:
+        """The rows' `paths` as a chain, padded with each row's last token, written after the committed tokens."""
+        lookahead = max((len(path) for path in paths), default=0)
+        rows = []
+        for row, path in enumerate(paths):
+            last = path[-1] if path else int(sequences.tokens[row, sequences.lengths[row] - 1])
+            rows.append(path + [last] * (lookahead - len(path)))
+        proposed = torch.tensor(rows, dtype=torch.long).reshape(len(paths), lookahead).to(sequences.tokens.device)
+        for step in range(lookahead):
+            sequences.write(step, proposed[:, step])
+        return Proposal(tokens=proposed, probs=None)
+
+    def _trees(self, sequences: Sequences, trees: list[CountedTree]) -> Proposal:
+        """The rows' trees, padded to the widest (module docstring); no node at all: a round that drafts nothing."""
+        nodes = max((len(tree.tokens) for tree in trees), default=0)
+        if nodes == 0:
+            return self._chains(sequences, [[] for _ in trees])
+        tokens, parents, depths = [], [], []
+        for row, tree in enumerate(trees):
+            pad = nodes - len(tree.tokens)
+            first = tree.tokens[0] if tree.tokens else int(sequences.tokens[row, sequences.lengths[row] - 1])
+            tokens.append(tree.tokens + [first] * pad)
+            parents.append(tree.parents + [-1] * pad)
+            depths.append(tree.depths + [1] * pad)
+        device = sequences.tokens.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        depth = max(max(row) for row in depths)
+        return Proposal(as_tensor(tokens), None, parents=as_tensor(parents), depths=as_tensor(depths), depth=depth)
+
+    def observe(self, num_accepted: Sequence[int]) -> None:
+        """Count the round's accepted draft tokens by their rows' sources."""
+        for source, accepted in zip(self.sources, num_accepted):
+            if source is not None:
+                self.accepted[source] += int(accepted)
+        if self.store is not None:
+            self.store.stats.accepted_tokens += sum(
+                int(accepted) for source, accepted in zip(self.sources, num_accepted) if source is Source.STORE
+            )
+
+    def accepted_by_source(self) -> dict[str, int]:
+        return {str(source): count for source, count in self.accepted.items()}
+
+    def finished(self, outputs: Sequence[torch.Tensor]) -> None:
+        """The call ended: the store keeps its rows' new tokens (`outputs`, per caller row `(new,)` long)."""
+        if self.store is not None:
+            self.store.add([output.cpu().numpy() for output in outputs])
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Nothing to drop: the call's index is by caller row, and keeps finished rows' text for the others."""
+
+    def rollback_to_committed(self, lengths: Sequence[int]) -> None:
+        """Nothing to roll back: only committed tokens are indexed."""
