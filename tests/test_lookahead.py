@@ -429,7 +429,7 @@ def test_lookup_alone_adapts_k_up_to_n_through_the_same_factory():
         SpeculativeConfig(num_lookahead=3), clock_free=False, batch_size=1, max_length=100,
         prompt_ends_in_padding=False, lookup_tokens=None, lookup_only=True,
     )  # fmt: skip
-    assert fixed.budget([10]) == DraftBudget(lookahead=3, lookup_lookahead=3) and not fixed.needs_timing
+    assert fixed.budget([10]) == DraftBudget(lookahead=3, lookup_lookahead=3, nodes=15) and not fixed.needs_timing
 
 
 def test_lookup_alone_starts_at_four_and_doubles_its_widest_k():
