@@ -29,6 +29,8 @@ from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
 from .proposers.suffix import SuffixProposer
+from .proposers.suffix_store import SuffixDraft
+from .proposers.suffix_then_model import SuffixThenModelProposer
 from .sampling.processing import PositionwiseProcessor
 from .stats import SpeculativeStats
 from .stopping import RoundRead, StopCheck
@@ -52,6 +54,7 @@ def speculative_generate(
     speculative_prompt_lookup_num_tokens: int | None = None,
     speculative_max_matching_ngram_size: int | None = None,
     speculative_routed: bool = False,
+    suffix_draft: SuffixDraft | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | SpeculativeDecoderOnlyOutput:
     """Speculative sampling with a draft model, as a `custom_generate` callable of `model.generate()`: resolve the
@@ -100,6 +103,7 @@ def speculative_generate(
         streamer=speculative_streamer,
         caller_cache=speculative_caller_cache,
         tokenizers=speculative_tokenizers,
+        suffix_draft=suffix_draft,
     )
     return SpeculativeDecoder(plan_call(inputs)).run()
 
@@ -393,7 +397,7 @@ def new_stats(plan: CallPlan) -> SpeculativeStats:
     stats = SpeculativeStats.for_batch(plan.inputs.batch_size)
     stats.linear_kernel, stats.graphs, stats.shape = plan.kernel_description, plan.graphs, plan.shape.reason
     stats.kernel_build_seconds = plan.kernel_build_seconds
-    named = NamedDraft.SUFFIX if plan.suffix is not None else NamedDraft.PROMPT_LOOKUP
+    named = NamedDraft.SUFFIX if plan.suffix is not None else NamedDraft.PROMPT_LOOKUP  # without a draft model
     stats.draft_form = plan.draft.description if plan.draft is not None else str(named)
     if plan.draft is not None and plan.draft.shared is not None:
         stats.shared_vocabulary = plan.draft.shared.size
@@ -424,13 +428,14 @@ def call_drafters(
     plan: CallPlan, sequences: Sequences, processor: PositionwiseProcessor, draft_cache: Any = None
 ) -> tuple[DraftModelProposer | None, Proposer]:
     """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
-    n-gram lookup of up to `max_ngram` tokens (without a draft model the plan always sets it), or both (n-gram
-    continuations first, the model else)."""
-    if plan.suffix is not None:
-        return None, SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees)
+    n-gram lookup of up to `max_ngram` tokens, both (n-gram continuations first, the model else), the suffix drafter
+    (`plan.suffix`), or the suffix drafter beside the model."""
+    suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees) if plan.suffix is not None else None
     if plan.draft is None:
-        return None, PromptLookupProposer(cast(int, plan.max_ngram))
+        return None, suffix if suffix is not None else PromptLookupProposer(cast(int, plan.max_ngram))
     model = draft_proposer(plan, plan.draft, sequences, processor, draft_cache)
+    if suffix is not None:
+        return model, SuffixThenModelProposer(model, suffix)
     if plan.max_ngram is None:
         return model, model
     return model, LookupThenModelProposer(model, PromptLookupProposer(plan.max_ngram))

@@ -39,7 +39,7 @@ from .plan.call_plan import makes_target_cache
 from .policy import validation
 
 _ORIGINAL_GENERATE = GenerationMixin.generate
-SPECULATIVE_ARGUMENTS = ("num_lookahead", "speculative_config", "generator")
+SPECULATIVE_ARGUMENTS = ("num_lookahead", "speculative_config", "generator", "suffix_draft")
 
 
 def _stop_strings(model: GenerationMixin, generation_config: GenerationConfig | None, kwargs: dict) -> Any:

@@ -306,3 +306,56 @@ def test_trees_are_padded_with_siblings_the_walk_never_takes(monkeypatch):
         if pad and tree.tokens:
             assert proposal.tokens[row, len(tree.tokens) :].tolist() == [tree.tokens[0]] * pad
             assert proposal.parents[row, len(tree.tokens) :].tolist() == [-1] * pad
+
+
+# --- beside a draft model -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_lm(seed=0, vocab_size=16, layers=2, hidden=32, init_range=0.3)
+    return model, perturbed_copy(model, seed=1, scale=0.3)
+
+
+@pytest.mark.parametrize("shape", ["auto", "chain", "tree"])
+def test_beside_a_model_greedy_equals_plain_and_rounds_choose_their_source(pair, shape):
+    target, draft = pair
+    ids, mask = batch([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [1, 7, 3], [9, 9, 8]])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=PAD)
+    expected = target.generate(ids, **kwargs)
+    store = SuffixDraft()
+    config = SpeculativeConfig(draft_shape=shape)
+    for call in range(2):  # the second call finds the first's text in the store
+        got = target.generate(ids, **kwargs, draft_model=draft, suffix_draft=store, speculative_config=config,
+                              num_lookahead=2, return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(got.sequences, expected), call
+    sources = got.speculative_stats.suffix_accepted_tokens
+    assert sources["store"] > 0 and set(sources) == {"call", "store", "model"}
+    for row in range(3):  # one row at a time: suffix rounds where the store knows the text, the model elsewhere
+        alone = target.generate(ids[row : row + 1, mask[row].bool()], do_sample=False, max_new_tokens=30,
+                                pad_token_id=PAD, draft_model=draft, suffix_draft=store, speculative_config=config,
+                                num_lookahead=2)  # fmt: skip
+        assert alone[0, -30:].tolist() == expected[row, -30:].tolist()
+
+
+def test_beside_a_model_sampling_is_exact(pair):
+    """Suffix trees (the keyed walk) and the model's sampled chains (the token rule) in one call."""
+    target, draft = pair
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
+    store = SuffixDraft()
+    store.add([[2, 3, 4, 5, 1], [2, 3, 9, 9, 9], [2, 3, 4, 5, 1]])
+    p = sampled_pvalue(
+        target, prompt, num_tokens=3, rows=6000, seed=5, settings=SETTINGS, draft_model=draft, suffix_draft=store,
+        num_lookahead=2,
+    )  # fmt: skip
+    assert p > 1e-3
+
+
+def test_suffix_draft_refusals(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="only apply to speculative sampling"):
+        target.generate(PROMPT, max_new_tokens=3, suffix_draft=SuffixDraft())
+    with pytest.raises(ValueError, match="pass the store itself as draft_model"):
+        target.generate(PROMPT, max_new_tokens=3, draft_model="suffix", suffix_draft=SuffixDraft())
+    with pytest.raises(TypeError, match="SuffixDraft"):
+        target.generate(PROMPT, max_new_tokens=3, draft_model=draft, suffix_draft="suffix")

@@ -30,8 +30,9 @@ class CallInputs:
         draft_model: the draft as the caller named it (what it is is resolved once, by
             `prepare.prepared_draft.resolve_draft`): a causal LM of the target's tokenizer, or of another one given as
             `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a quantized
-            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", n-gram continuations alone; or a
-            `PreparedDraft` from `hf_specsample.prepare_draft`, run as it is.
+            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", n-gram continuations alone; "suffix"
+            or a `SuffixDraft`, suffix trees alone; or a `PreparedDraft` from `hf_specsample.prepare_draft`, run as
+            it is.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
         model_kwargs: what `generate()` prepared for the model: `attention_mask` `(batch, prompt_length)`,
             `position_ids` `(batch, prompt_length)`, the cache under `transformers_api.CACHE` (empty, or holding the
@@ -56,6 +57,7 @@ class CallInputs:
             `assistant_tokenizer=`; the draft's None where only `tokenizer=` was given), or None; when their
             vocabularies differ, the draft reads its own ids and drafts over the tokens both share
             (`proposers.cross_tokenizer`), which the plan decides.
+        suffix_draft: a `SuffixDraft` drafting beside the draft model (`suffix_draft=`), or None.
     """
 
     model: PreTrainedModel
@@ -72,6 +74,7 @@ class CallInputs:
     lookup_tokens: int | None = None
     max_ngram: int | None = None
     tokenizers: tuple[Any, Any] | None = None
+    suffix_draft: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -198,6 +198,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         tree=shape.tree,
         tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
+        suffix=inputs.suffix_draft is not None,
     )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -229,7 +230,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         shape,
         build.seconds if build is not None else 0.0,
         static_cache_size(inputs, largest) if config.compile else 0,
-        spec.store,
+        spec.store if spec.store is not None else inputs.suffix_draft,
     )
 
 
@@ -253,17 +254,20 @@ def _refuse(
             f"draft_model='{spec.kind}' runs no draft model: draft_form / draft_vocabulary have nothing to act on. "
             "Drop them, or pass a model as draft_model=."
         )
-    if spec.store is not None:
-        validation.check_suffix(spec.store, target.logit_width, inputs.tokenizers, inputs.lookup_tokens)
+    store = validation.check_suffix_draft(inputs.suffix_draft, spec.model_free)
+    store = spec.store if spec.store is not None else store
+    if store is not None:
+        validation.check_suffix(store, target.logit_width, inputs.tokenizers, inputs.lookup_tokens)
     if config.compile_draft and not spec.model_free:  # before any forward (AUTO's timings too)
         validation.check_draft_compiles(draft if draft is not None else target)
+    static_cache = row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs))
     problems = validation.tree_problems(
         target,
         draft if draft is not None or spec.model_free else target,
         lookup=spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
         other_tokenizer=tokenizers is not None,
         config=config,
-        static_cache=row_ops.is_static(transformers_api.generate_cache(inputs.model_kwargs)),
+        static_cache=static_cache,
     )
     depth = config.num_lookahead if config.num_lookahead is not None else config.max_lookahead
     drafting = draft if draft is not None else target
@@ -273,7 +277,15 @@ def _refuse(
     sampling, fixed = bool(generation_config.do_sample), config.num_lookahead is not None
     if spec.store is not None:
         return tokenizers, suffix_shape(cast(DraftShape, config.draft_shape), problems)
-    return tokenizers, choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices, sampling, fixed)
+    shape = choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices, sampling, fixed)
+    if store is None:
+        return tokenizers, shape
+    # beside the model, the suffix drafter's trees need the target alone to verify trees
+    target_problems = validation.tree_problems(
+        target, None, lookup=False, other_tokenizer=False, config=config, static_cache=static_cache
+    )
+    chains = bool(target_problems) or config.draft_shape is DraftShape.CHAIN
+    return tokenizers, shape._replace(suffix_trees=not chains)
 
 
 def _draft_plan(

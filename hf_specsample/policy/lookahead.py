@@ -72,12 +72,14 @@ from .round_costs import (
     RoundRecord,
     StaticCosts,
     expected_rate,
+    expected_tokens,
 )
 from .round_timer import host_clock
 from .shapes import TREE_NODES, RankAcceptance, ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
 DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
+ALPHA_PRIOR = 0.6  # alpha before a few tokens are tested: a fair draft of the same family
 # Probes are spaced by `probe_every` (doubling while they fail) times max(1, PROBE_GAIN / g), where g is what a draft
 # accepted every time would gain over plain decoding at the measured costs (`AdaptiveLookahead.perfect_draft_gain`).
 PROBE_GAIN = 0.25
@@ -97,6 +99,10 @@ class LookaheadPolicy(ABC):
     def chosen_tree(self) -> TreeShape | DynamicTree | None:
         """The tree of the round `choose` just chose, K its depth (None: a chain of K)."""
         return None
+
+    def acceptance_rate(self) -> float:
+        """The policy's estimate of alpha, the chance a draft token is accepted (`ALPHA_PRIOR` where it keeps none)."""
+        return ALPHA_PRIOR
 
     @property
     def needs_timing(self) -> bool:
@@ -137,7 +143,7 @@ class AdaptiveLookahead(LookaheadPolicy):
         max_lookahead: int = DEFAULT_MAX_LOOKAHEAD,  # caps K
         costs: MeasuredCosts | StaticCosts | None = None,  # default: measured on the wall clock
         first_lookahead: int = 2,  # K while no cost is known yet (the first two rounds)
-        alpha_prior: float = 0.6,  # until a few tokens are tested; a fair draft of the same family
+        alpha_prior: float = ALPHA_PRIOR,  # until a few tokens are tested
         alpha_prior_weight: float = 2.0,  # the prior counts as this many tested tokens: a useless draft is found
         # out after about three rejections, a good one is not abandoned after one unlucky round
         probe_every: int = 16,  # when not drafting, a K=1 round this often re-measures alpha (~2% cost at c=0.3);
@@ -184,6 +190,9 @@ class AdaptiveLookahead(LookaheadPolicy):
     def observe(self, record: RoundRecord) -> None:
         self.acceptance.observe(record)
         self.costs.observe(record)
+
+    def acceptance_rate(self) -> float:
+        return self.acceptance.alpha
 
     def expected_rate(self, lookahead: int) -> float:
         """Expected tokens per second per row with K = lookahead: E(K) / (d K + v(K))."""
@@ -362,6 +371,7 @@ class RoundLookahead:
         prompt_ends_in_padding: bool = False,
         lookup_tokens: int | None = None,
         lookup_only: bool = False,
+        suffix_costs: StaticCosts | None = None,
     ):
         """
         Args:
@@ -371,10 +381,12 @@ class RoundLookahead:
             lookup_tokens: N (`prompt_lookup_num_tokens`) with a model draft: the lookahead of a lookup round; None: no
                 lookup.
             lookup_only: drafting by lookup alone (`draft_model="prompt_lookup"`): lookup rounds are K wide.
+            suffix_costs: a suffix drafter beside a draft model: the costs, in target steps, its choice between a
+                suffix round and the model's weighs (`DraftBudget.suffix_threshold`); None: no suffix drafter.
         """
         self.policy, self.max_length = policy, max_length
         self.prompt_ends_in_padding = prompt_ends_in_padding
-        self.lookup_tokens, self.lookup_only = lookup_tokens, lookup_only
+        self.lookup_tokens, self.lookup_only, self.suffix_costs = lookup_tokens, lookup_only, suffix_costs
         self._first_round = True
         # The longest row's length when the draft's position table first stopped its drafting; None: it never did.
         self.draft_positions_ended: int | None = None
@@ -395,6 +407,7 @@ class RoundLookahead:
         tree: TreeShape | DynamicTree | None = None,
         tree_ranks: int = 0,
         processors_unknown: bool = False,
+        suffix: bool = False,
     ) -> RoundLookahead:
         """The K owner of one `generate()` call, with a fresh policy (`make_policy`).
 
@@ -413,6 +426,8 @@ class RoundLookahead:
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
             tree, tree_ranks: the rounds' trees (`make_policy`; `shapes.ShapeChoice`).
             processors_unknown: a processor of unknown cost, which the clock may judge (`make_policy`).
+            suffix: a suffix drafter beside the draft model (`suffix_draft=`): its rounds are up to
+                ``max(K, DEFAULT_LOOKUP_TOKENS)`` deep, chosen against the model's by static costs.
         """
         if lookup_only:
             config = replace(config, max_lookahead=_most_draft_tokens(config, lookup_tokens, lookup_only=True))
@@ -428,7 +443,10 @@ class RoundLookahead:
             tree_ranks=tree_ranks,
             processors_unknown=processors_unknown,
         )
-        return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
+        if not suffix:
+            return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
+        costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
+        return cls(policy, max_length, prompt_ends_in_padding, DEFAULT_LOOKUP_TOKENS, suffix_costs=costs)
 
     @property
     def needs_timing(self) -> bool:
@@ -453,14 +471,37 @@ class RoundLookahead:
         if draft_room is not None:
             lookahead = min(lookahead, draft_room)
         tree = self.policy.chosen_tree() if lookahead > 0 else None
-        if tree is not None:  # trees draft with a model alone (`validation.tree_problems`)
+        if tree is not None and self.suffix_costs is not None:  # a model tree's round, or a suffix drafter's tree
+            depth = max(0, min(max(lookahead, DEFAULT_LOOKUP_TOKENS), room))
+            budget = self._suffix_budget(lookahead, depth, len(lengths), self.suffix_costs)
+            return budget._replace(tree=tree.truncated(lookahead))
+        if tree is not None:  # trees draft with a model alone, or beside a suffix drafter (`validation.tree_problems`)
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0, tree=tree.truncated(lookahead))
         if self.lookup_only:  # a suffix drafter's tree: K deep, as wide as one verification pass serves well
             nodes = max(lookahead, TREE_NODES // max(1, len(lengths)))
             return DraftBudget(lookahead=lookahead, lookup_lookahead=lookahead, nodes=nodes)
         if self.lookup_tokens is None:
             return DraftBudget(lookahead=lookahead, lookup_lookahead=0)
-        return DraftBudget(lookahead=lookahead, lookup_lookahead=max(0, min(max(lookahead, self.lookup_tokens), room)))
+        lookup_lookahead = max(0, min(max(lookahead, self.lookup_tokens), room))
+        if self.suffix_costs is None:
+            return DraftBudget(lookahead=lookahead, lookup_lookahead=lookup_lookahead)
+        return self._suffix_budget(lookahead, lookup_lookahead, len(lengths), self.suffix_costs)
+
+    def _suffix_budget(self, lookahead: int, depth: int, rows: int, costs: StaticCosts) -> DraftBudget:
+        """A round's budget beside a suffix drafter: its tree `depth` deep and up to `TREE_NODES` wide over the
+        rows, and what the model's round of K = `lookahead` is worth, in tokens, at the call's acceptance estimate
+        and static costs: a suffix round of N nodes must promise E with (E + 1) / v(N) >= E(K) / (c K + v(K))."""
+        nodes = max(depth, TREE_NODES // max(1, rows))
+        model_tokens = expected_tokens(self.policy.acceptance_rate(), lookahead)  # per row, the bonus token included
+        model_round = costs.draft_seconds() * lookahead + costs.verify_seconds(lookahead)
+        threshold = model_tokens * costs.verify_seconds(nodes) / model_round - 1.0
+        return DraftBudget(
+            lookahead=lookahead,
+            lookup_lookahead=depth,
+            nodes=nodes,
+            suffix_threshold=threshold,
+            model_tokens=model_tokens - 1.0,
+        )
 
     def observe(self, record: RoundRecord, model_steps: int) -> None:
         """Let the policy learn from a finished round.

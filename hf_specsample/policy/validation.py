@@ -396,6 +396,25 @@ def check_draft_compiles(draft: ModelFacts) -> None:
         )
 
 
+def check_suffix_draft(suffix_draft: Any, model_free: bool) -> SuffixDraft | None:
+    """`suffix_draft=` checked: a `SuffixDraft` beside a draft model, or None.
+
+    Raises:
+        TypeError: anything else; ValueError: beside `draft_model="suffix"`, a `SuffixDraft` or "prompt_lookup".
+    """
+    if suffix_draft is None:
+        return None
+    if not isinstance(suffix_draft, SuffixDraft):
+        raise TypeError(
+            f"suffix_draft= takes a hf_specsample.SuffixDraft (a store of earlier outputs), got {suffix_draft!r}."
+        )
+    if model_free:
+        raise ValueError(
+            "suffix_draft= drafts beside a draft model. Without one, pass the store itself as draft_model=store."
+        )
+    return suffix_draft
+
+
 def check_suffix(
     store: SuffixDraft, logit_width: int, tokenizers: tuple[Any, Any] | None, lookup_tokens: int | None
 ) -> None:

@@ -37,12 +37,18 @@ class DraftBudget(NamedTuple):
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
         tree: the tree a draft model drafts this round instead of a chain, K its depth; None: a chain.
         nodes: the most nodes a suffix drafter's tree offers a row (`proposers.suffix`; depth: `lookup_lookahead`).
+        suffix_threshold: beside a draft model, the expected accepted tokens a row's suffix tree must offer for a
+            suffix round to be worth the model's round (`proposers.suffix_then_model`).
+        model_tokens: beside a draft model, the draft tokens its round of K is expected to have accepted per row (a
+            suffix path forced into it must promise at least as many).
     """
 
     lookahead: int
     lookup_lookahead: int
     tree: TreeShape | DynamicTree | None = None
     nodes: int = 0
+    suffix_threshold: float = 0.0
+    model_tokens: float = 0.0
 
 
 class Proposal(NamedTuple):

@@ -104,6 +104,14 @@ class DraftModelProposer(Proposer):
     def forward_passes(self) -> int:
         return self.runner.forward_passes
 
+    def can_skip(self, sequences: Sequences, advance: int) -> bool:
+        """Whether the rows may commit up to `advance` tokens each in a round this draft does not run: its cache is
+        rolled back to one distance behind every row's length (`CachedModel.rollback_point`), which must not
+        exceed the shortest row's length (one row: always)."""
+        reads = sequences if self.inputs is None else self.inputs.sequences
+        behind = max(length - fed for length, fed in zip(reads.lengths, self.runner.fed)) + advance
+        return reads.num_active == 1 or behind <= min(reads.lengths)
+
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
         self.runner.select_rows(rows)

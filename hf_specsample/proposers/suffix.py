@@ -52,12 +52,42 @@ class CountedTree(NamedTuple):
     Attributes:
         tokens, parents, depths: per node (parents -1: the root; depths 1: a child of the root).
         counts: per node, the occurrences whose continuation starts with its path.
+        occurrences: the occurrences counted (a node's probability is its count over them).
     """
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
     counts: list[int]
+    occurrences: int = 0
+
+    @property
+    def expected_tokens(self) -> float:
+        """The draft tokens a round of this tree would have accepted if the target continued as the occurrences did:
+        the sum of its nodes' probabilities (SuffixDecoding's score)."""
+        return sum(self.counts) / self.occurrences if self.occurrences else 0.0
+
+    def path(self) -> CountedTree:
+        """The tree's most probable path from the root (the most counted child at each node; ties: the first), as a
+        tree of width one."""
+        nodes: list[int] = []
+        parent = -1
+        while True:
+            children = [node for node, above in enumerate(self.parents) if above == parent]
+            if not children:
+                break
+            parent = max(children, key=lambda node: self.counts[node])  # max keeps the first of equal counts
+            nodes.append(parent)
+        return CountedTree(
+            [self.tokens[node] for node in nodes],
+            list(range(-1, len(nodes) - 1)),
+            list(range(1, len(nodes) + 1)),
+            [self.counts[node] for node in nodes],
+            self.occurrences,
+        )
+
+
+NO_TREE = CountedTree([], [], [], [])
 
 
 def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float = MIN_PROBABILITY) -> CountedTree:
@@ -74,7 +104,7 @@ def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float
     """
     occurrences, depth = continuations.shape
     if occurrences == 0 or max_nodes <= 0:
-        return CountedTree([], [], [], [])
+        return NO_TREE
     least = min_probability * occurrences
     node_of = np.full(occurrences, -1, dtype=np.int64)  # each occurrence's node so far (-1: the root)
     alive = np.ones(occurrences, dtype=bool)
@@ -102,7 +132,7 @@ def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float
         node_of[rows] = ids[inverse.reshape(-1)]
         alive[rows] &= kept[inverse.reshape(-1)]
     if not tokens:
-        return CountedTree([], [], [], [])
+        return NO_TREE
     # most probable first; an ancestor (count >= its child's, shallower) always before its descendants
     order = sorted(range(len(tokens)), key=lambda node: (-counts[node], depths[node], firsts[node]))[:max_nodes]
     order.sort(key=lambda node: (depths[node], -counts[node], firsts[node]))  # level order
@@ -112,19 +142,8 @@ def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float
         [new_index[parents[node]] if parents[node] >= 0 else -1 for node in order],
         [depths[node] for node in order],
         [counts[node] for node in order],
+        occurrences,
     )
-
-
-def best_path(tree: CountedTree) -> list[int]:
-    """The tree's most probable path from the root (the most counted child at each node; ties: the first)."""
-    path: list[int] = []
-    parent = -1
-    while True:
-        children = [node for node, above in enumerate(tree.parents) if above == parent]
-        if not children:
-            return path
-        parent = max(children, key=lambda node: tree.counts[node])  # max keeps the first of equal counts
-        path.append(tree.tokens[parent])
 
 
 class SuffixProposer(Proposer):
@@ -188,7 +207,7 @@ class SuffixProposer(Proposer):
             parts.append((source, continuations[useful], matches.lengths[useful]))
         longest = max((int(lengths.max()) for _, _, lengths in parts if lengths.size), default=0)
         if longest == 0:
-            return CountedTree([], [], [], []), None
+            return NO_TREE, None
         kept = [(source, rows[lengths >= longest]) for source, rows, lengths in parts]
         if self.store is not None and any(source is Source.STORE and rows.shape[0] for source, rows in kept):
             self.store.stats.matched += 1
@@ -207,24 +226,30 @@ class SuffixProposer(Proposer):
             or a chain of `(rows, K)` point masses written after each row's committed tokens (no trees, or no row
             found a continuation: K = 0).
         """
+        return self.propose(sequences, self.row_trees(sequences, budget.lookup_lookahead, budget.nodes))
+
+    def row_trees(self, sequences: Sequences, depth: int, nodes: int) -> list[CountedTree]:
+        """Per active row, its tree of at most `depth` levels and `nodes` nodes (`NO_TREE`: nothing found); the
+        rows' sources are kept for `observe`."""
         tokens = sequences.tokens.cpu().numpy()
         real = sequences.is_real(sequences.capacity).cpu().numpy()
         self._index_committed(sequences, tokens, real)
-        depth = budget.lookup_lookahead
         trees: list[CountedTree] = []
         self.sources = []
         for row, (caller, length) in enumerate(zip(sequences.rows.callers(), sequences.lengths)):
-            if depth <= 0:
-                trees.append(CountedTree([], [], [], []))
-                self.sources.append(None)
-                continue
-            start = max(0, length - MAX_MATCH)
-            query = tokens[row, start:length][real[row, start:length]]
-            tree, source = self.row_tree(query, caller * self.stride + length - 1, depth, max(budget.nodes, 1))
+            tree, source = NO_TREE, None
+            if depth > 0:
+                start = max(0, length - MAX_MATCH)
+                query = tokens[row, start:length][real[row, start:length]]
+                tree, source = self.row_tree(query, caller * self.stride + length - 1, depth, max(nodes, 1))
             trees.append(tree)
             self.sources.append(source if tree.tokens else None)
+        return trees
+
+    def propose(self, sequences: Sequences, trees: Sequence[CountedTree]) -> Proposal:
+        """The rows' `trees` as the round's proposal: trees where the call verifies them, else their best paths."""
         if not self.trees:
-            return self._chains(sequences, [best_path(tree) for tree in trees])
+            return self._chains(sequences, [tree.path().tokens for tree in trees])
         return self._trees(sequences, trees)
 
     def _chains(self, sequences: Sequences, paths: list[list[int]]) -> Proposal:
@@ -239,7 +264,7 @@ class SuffixProposer(Proposer):
             sequences.write(step, proposed[:, step])
         return Proposal(tokens=proposed, probs=None)
 
-    def _trees(self, sequences: Sequences, trees: list[CountedTree]) -> Proposal:
+    def _trees(self, sequences: Sequences, trees: Sequence[CountedTree]) -> Proposal:
         """The rows' trees, padded to the widest (module docstring); no node at all: a round that drafts nothing."""
         nodes = max((len(tree.tokens) for tree in trees), default=0)
         if nodes == 0:

@@ -14,8 +14,9 @@ The rule is plugged in:
   `block_accept`; point masses as token ids), with the call's generator;
 - a sampled tree: `rules.tree_accept`, with keyed draws (`sampling.draws`): the uniform of depth level d
   of a row is the one of (the call's key, the row's caller index, its committed length + d), the buffer position
-  the token drawn there is written to. A chain round of a tree call (it drafts nothing: K = 0) draws its one token
-  with its keyed uniform too, so a seeded tree call's text depends on the key and the target alone.
+  the token drawn there is written to. A round of a tree call that drafts nothing (K = 0) draws its one token
+  with its keyed uniform too, so a seeded tree call's text depends on the key and the target alone. (A model's
+  chain beside a suffix drafter's trees is judged by its rule with the call's generator.)
 Sampling meets NaN/inf as plain sampling does: `rules.flag_nonfinite` marks the rows, raised at the round's read.
 
 The round's wide tensors (processed scores, a warper's temporaries, probabilities, residuals, float64 running sums)
@@ -185,19 +186,19 @@ class Verifier:
     ) -> dict[str, torch.Tensor]:
         """The whole round's draws, for all rows, before any chunk is judged (empty: the rule draws them itself).
 
-        Keyed (a call that may draft trees): ``levels``, `(batch, max_depth + 1, 1)` float64, one per depth level
-        (a chain of a tree call drafts nothing: its one token's). Else, for a chain whose rows come in several chunks:
-        ``uniform`` `(batch, K)` then ``sample_draws`` `(batch, 1)`, in the unchunked rule's order.
+        Keyed (a tree round of a call that may draft trees): ``levels``, `(batch, max_depth + 1, 1)` float64, one per
+        depth level; a round of such a call that drafts nothing: its one token's. Else (a chain with drafts: a model's
+        chain beside a suffix drafter's trees, each round exact by its own rule), for a chain whose rows come in
+        several chunks: ``uniform`` `(batch, K)` then ``sample_draws`` `(batch, 1)`, in the unchunked rule's order.
         """
         if not self.do_sample:
             return {}
         batch = tree.tokens.shape[0]
-        if self.key is not None:
+        if self.key is not None and (tree.parents is not None or tree.num_nodes == 0):
             caller_rows = torch.tensor(list(callers), dtype=torch.long, device=device)
             levels = keyed_uniforms(self.key, caller_rows, positions_from(list(lengths), max_depth + 1, device))
             if tree.parents is not None:
                 return {"levels": levels}
-            assert tree.num_nodes == 0, "a tree call's chain rounds draft nothing (K = 0)"
             # float32, as `uniform_like` draws
             return {"uniform": torch.zeros((batch, 0), device=device), "sample_draws": levels[:, 0]}
         if not chunked:
