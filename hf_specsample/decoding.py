@@ -429,7 +429,7 @@ def call_drafters(
 ) -> tuple[DraftModelProposer | None, Proposer]:
     """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
     n-gram lookup of up to `max_ngram` tokens, both (n-gram continuations first, the model else), the suffix drafter
-    (`plan.suffix`), or the suffix drafter beside the model."""
+    (`CallPlan.suffix`), or the suffix drafter beside the model."""
     suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees) if plan.suffix is not None else None
     if plan.draft is None:
         return None, suffix if suffix is not None else PromptLookupProposer(cast(int, plan.max_ngram))

@@ -146,6 +146,38 @@ def count_tree(continuations: np.ndarray, max_nodes: int, min_probability: float
     )
 
 
+def suffix_tree(
+    query: np.ndarray, sources: Sequence[tuple[Source, TokenIndex, int]], depth: int, max_nodes: int
+) -> tuple[CountedTree, Source | None, bool]:
+    """The tree of what followed the longest matches of `query`'s end in the `sources` (module docstring).
+
+    Args:
+        query: `(q,)` the row's last tokens.
+        sources: (source, its index, a global position never matched there: the row's own end, or -1).
+        depth, max_nodes: the tree's deepest level and most nodes.
+
+    Returns:
+        The tree (`NO_TREE`: no occurrence continues), the source most of its occurrences came from (None: no tree),
+        and whether any came from `Source.STORE`.
+    """
+    parts = []
+    for source, index, exclude in sources:
+        matches = index.matches(query, exclude=exclude)
+        continuations = index.continuations(matches.positions, depth)
+        useful = continuations[:, 0] != SEPARATOR  # an occurrence at a document's end continues nothing
+        parts.append((source, continuations[useful], matches.lengths[useful]))
+    longest = max((int(lengths.max()) for _, _, lengths in parts if lengths.size), default=0)
+    if longest == 0:
+        return NO_TREE, None, False
+    kept = [(source, rows[lengths >= longest]) for source, rows, lengths in parts]
+    continuations = np.concatenate([rows for _, rows in kept])
+    budget = min(max_nodes, max(1, int(SPEC_FACTOR * min(longest, MAX_MATCH))))
+    tree = count_tree(continuations, budget)
+    from_store = sum(rows.shape[0] for source, rows in kept if source is Source.STORE)
+    source = Source.STORE if 2 * from_store > continuations.shape[0] else Source.CALL
+    return tree, (source if tree.tokens else None), from_store > 0
+
+
 class SuffixProposer(Proposer):
     """Drafts each row's round from suffix matches in the call's rows and a `SuffixDraft` (module docstring).
 
@@ -190,32 +222,20 @@ class SuffixProposer(Proposer):
     def row_tree(
         self, query: np.ndarray, own_end: int, depth: int, max_nodes: int
     ) -> tuple[CountedTree, Source | None]:
-        """One row's tree from its last tokens `query` `(q,)`, and where its occurrences came from.
+        """One row's tree from its last tokens `query` `(q,)` (`suffix_tree` over the call's index and the store's),
+        and where its occurrences came from; the store's statistics count the lookup.
 
         Args:
             own_end: the global position of the row's last committed token in the call's index (never a match).
             depth, max_nodes: the tree's deepest level and most nodes.
         """
-        found = [(Source.CALL, self.index, self.index.matches(query, exclude=own_end))]
+        sources = [(Source.CALL, self.index, own_end)]
+        if self.store is not None:
+            sources.append((Source.STORE, self.store.index, -1))
+        tree, source, from_store = suffix_tree(query, sources, depth, max_nodes)
         if self.store is not None:
             self.store.stats.lookups += 1
-            found.append((Source.STORE, self.store.index, self.store.index.matches(query)))
-        parts = []
-        for source, index, matches in found:
-            continuations = index.continuations(matches.positions, depth)
-            useful = continuations[:, 0] != SEPARATOR  # an occurrence at a document's end continues nothing
-            parts.append((source, continuations[useful], matches.lengths[useful]))
-        longest = max((int(lengths.max()) for _, _, lengths in parts if lengths.size), default=0)
-        if longest == 0:
-            return NO_TREE, None
-        kept = [(source, rows[lengths >= longest]) for source, rows, lengths in parts]
-        if self.store is not None and any(source is Source.STORE and rows.shape[0] for source, rows in kept):
-            self.store.stats.matched += 1
-        continuations = np.concatenate([rows for _, rows in kept])
-        budget = min(max_nodes, max(1, int(SPEC_FACTOR * min(longest, MAX_MATCH))))
-        tree = count_tree(continuations, budget)
-        store_share = sum(rows.shape[0] for source, rows in kept if source is Source.STORE)
-        source = Source.STORE if 2 * store_share > continuations.shape[0] else Source.CALL
+            self.store.stats.matched += int(from_store)
         return tree, source
 
     def get_candidates(self, sequences: Sequences, budget: DraftBudget) -> Proposal:
