@@ -7,8 +7,9 @@
 
 Workloads (HumanEval problems, `--max-new-tokens` each call):
 - repeated: `--samples` completions of each problem at `--temperature` (pass@k), as calls in a row; every suffix
-  method holds one `SuffixDraft` for the whole run. With `--batched`, also each problem as one call with
-  `num_return_sequences=--samples` (a fresh store per call: the rows learn from each other only);
+  method holds one `SuffixDraft` for the whole run. With `--batched`, each problem as one call with
+  `num_return_sequences=--samples` instead (the stores then hold only other problems' outputs: the rows learn from
+  each other; transformers' methods refuse such calls);
 - agent: four turns per problem through the chat template, greedy, each turn's prompt holding the last turn's code
   (write it; add type hints and a docstring; add input validation; make it iterative where it recurses);
 - heldout: one greedy completion of each problem from `--offset` on (nothing repeats).
@@ -40,7 +41,7 @@ from hf_specsample.proposers.suffix import Source, suffix_tree
 
 from .measure import cpu_name
 from .pairs import BenchPair, load_bench_pair
-from .passk import STOP_SEQUENCES, truncate
+from .passk import truncate
 from .prompts import load_problems
 
 LOOKUP_TOKENS = 10
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     problems = load_problems(args.offset + args.problems)[args.offset :]
     warm = tokenizer(problems[0]["prompt"], return_tensors="pt")
-    for name, extra in methods.items():  # warm-ups, their texts kept out of the stores
+    for extra in methods.values():  # warm-ups, their texts kept out of the stores
         kept = {key: value for key, value in extra.items() if not isinstance(value, SuffixDraft)}
         if "suffix_draft" in extra:
             kept["suffix_draft"] = SuffixDraft()
@@ -267,11 +268,14 @@ def main(argv: list[str] | None = None) -> None:
         calls = repeated_calls(problems, 1, tokenizer, common, args.seed, batched=False)
         report(run_calls(target, methods, calls, tokenizer, pad), stores)
         return
+    # no stop strings (transformers' assistant_model= cannot take them): every call writes max_new_tokens or to EOS,
+    # and pass@k cuts the completions at the stop sequences afterwards
     common = dict(
-        do_sample=True, temperature=args.temperature, top_p=0.95, max_new_tokens=args.max_new_tokens,
-        pad_token_id=pad, stop_strings=list(STOP_SEQUENCES), tokenizer=tokenizer,
+        do_sample=True, temperature=args.temperature, top_p=0.95, max_new_tokens=args.max_new_tokens, pad_token_id=pad
     )  # fmt: skip
     print(f"  sampling at T = {args.temperature}, top_p 0.95, {args.samples} samples a problem")
+    if args.batched:  # transformers' assisted decoding refuses num_return_sequences > 1
+        methods = {name: extra for name, extra in methods.items() if not name.startswith("transformers")}
     calls = repeated_calls(problems, args.samples, tokenizer, common, args.seed, batched=args.batched)
     tallies = run_calls(target, methods, calls, tokenizer, pad)
     report(tallies, stores)
