@@ -27,9 +27,8 @@ from .prepare.prepared_draft import PreparedDraft
 from .proposers.base import DraftBudget, Proposal, Proposer
 from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
 from .proposers.draft_model import DraftModelProposer
-from .proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
-from .proposers.suffix import SuffixProposer
-from .proposers.suffix_store import SuffixDraft
+from .proposers.suffix import CallText, SuffixProposer
+from .proposers.suffix_store import MAX_MATCH, SuffixDraft
 from .proposers.suffix_then_model import SuffixThenModelProposer
 from .sampling.processing import PositionwiseProcessor
 from .stats import SpeculativeStats
@@ -427,18 +426,19 @@ def call_verifier(plan: CallPlan, keep_scores: bool, sequences: Sequences | None
 def call_drafters(
     plan: CallPlan, sequences: Sequences, processor: PositionwiseProcessor, draft_cache: Any = None
 ) -> tuple[DraftModelProposer | None, Proposer]:
-    """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model,
-    n-gram lookup of up to `max_ngram` tokens, both (n-gram continuations first, the model else), the suffix drafter
-    (`CallPlan.suffix`), or the suffix drafter beside the model."""
-    suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees) if plan.suffix is not None else None
+    """The call's draft-model proposer (None without a draft model), and the rounds' drafter: the draft model, the
+    suffix drafter (over the call's rows and `CallPlan.suffix`; prompt lookup: over each row's own text, up to
+    `CallPlan.max_ngram` tokens matched), or the suffix drafter beside the model."""
+    suffix = None
+    if plan.suffix is not None or plan.max_ngram is not None:
+        call_text = CallText.ALL_ROWS if plan.suffix is not None else CallText.OWN_ROW
+        max_match = plan.max_ngram or MAX_MATCH
+        suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees, call_text, max_match)
     if plan.draft is None:
-        return None, suffix if suffix is not None else PromptLookupProposer(cast(int, plan.max_ngram))
+        assert suffix is not None  # a call without a draft model drafts by suffix or lookup (`plan_call`)
+        return None, suffix
     model = draft_proposer(plan, plan.draft, sequences, processor, draft_cache)
-    if suffix is not None:
-        return model, SuffixThenModelProposer(model, suffix)
-    if plan.max_ngram is None:
-        return model, model
-    return model, LookupThenModelProposer(model, PromptLookupProposer(plan.max_ngram))
+    return model, (model if suffix is None else SuffixThenModelProposer(model, suffix))
 
 
 def draft_proposer(

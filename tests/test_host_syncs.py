@@ -21,9 +21,8 @@ from hf_specsample.core import sequences
 from hf_specsample.plan import call_plan as plan
 
 FIXED = SpeculativeConfig(num_lookahead=3, draft_form="as_given")
-# Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design) and
-# the n-gram search, which runs on the host copy of the token buffer.
-HOST_ONLY = {("cached_model.py", "_forward"), ("cached_model.py", "_parts"), ("prompt_lookup.py", "ngram_continuation")}
+# Sites that only ever read CPU tensors (no device sync): the slot mask (`CachedModel.slot_is_real`, CPU by design).
+HOST_ONLY = {("cached_model.py", "_forward"), ("cached_model.py", "_parts")}
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +124,8 @@ def test_other_stopping_criteria_read_their_verdict_per_committed_token(pair, mo
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_prompt_lookup_round_adds_the_token_buffer_copy(pair, monkeypatch, do_sample):
-    """Prompt lookup copies the token buffer to the host once per round for its n-gram search, and a row with no
-    continuation in a round that drafts reads its last token (one row here: at most one)."""
+    """Prompt lookup (the suffix drafter over the row's own text) copies the token buffer to the host once per round
+    for its search; a round that drafts a tree reads it back as a dynamic tree's round does."""
     target, _ = pair
     rounds = record_rounds(
         monkeypatch,
@@ -136,10 +135,25 @@ def test_prompt_lookup_round_adds_the_token_buffer_copy(pair, monkeypatch, do_sa
         ),
     )  # fmt: skip
     assert len(rounds) > 3
+    trees = 0
     for sites, _ in rounds:
-        own_last = sites.pop(("prompt_lookup.py", "propose"), 0)
-        assert own_last <= 1, sites
-        assert sites == {("stopping.py", "read_round"): 1, ("prompt_lookup.py", "continuations"): 1}, sites
+        tree_reads = {site: sites.pop(site) for site in list(sites) if site in TREE_READS}
+        if tree_reads:  # a round that drafted a tree reads it back, as a dynamic tree's round does
+            assert tree_reads == TREE_READS, tree_reads
+            trees += 1
+        assert sites == {("stopping.py", "read_round"): 1, ("suffix.py", "row_trees"): 1}, sites
+    assert trees > 0
+
+
+# A round's tree built per row, as a dynamic tree's or the suffix drafter's: its parents, depths and tokens copied for
+# the tree mask (`CachedTree`), its depths for the verifier's processing, its accepted path for the compactions.
+TREE_READS = {
+    ("tree_forward.py", "__init__"): 3,
+    ("verifier.py", "_host_depths"): 1,
+    ("decoding.py", "keep_path"): 2,
+    ("tree_forward.py", "compact"): 1,
+    ("tree_forward.py", "<listcomp>"): 1,
+}
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

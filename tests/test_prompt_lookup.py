@@ -1,25 +1,33 @@
-"""Prompt-lookup drafting: the n-gram search, and exactness through generate() (a point-mass draft)."""
+"""Prompt-lookup drafting (the suffix drafter over each row's own text): the search, and exactness through
+generate()."""
 
 import time
 
+import numpy as np
 import torch
 
-from hf_specsample.proposers.prompt_lookup import ngram_continuation
+from hf_specsample.proposers.suffix import Source, suffix_tree
+from hf_specsample.proposers.suffix_store import MAX_MATCH, SEPARATOR, TokenIndex
 
 
-def continuation(tokens, max_ngram=3, num_tokens=4, usable=None):
-    tokens = torch.tensor(tokens)
-    usable = torch.ones_like(tokens, dtype=torch.bool) if usable is None else torch.tensor(usable)
-    return ngram_continuation(tokens, usable, max_ngram, num_tokens).tolist()
+def continuation(tokens, max_ngram=MAX_MATCH, num_tokens=4, usable=None):
+    """The most probable path of the tree a row with these `tokens` drafts (its last `max_ngram` tokens matched)."""
+    usable = [True] * len(tokens) if usable is None else [bool(flag) for flag in usable]
+    index = TokenIndex(capacity=len(tokens) + 1, buckets=1 << 10)
+    index.write(0, np.array([token if ok else SEPARATOR for token, ok in zip(tokens, usable)], dtype=np.int32))
+    query = np.array([token for token, ok in zip(tokens, usable) if ok][-max_ngram:])
+    tree, _, _ = suffix_tree(query, [(Source.CALL, index, len(tokens) - 1)], num_tokens, max_nodes=16)
+    return tree.path().tokens
 
 
 def test_continues_after_the_latest_earlier_occurrence():
-    assert continuation([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], max_ngram=2) == [8, 2, 5, 6]  # (5, 6) at 0 and 4: the latest
+    # (5, 6) at 0 and 4, each seen once: the latest wins the tie
+    assert continuation([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], max_ngram=2) == [8, 2, 5, 6]
     assert continuation([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], max_ngram=2, num_tokens=2) == [8, 2]
 
 
-def test_longest_ngram_first():
-    # (9, 5, 6) occurs at 0 (followed by 7); (5, 6) alone occurs later at 5 (followed by 8): the 3-gram wins.
+def test_longest_match_first():
+    # (9, 5, 6) occurs at 0 (followed by 7); (5, 6) alone occurs later at 5 (followed by 8): the longer match wins.
     assert continuation([9, 5, 6, 7, 1, 5, 6, 8, 9, 5, 6], max_ngram=3) == [7, 1, 5, 6]
     assert continuation([9, 5, 6, 7, 1, 5, 6, 8, 9, 5, 6], max_ngram=2) == [8, 9, 5, 6]
 
@@ -158,9 +166,10 @@ def test_lookup_width_adapts_and_a_round_without_a_continuation_is_a_plain_step(
 def test_every_drafter_implements_the_proposer_contract():
     from hf_specsample.proposers.base import Proposer
     from hf_specsample.proposers.draft_model import DraftModelProposer
-    from hf_specsample.proposers.prompt_lookup import LookupThenModelProposer, PromptLookupProposer
+    from hf_specsample.proposers.suffix import SuffixProposer
+    from hf_specsample.proposers.suffix_then_model import SuffixThenModelProposer
 
-    for drafter in (DraftModelProposer, PromptLookupProposer, LookupThenModelProposer):
+    for drafter in (DraftModelProposer, SuffixProposer, SuffixThenModelProposer):
         assert issubclass(drafter, Proposer) and not drafter.__abstractmethods__, drafter
 
 
@@ -177,16 +186,24 @@ def test_lookup_proposals_build_no_vocabulary_wide_draft_tensor(pair, monkeypatc
     seen = []  # per round with draft tokens: (draft_probs is None, a point_mass mask was given)
 
     def recorded(rule):
-        def checked(draft_tokens, draft_probs, target_probs, generator=None, uniform=None, point_mass=None):
+        def checked(draft_tokens, draft_probs, target_probs, generator=None, uniform=None, point_mass=None, **draws):
             if draft_tokens.shape[1]:
                 seen.append((draft_probs is None, point_mass is not None))
-            return rule(draft_tokens, draft_probs, target_probs, generator, uniform, point_mass)
+            return rule(draft_tokens, draft_probs, target_probs, generator, uniform, point_mass, **draws)
+
+        return checked
+
+    def recorded_tree(rule):  # a lookup tree: its nodes' token ids alone reach the walk
+        def checked(tree, target_probs, draws):
+            seen.append((True, False))
+            return rule(tree, target_probs, draws)
 
         return checked
 
     monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
     monkeypatch.setattr(verifier, "block_accept", recorded(verifier.block_accept))
     monkeypatch.setattr(verifier, "speculative_accept", recorded(verifier.speculative_accept))
+    monkeypatch.setattr(verifier, "tree_accept", recorded_tree(verifier.tree_accept))
     target, draft = pair
     rows = [[1, 5, 2, 5, 3, 5, 2], [1, 3, 3, 4, 3, 3]]  # batched: rows with and without a continuation
     ids = torch.tensor([[PAD] * (7 - len(row)) + row for row in rows])

@@ -157,7 +157,7 @@ def test_tree_problem_refuses_what_trees_cannot_serve():
     assert "sliding-window" in tree_problem(ModelFacts.of(sliding))
     facts = ModelFacts.of(tiny_model("sdpa"))  # compiled forwards are the call's: compile=True runs chains
     compiled = SpeculativeConfig(compile=True)
-    problems = tree_problems(facts, facts, lookup=False, other_tokenizer=False, static_cache=False, config=compiled)
+    problems = tree_problems(facts, facts, other_tokenizer=False, static_cache=False, config=compiled)
     assert problems == ["static caches and compile=True run chains"]
     hybrid = next(name for name in HYBRID_FAMILIES if available(name))
     problem = tree_problem(ModelFacts.of(tiny_hybrid(hybrid, seed=0, vocab_size=VOCAB)))

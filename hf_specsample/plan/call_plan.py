@@ -48,8 +48,7 @@ from ..prepare.prepared_draft import DraftSpec, PreparedDraft, check_draft, reso
 from ..prepare.vocabulary import special_token_ids
 from ..proposers.cross_tokenizer import SharedVocabulary, shared_vocabulary
 from ..proposers.draft_model import DraftVocabulary
-from ..proposers.prompt_lookup import DEFAULT_MAX_NGRAM
-from ..proposers.suffix_store import SuffixDraft
+from ..proposers.suffix_store import MAX_MATCH, SuffixDraft
 from ..sampling.processing import check_supported
 from ..verify import distributed
 from .call_inputs import CallInputs
@@ -198,7 +197,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         tree=shape.tree,
         tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
-        suffix=inputs.suffix_draft is not None,
+        suffix=inputs.suffix_draft is not None or inputs.lookup_tokens is not None,
     )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
@@ -211,7 +210,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     if unbuilt:
         kernel_description += " (a call with max_time= builds no kernel: none was built yet)"
     lookups = spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None
-    max_ngram = inputs.max_ngram or DEFAULT_MAX_NGRAM if lookups else None
+    max_ngram = inputs.max_ngram or MAX_MATCH if lookups else None
     build = None if kernel_ready else loaded()
     return CallPlan(
         inputs,
@@ -264,7 +263,6 @@ def _refuse(
     problems = validation.tree_problems(
         target,
         draft if draft is not None or spec.model_free else target,
-        lookup=spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None,
         other_tokenizer=tokenizers is not None,
         config=config,
         static_cache=static_cache,
@@ -275,14 +273,14 @@ def _refuse(
     choices = vocabulary.numel() if isinstance(vocabulary, torch.Tensor) else vocabulary  # N: N ids at least
     choices = min(drafting.logit_width, choices or drafting.logit_width, target.logit_width)
     sampling, fixed = bool(generation_config.do_sample), config.num_lookahead is not None
-    if spec.store is not None:
+    if spec.model_free:  # the suffix drafter, or prompt lookup (the same over each row's own text)
         return tokenizers, suffix_shape(cast(DraftShape, config.draft_shape), problems)
     shape = choose_shape(cast(DraftShape, config.draft_shape), problems, depth, choices, sampling, fixed)
-    if store is None:
+    if store is None and inputs.lookup_tokens is None:
         return tokenizers, shape
     # beside the model, the suffix drafter's trees need the target alone to verify trees
     target_problems = validation.tree_problems(
-        target, None, lookup=False, other_tokenizer=False, config=config, static_cache=static_cache
+        target, None, other_tokenizer=False, config=config, static_cache=static_cache
     )
     chains = bool(target_problems) or config.draft_shape is DraftShape.CHAIN
     return tokenizers, shape._replace(suffix_trees=not chains)

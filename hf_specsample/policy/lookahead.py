@@ -426,8 +426,9 @@ class RoundLookahead:
                 measured_step_seconds`): the starting estimate of the adaptive policy's draft cost; None: none.
             tree, tree_ranks: the rounds' trees (`make_policy`; `shapes.ShapeChoice`).
             processors_unknown: a processor of unknown cost, which the clock may judge (`make_policy`).
-            suffix: a suffix drafter beside the draft model (`suffix_draft=`): its rounds are up to
-                ``max(K, DEFAULT_LOOKUP_TOKENS)`` deep, chosen against the model's by static costs.
+            suffix: a suffix drafter beside the draft model (`suffix_draft=`, or prompt lookup's with
+                `prompt_lookup_num_tokens=` N): its rounds are up to ``max(K, N)`` deep (N default
+                `DEFAULT_LOOKUP_TOKENS`), chosen against the model's by static costs.
         """
         if lookup_only:
             config = replace(config, max_lookahead=_most_draft_tokens(config, lookup_tokens, lookup_only=True))
@@ -446,7 +447,8 @@ class RoundLookahead:
         if not suffix:
             return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
         costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-        return cls(policy, max_length, prompt_ends_in_padding, DEFAULT_LOOKUP_TOKENS, suffix_costs=costs)
+        depth = lookup_tokens or DEFAULT_LOOKUP_TOKENS
+        return cls(policy, max_length, prompt_ends_in_padding, depth, suffix_costs=costs)
 
     @property
     def needs_timing(self) -> bool:
@@ -472,7 +474,7 @@ class RoundLookahead:
             lookahead = min(lookahead, draft_room)
         tree = self.policy.chosen_tree() if lookahead > 0 else None
         if tree is not None and self.suffix_costs is not None:  # a model tree's round, or a suffix drafter's tree
-            depth = max(0, min(max(lookahead, DEFAULT_LOOKUP_TOKENS), room))
+            depth = max(0, min(max(lookahead, self.lookup_tokens or DEFAULT_LOOKUP_TOKENS), room))
             budget = self._suffix_budget(lookahead, depth, len(lengths), self.suffix_costs)
             return budget._replace(tree=tree.truncated(lookahead))
         if tree is not None:  # trees draft with a model alone, or beside a suffix drafter (`validation.tree_problems`)

@@ -436,7 +436,6 @@ def tree_problems(
     target: ModelFacts,
     draft: ModelFacts | None,
     *,
-    lookup: bool,
     other_tokenizer: bool,
     static_cache: bool,
     config: SpeculativeConfig,
@@ -445,13 +444,10 @@ def tree_problems(
 
     Args:
         target, draft: the models' facts (draft None: no draft model).
-        lookup: n-gram lookups draft (`draft_model="prompt_lookup"` or `prompt_lookup_num_tokens=`).
         other_tokenizer: the draft reads another tokenizer's ids.
         static_cache: the target's cache is static (the caller's, `cache_implementation="static"`, `compile=True`).
     """
     problems = []
-    if lookup:
-        problems.append("n-gram lookups propose chains (trees need a draft model or a suffix drafter)")
     if other_tokenizer:
         problems.append("a draft with another tokenizer drafts chains (its tokens do not map one to one)")
     if static_cache or config.compile:

@@ -8,8 +8,10 @@ with the committed tokens) and the store's. The occurrences matching the most to
 the longest match), and what followed each of them (`continuations`) is counted into a tree (`count_tree`): a node's
 count is the occurrences whose continuation starts with its path, its probability that count over the occurrences.
 The tree keeps the most probable nodes (an ancestor is never less probable than its child, so the kept nodes form a
-tree) above `MIN_PROBABILITY`, at most `SPEC_FACTOR` times the match length of them (a short match is weak evidence)
-and the round's budget (`DraftBudget.nodes`, depth `DraftBudget.lookup_lookahead`).
+tree) above `MIN_PROBABILITY`, at most `SPEC_FACTOR` times the match length of them (a short match is weak evidence;
+a match of all the row's last tokens looked at is not cut) and the round's budget (`DraftBudget.nodes`, depth
+`DraftBudget.lookup_lookahead`). Prompt lookup (`draft_model="prompt_lookup"`, `prompt_lookup_num_tokens=`) is this
+drafter over each row's own text alone (`CallText.OWN_ROW`), its last `max_matching_ngram_size` tokens matched.
 
 Exact: the tree is a function of committed tokens and earlier calls' outputs only, fixed before the target's draws,
 and siblings carry distinct tokens, so the tree walk (`verify.rules.walk`) commits the target's own draws; with keyed
@@ -34,6 +36,16 @@ from .suffix_store import MAX_MATCH, SEPARATOR, SuffixDraft, TokenIndex
 
 MIN_PROBABILITY = 0.1  # SuffixDecoding's floor: a node seen in fewer than this share of the occurrences is dropped
 SPEC_FACTOR = 2.0  # at most this many nodes per matched token (SuffixDecoding's max_spec_factor)
+
+
+class CallText(str, enum.Enum):
+    """Which of the call's rows a row drafts from (besides a store)."""
+
+    ALL_ROWS = "all rows"  # its own prompt and text and the other rows' (the suffix drafter)
+    OWN_ROW = "own row"  # its own prompt and text alone (prompt lookup: `draft_model="prompt_lookup"`)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Source(str, enum.Enum):
@@ -171,7 +183,8 @@ def suffix_tree(
         return NO_TREE, None, False
     kept = [(source, rows[lengths >= longest]) for source, rows, lengths in parts]
     continuations = np.concatenate([rows for _, rows in kept])
-    budget = min(max_nodes, max(1, int(SPEC_FACTOR * min(longest, MAX_MATCH))))
+    # a short match is weak evidence; a match of the whole query (the most it measures) is the strongest there is
+    budget = max_nodes if longest >= query.shape[0] else min(max_nodes, max(1, int(SPEC_FACTOR * longest)))
     tree = count_tree(continuations, budget)
     from_store = sum(rows.shape[0] for source, rows in kept if source is Source.STORE)
     source = Source.STORE if 2 * from_store > continuations.shape[0] else Source.CALL
@@ -189,21 +202,41 @@ class SuffixProposer(Proposer):
 
     forward_passes = 0
 
-    def __init__(self, sequences: Sequences, store: SuffixDraft | None, trees: bool):
+    def __init__(
+        self,
+        sequences: Sequences,
+        store: SuffixDraft | None,
+        trees: bool,
+        call_text: CallText = CallText.ALL_ROWS,
+        max_match: int = MAX_MATCH,
+    ):
         """
         Args:
             sequences: the call's rows (their prompts are indexed now, their committed tokens each round).
             store: earlier calls' outputs, or None.
             trees: the call verifies trees.
+            call_text: which of the call's rows a row drafts from.
+            max_match: the most of a row's last tokens matched (transformers' `max_matching_ngram_size`; at most
+                `MAX_MATCH`): occurrences matching this many are all equally good.
         """
-        self.store, self.trees = store, trees
+        self.store, self.trees, self.call_text, self.max_match = store, trees, call_text, min(max_match, MAX_MATCH)
         rows, capacity = sequences.tokens.shape
-        self.stride = capacity + 1  # caller row r's column c sits at global position r * stride + c
-        buckets = 1 << max(10, (2 * rows * self.stride - 1).bit_length())
-        self.index = TokenIndex(capacity=rows * self.stride, buckets=buckets)
+        self.stride = capacity + 1  # with every row in one index: caller row r's column c at r * stride + c
+        if call_text is CallText.OWN_ROW:  # an index per row: another row's occurrences never crowd its chains
+            buckets = 1 << max(10, (2 * self.stride - 1).bit_length())
+            self.row_indexes = [TokenIndex(capacity=self.stride, buckets=buckets) for _ in range(rows)]
+        else:
+            buckets = 1 << max(10, (2 * rows * self.stride - 1).bit_length())
+            self.index = TokenIndex(capacity=rows * self.stride, buckets=buckets)
         self.indexed = [0] * rows  # per caller row, the columns indexed so far
         self.accepted = {source: 0 for source in Source}  # draft tokens accepted, by the source of their round
         self.sources: list[Source | None] = []  # per active row, the last round's source (None: no draft)
+
+    def _place(self, caller: int) -> tuple[TokenIndex, int]:
+        """The index holding caller row `caller`'s text, and the global position of its column 0 there."""
+        if self.call_text is CallText.OWN_ROW:
+            return self.row_indexes[caller], 0
+        return self.index, caller * self.stride
 
     def _index_committed(self, sequences: Sequences, tokens: np.ndarray, real: np.ndarray) -> None:
         """Index every active row's committed tokens not indexed yet (prompt padding stays a separator).
@@ -216,20 +249,22 @@ class SuffixProposer(Proposer):
             if start >= length:
                 continue
             written = np.where(real[row, start:length], tokens[row, start:length], SEPARATOR).astype(np.int32)
-            self.index.write(caller * self.stride + start, written)
+            index, base = self._place(caller)
+            index.write(base + start, written)
             self.indexed[caller] = length
 
     def row_tree(
-        self, query: np.ndarray, own_end: int, depth: int, max_nodes: int
+        self, query: np.ndarray, caller: int, length: int, depth: int, max_nodes: int
     ) -> tuple[CountedTree, Source | None]:
         """One row's tree from its last tokens `query` `(q,)` (`suffix_tree` over the call's index and the store's),
         and where its occurrences came from; the store's statistics count the lookup.
 
         Args:
-            own_end: the global position of the row's last committed token in the call's index (never a match).
+            caller, length: the row's caller index and committed length (its last token is never a match).
             depth, max_nodes: the tree's deepest level and most nodes.
         """
-        sources = [(Source.CALL, self.index, own_end)]
+        index, base = self._place(caller)
+        sources = [(Source.CALL, index, base + length - 1)]
         if self.store is not None:
             sources.append((Source.STORE, self.store.index, -1))
         tree, source, from_store = suffix_tree(query, sources, depth, max_nodes)
@@ -251,17 +286,17 @@ class SuffixProposer(Proposer):
     def row_trees(self, sequences: Sequences, depth: int, nodes: int) -> list[CountedTree]:
         """Per active row, its tree of at most `depth` levels and `nodes` nodes (`NO_TREE`: nothing found); the
         rows' sources are kept for `observe`."""
-        tokens = sequences.tokens.cpu().numpy()
-        real = sequences.is_real(sequences.capacity).cpu().numpy()
+        tokens = sequences.tokens.cpu().numpy()  # the round's one host copy of the buffer
+        real = sequences.is_real(sequences.capacity).numpy()  # a host tensor
         self._index_committed(sequences, tokens, real)
         trees: list[CountedTree] = []
         self.sources = []
         for row, (caller, length) in enumerate(zip(sequences.rows.callers(), sequences.lengths)):
             tree, source = NO_TREE, None
             if depth > 0:
-                start = max(0, length - MAX_MATCH)
+                start = max(0, length - self.max_match)
                 query = tokens[row, start:length][real[row, start:length]]
-                tree, source = self.row_tree(query, caller * self.stride + length - 1, depth, max(nodes, 1))
+                tree, source = self.row_tree(query, caller, length, depth, max(nodes, 1))
             trees.append(tree)
             self.sources.append(source if tree.tokens else None)
         return trees
