@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> None:
         help="SpeculativeConfig(draft_shape=...) for both versions (chain, tree, auto); default: each one's default",
     )
     parser.add_argument(
+        "--draft",
+        choices=["model", "prompt_lookup"],
+        default="model",
+        help="what both versions draft with: the pair's draft model, or draft_model='prompt_lookup' (N = 10)",
+    )
+    parser.add_argument("--prompt-set", type=PromptSet, choices=list(PromptSet), default=PromptSet.HUMANEVAL)
+    parser.add_argument(
         "--levers-off",
         action="store_true",
         help="also run this checkout without sort-free top-p "
@@ -116,21 +123,24 @@ def main(argv: list[str] | None = None) -> None:
         base = import_base(args.base, Path(folder))
         hf_specsample.unregister()  # transformers' own generate() again (the base's import wrapped it too)
         target, draft, tokenizer = load_bench_pair(args.pair)
-        prompts = load_prompts(PromptSet.HUMANEVAL, args.num_prompts, offset=args.prompt_offset)
+        prompts = load_prompts(args.prompt_set, args.num_prompts, offset=args.prompt_offset)
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         print(f"this checkout {head.stdout.strip()} vs base {args.base}; CPU: {cpu_name()}")
         print(
-            f"pair {args.pair}, {len(prompts)} HumanEval prompts from #{args.prompt_offset}, "
-            f"{args.max_new_tokens} tokens"
+            f"pair {args.pair}, {len(prompts)} {args.prompt_set} prompts from #{args.prompt_offset}, "
+            f"{args.max_new_tokens} tokens, drafting with {args.draft}"
         )
         # Both decoding functions as `custom_generate=` callables of transformers' own generate(), no streamer or
         # tokenizer given: each is told it was routed where its signature asks (this checkout's does).
+        drafting = (
+            dict(draft_model=draft)
+            if args.draft == "model"
+            else dict(draft_model="prompt_lookup", speculative_prompt_lookup_num_tokens=10)
+        )
         methods = {
             "target": {},
-            "this": dict(
-                custom_generate=hf_specsample.speculative_generate, draft_model=draft, speculative_routed=True
-            ),
-            "base": dict(custom_generate=base.speculative_generate, draft_model=draft, **_routed(base)),
+            "this": dict(custom_generate=hf_specsample.speculative_generate, speculative_routed=True, **drafting),
+            "base": dict(custom_generate=base.speculative_generate, **_routed(base), **drafting),
         }
         if args.draft_shape is not None:  # the same shape asked of both, each through its own config class
             methods["this"]["speculative_config"] = hf_specsample.SpeculativeConfig(draft_shape=args.draft_shape)
@@ -146,13 +156,13 @@ def main(argv: list[str] | None = None) -> None:
                 dict(do_sample=True, temperature=0.7, top_p=0.95) if mode == "sampling" else dict(do_sample=False)
             )
             common = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **sampling)
-            warm = tokenizer(prompts[0].text, return_tensors="pt")
+            warm = prompts[0].encode(tokenizer)
             short = {**common, "max_new_tokens": 8, "min_new_tokens": 8}
             for extra in methods.values():
                 GenerationMixin.generate(target, **warm, **short, **extra)
             seconds = {name: [] for name in methods}
             for prompt in prompts:
-                inputs = tokenizer(prompt.text, return_tensors="pt")
+                inputs = prompt.encode(tokenizer)
                 for name, extra in methods.items():
                     seconds[name].append(timed(target, inputs, **common, **extra))
             rate = {name: len(prompts) * n / sum(times) for name, times in seconds.items()}

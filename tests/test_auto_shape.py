@@ -231,9 +231,9 @@ def test_greedy_auto_drafts_trees_from_a_fixed_cost_model(pair, monkeypatch):
 
 def test_auto_falls_back_to_chains_where_trees_cannot_run_and_says_why(pair):
     target, draft = pair
-    out = generate(target, draft, do_sample=False, prompt_lookup_num_tokens=3)
+    out = generate(target, draft, do_sample=False, cache_implementation="static")
     stats = out.speculative_stats
-    assert stats.shape.startswith("chain (draft_shape='auto' falls back to chains: n-gram lookups")
+    assert stats.shape.startswith("chain (draft_shape='auto' falls back to chains: static caches")
     assert set(stats.shape_per_round) == {"chain"}
 
 

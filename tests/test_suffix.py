@@ -11,7 +11,7 @@ import pytest
 import torch
 from exact import sampled_pvalue
 from test_architectures import batch
-from tiny import ARCHITECTURES, PAD, FakeClock, char_tokenizer, perturbed_copy, tiny_arch, tiny_lm
+from tiny import ARCHITECTURES, PAD, FakeClock, char_tokenizer, perturbed_copy, second_turns, tiny_arch, tiny_lm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_specsample import SpeculativeConfig, SuffixDraft
@@ -359,3 +359,55 @@ def test_suffix_draft_refusals(pair):
         target.generate(PROMPT, max_new_tokens=3, draft_model="suffix", suffix_draft=SuffixDraft())
     with pytest.raises(TypeError, match="SuffixDraft"):
         target.generate(PROMPT, max_new_tokens=3, draft_model=draft, suffix_draft="suffix")
+
+
+# --- what plain generate() takes ------------------------------------------------------------------------------------
+
+
+def test_stop_strings_end_where_plain_ends():
+    tokenizer = char_tokenizer()
+    model = tiny_lm(seed=0, vocab_size=len(tokenizer), init_range=1.0)
+    prompt = torch.tensor([[1, 5, 9, 13, 5, 9, 13]])
+    free_run = tokenizer.decode(model.generate(prompt, do_sample=False, max_new_tokens=30, pad_token_id=PAD)[0, 7:])
+    stop = free_run[9:11]
+    kwargs = dict(do_sample=False, max_new_tokens=30, pad_token_id=PAD, stop_strings=[stop], tokenizer=tokenizer)
+    expected = model.generate(prompt, **kwargs)
+    assert expected.shape[1] < 37
+    store = SuffixDraft()
+    store.add([model.generate(prompt, do_sample=False, max_new_tokens=30, pad_token_id=PAD)[0, 7:].tolist()])
+    out = model.generate(prompt, **kwargs, draft_model=store, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and out.speculative_stats.suffix_accepted_tokens["store"] > 0
+
+
+def test_a_second_chat_turn_on_the_returned_cache():
+    model = tiny_lm(seed=0, vocab_size=48)
+    ids, mask = batch([[1, 5, 9, 13, 5, 9, 13], [1, 7, 3]])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=PAD,
+                  return_dict_in_generate=True)  # fmt: skip
+    plain = model.generate(ids, **kwargs)
+    store = SuffixDraft()
+    store.add([plain.sequences[0, 7:].tolist()])
+    speculative = model.generate(ids, **kwargs, draft_model=store)
+    assert torch.equal(speculative.sequences, plain.sequences)
+    turn_kwargs = dict(max_new_tokens=10, pad_token_id=PAD, do_sample=False)
+    plain_2, speculative_2 = second_turns(model, store, plain, speculative, mask, ids.shape[1], **turn_kwargs)
+    assert torch.equal(speculative_2, plain_2)
+
+
+@pytest.mark.parametrize("config", [dict(cache_implementation="static"), dict(compile=True)])
+def test_static_caches_and_compile_run_chains_of_the_same_drafter(config):
+    model = tiny_lm(seed=0, vocab_size=48)
+    ids = torch.tensor([[1, 5, 9, 13, 5, 9, 13]])
+    kwargs = dict(do_sample=False, max_new_tokens=16, pad_token_id=PAD)
+    expected = model.generate(ids, **kwargs)
+    store = SuffixDraft()
+    store.add([expected[0, 7:].tolist()])
+    speculative = {}
+    if "compile" in config:
+        speculative = dict(speculative_config=SpeculativeConfig(compile=True))
+    else:
+        kwargs.update(config)
+    out = model.generate(ids, **kwargs, **speculative, draft_model=store, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative_stats.shape.startswith("suffix chains (the call cannot verify trees: static caches")
+    assert out.speculative_stats.suffix_accepted_tokens["store"] > 0

@@ -161,17 +161,16 @@ def test_a_wrong_tree_rule_fails_the_same_test(target, drafts, monkeypatch):
 @pytest.mark.parametrize("shape", ["tree", "dynamic"])
 def test_trees_are_refused_where_they_cannot_run(target, drafts, shape):
     prompt = torch.tensor([[1, 5, 2, 5]])
-    asks = [
-        dict(draft_model="prompt_lookup"),
-        dict(draft_model=drafts["close"], prompt_lookup_num_tokens=3),
-        dict(draft_model=drafts["close"], speculative_config=SpeculativeConfig(draft_shape=shape, compile=True)),
-    ]
+    asks = [dict(draft_model=drafts["close"], speculative_config=SpeculativeConfig(draft_shape=shape, compile=True))]
     policy = SpeculativeConfig(draft_shape=shape, lookahead_policy=lambda: None)  # a chain's K, each round
     asks.append(dict(draft_model=drafts["close"], speculative_config=policy))
     for ask in asks:
         ask.setdefault("speculative_config", SpeculativeConfig(draft_shape=shape))
         with pytest.raises(ValueError, match=f"draft_shape='{shape}'.*draft_shape='chain'"):
             target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, **ask)
+    with pytest.raises(ValueError, match="drafts trees of its own"):  # prompt lookup shapes its own trees
+        target.generate(prompt, max_new_tokens=4, pad_token_id=PAD, draft_model="prompt_lookup",
+                        speculative_config=SpeculativeConfig(draft_shape=shape))  # fmt: skip
 
 
 def test_auto_says_what_it_drafted(target, drafts):

@@ -55,6 +55,12 @@ def attention_part(layer) -> type[Any] | None:
     return ATTENTION_PART.get(type(layer))
 
 
+def has_sliding_window(cache: Cache) -> bool:
+    """Whether some layer of the cache keeps only a sliding window of positions (a rollback may need what it
+    dropped)."""
+    return any(attention_part(layer) is DynamicSlidingWindowLayer for layer in getattr(cache, "layers", ()))
+
+
 def attention_layers(cache: Cache) -> list:
     """The layers of `cache` that hold keys and values (fused with a linear-attention part or not)."""
     return [layer for layer in getattr(cache, "layers", ()) if attention_part(layer) is not None]

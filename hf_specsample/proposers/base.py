@@ -8,9 +8,9 @@ is a point mass and travels as its id alone, never as a one-hot row over the voc
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
 drafts what it is told (`DraftBudget`, made by `lookahead.RoundLookahead`).
 
-Drafters: `proposers.draft_model.DraftModelProposer` (a draft model), `proposers.prompt_lookup.PromptLookupProposer`
-(n-gram continuations), `proposers.prompt_lookup.LookupThenModelProposer` (both), `proposers.suffix.SuffixProposer`
-(trees of what followed the rows' last tokens in the call and in earlier calls' outputs).
+Drafters: `proposers.draft_model.DraftModelProposer` (a draft model), `proposers.suffix.SuffixProposer` (trees of what
+followed the rows' last tokens in the call and in earlier calls' outputs; prompt lookup is it over each row's own
+text), `proposers.suffix_then_model.SuffixThenModelProposer` (both).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from transformers import Cache, DynamicCache
 
+from ..cache import row_ops
 from ..cache.cached_model import CachedModel
 from ..cache.forwards import Forwards
 from ..core.model_facts import ModelFacts
@@ -105,12 +106,18 @@ class DraftModelProposer(Proposer):
         return self.runner.forward_passes
 
     def can_skip(self, sequences: Sequences, advance: int) -> bool:
-        """Whether the rows may commit up to `advance` tokens each in a round this draft does not run: its cache is
-        rolled back to one distance behind every row's length (`CachedModel.rollback_point`), which must not
-        exceed the shortest row's length (one row: always)."""
+        """Whether the rows may commit up to `advance` tokens each in a round this draft does not run. One row:
+        always (its cache only lags). In a batch its cache is then rolled back to one distance behind every row's
+        length (`CachedModel.rollback_point`), dropping positions of the rows that ran ahead: only a cache that
+        keeps every position (no sliding window, no recurrent state) can, and that distance must not exceed the
+        shortest row's length."""
         reads = sequences if self.inputs is None else self.inputs.sequences
+        if reads.num_active == 1:
+            return True
+        if self.runner.states is not None or row_ops.has_sliding_window(self.runner.cache):
+            return False
         behind = max(length - fed for length, fed in zip(reads.lengths, self.runner.fed)) + advance
-        return reads.num_active == 1 or behind <= min(reads.lengths)
+        return behind <= min(reads.lengths)
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only the active `rows` of the draft's cache (`Proposer.select_rows`)."""
