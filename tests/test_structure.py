@@ -2,8 +2,9 @@
 entering at most 20 library files and 170 functions, a tree call at most 2 files and 25 functions more.
 
 Measured on tiny models, 8 new tokens, in a fresh process (comprehensions counted with their function): a chain call 36
-files and 236 functions greedy, 37 / 265 sampling (not met; 35 / 251 greedy when the issue was filed); a tree call 38 /
-256 greedy and 39 / 274 sampling (met: at most +2 files and +20 functions). The goal not met is marked
+files and 241 functions greedy, 37 / 270 sampling (not met; 35 / 251 greedy when the issue was filed; the drafter's
+`observe` / `finished` hooks added 5); a tree call 38 / 261 greedy and 39 / 279 sampling (met: at most +2 files and
++20 functions). The goal not met is marked
 `xfail(strict=True)`, so the day it is met its test fails until the mark comes off."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def counts() -> dict[str, tuple[int, int]]:
     return {key: (files, functions) for key, (files, functions) in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
-@pytest.mark.xfail(strict=True, reason="36-37 files and 236-265 functions today (issue 53's goal: 20 and 170)")
+@pytest.mark.xfail(strict=True, reason="36-37 files and 241-270 functions today (issue 53's goal: 20 and 170)")
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
 def test_a_chain_call_enters_few_places(counts, do_sample):
     files, functions = counts[f"{'sampling' if do_sample else 'greedy'} chain"]
