@@ -432,7 +432,7 @@ def call_drafters(
     suffix = None
     if plan.suffix is not None or plan.max_ngram is not None:
         call_text = CallText.ALL_ROWS if plan.suffix is not None else CallText.OWN_ROW
-        max_match = plan.max_ngram or MAX_MATCH
+        max_match = plan.max_ngram or plan.inputs.max_ngram or MAX_MATCH  # transformers' max_matching_ngram_size
         suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees, call_text, max_match)
     if plan.draft is None:
         assert suffix is not None  # a call without a draft model drafts by suffix or lookup (`plan_call`)

@@ -9,9 +9,19 @@ import time
 import numpy as np
 import pytest
 import torch
-from exact import sampled_pvalue
+from exact import chisquare_pvalue, exact_distribution, sampled_pvalue
 from test_architectures import batch
-from tiny import ARCHITECTURES, PAD, FakeClock, char_tokenizer, perturbed_copy, second_turns, tiny_arch, tiny_lm
+from tiny import (
+    ARCHITECTURES,
+    PAD,
+    FakeClock,
+    char_tokenizer,
+    perturbed_copy,
+    prepared_processors,
+    second_turns,
+    tiny_arch,
+    tiny_lm,
+)
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_specsample import SpeculativeConfig, SuffixDraft
@@ -101,6 +111,28 @@ def test_the_store_evicts_the_oldest_outputs_whole():
     assert store.index.matches(np.array([1, 2])).positions.size > 0
     with pytest.raises(ValueError, match="positive int"):
         SuffixDraft(max_tokens=0)
+    with pytest.raises(ValueError, match="positive int"):
+        SuffixDraft(max_tokens=True)
+    assert SuffixDraft(max_tokens=np.int64(5)).max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "bad", [[[[1, 2], [3, 4]]], [1, 2, 3], [[1.7, 2.2]], [[2**31 + 3]], [[1, 2], [3, -1]]],
+    ids=["2-D", "not nested", "floats", "past 2**31", "negative"],
+)  # fmt: skip
+def test_a_bad_document_is_refused_and_the_store_unchanged(bad):
+    store = SuffixDraft(max_tokens=100)
+    store.add([[5, 6]])
+    with pytest.raises(ValueError, match="SuffixDraft.add"):
+        store.add(bad)
+    assert [doc.tolist() for doc in store.documents()] == [[5, 6]] and store.held_tokens == 2 and store.largest_id == 6
+
+
+def test_eviction_lowers_the_largest_id_held():
+    store = SuffixDraft(max_tokens=3)
+    store.add([[1, 900], [2, 3, 4]])
+    assert [doc.tolist() for doc in store.documents()] == [[2, 3, 4]] and store.largest_id == 4
+    assert SuffixDraft() != SuffixDraft() and len({SuffixDraft(), SuffixDraft()}) == 2  # identity, hashable
 
 
 def test_the_store_holds_a_million_tokens_in_compact_arrays():
@@ -338,17 +370,59 @@ def test_beside_a_model_greedy_equals_plain_and_rounds_choose_their_source(pair,
         assert alone[0, -30:].tolist() == expected[row, -30:].tolist()
 
 
-def test_beside_a_model_sampling_is_exact(pair):
-    """Suffix trees (the keyed walk) and the model's sampled chains (the token rule) in one call."""
+@pytest.mark.parametrize("verification", ["block", "token"])
+def test_beside_a_model_sampling_is_exact_with_suffix_paths_forced_in(pair, monkeypatch, verification):
+    """The model's sampled chains with rows' suffix paths forced in as point masses (every row trusts the store from
+    its first round here: in 6000 rows the threshold of a suffix round is never met, so every round is the model's),
+    under the block and the token rule."""
+    from hf_specsample.proposers import suffix_then_model
+
+    monkeypatch.setattr(suffix_then_model, "PRIOR_TRUST", 1.0)
     target, draft = pair
     prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
     store = SuffixDraft()
     store.add([[2, 3, 4, 5, 1], [2, 3, 9, 9, 9], [2, 3, 4, 5, 1]])
+    forced = []
+    original = suffix_then_model.SuffixThenModelProposer.observe
+
+    def counted(self, num_accepted):
+        forced.append(sum(offered is not None for offered in self.offered))
+        original(self, num_accepted)
+
+    monkeypatch.setattr(suffix_then_model.SuffixThenModelProposer, "observe", counted)
     p = sampled_pvalue(
         target, prompt, num_tokens=3, rows=6000, seed=5, settings=SETTINGS, draft_model=draft, suffix_draft=store,
-        num_lookahead=2,
+        num_lookahead=2, speculative_config=SpeculativeConfig(verification=verification),
     )  # fmt: skip
     assert p > 1e-3
+    assert sum(forced) > 1000  # rows' suffix paths went into the model's rounds
+
+
+def test_beside_a_model_one_row_calls_run_suffix_rounds_and_stay_exact(pair, monkeypatch):
+    """Single-row calls, where suffix rounds (the model does not run) and model rounds alternate: 1500 calls (every
+    row trusts the store from its first round here, so that suffix rounds run often)."""
+    from hf_specsample.proposers import suffix_then_model
+
+    monkeypatch.setattr(suffix_then_model, "PRIOR_TRUST", 1.0)
+    target, draft = pair
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
+    store = SuffixDraft()  # the target's own continuations: the suffix rounds' drafts are often right
+    torch.manual_seed(3)
+    own = target.generate(prompt, do_sample=True, max_new_tokens=3, pad_token_id=PAD, num_return_sequences=40,
+                          **SETTINGS)  # fmt: skip
+    store.add([[1, 2, 3, *row[8:].tolist()] for row in own])  # matching as long as the prompt's own "1 2 3"
+    generator = torch.Generator().manual_seed(11)
+    samples, sources = [], {}
+    for _ in range(1500):
+        out = target.generate(prompt, do_sample=True, max_new_tokens=3, pad_token_id=PAD, draft_model=draft,
+                              suffix_draft=store, num_lookahead=2, generator=generator, return_dict_in_generate=True,
+                              **SETTINGS)  # fmt: skip
+        samples.append(tuple(out.sequences[0, 8:].tolist()))
+        for source, count in out.speculative_stats.suffix_accepted_tokens.items():
+            sources[source] = sources.get(source, 0) + count
+    processors, _ = prepared_processors(target, prompt, do_sample=True, max_new_tokens=3, **SETTINGS)
+    assert chisquare_pvalue(exact_distribution(target, prompt, processors, 3), samples) > 1e-3
+    assert sources["store"] + sources["call"] > 0 and sources["model"] > 0
 
 
 def test_suffix_draft_refusals(pair):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,21 @@ def _grown(array: np.ndarray, size: int, fill: int) -> np.ndarray:
     return grown
 
 
+def _token_ids(document: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A document as `(length,)` int32 ids, or ValueError saying what it is instead."""
+    tokens = np.asarray(document)
+    if tokens.ndim != 1:
+        raise ValueError(
+            f"SuffixDraft.add takes a sequence of documents, each a 1-D sequence of token ids; got a document of "
+            f"shape {tokens.shape} (a single document is added as add([ids]))."
+        )
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"SuffixDraft.add: token ids must be integers, got {tokens.dtype}.")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31):
+        raise ValueError("SuffixDraft.add: token ids must be in [0, 2**31).")
+    return tokens.astype(np.int32)
+
+
 def vocabulary_fingerprint(tokenizer: Any) -> str:
     """A digest of a tokenizer's vocabulary (every token and its id): two tokenizers with the same one give the
     same ids to the same text."""
@@ -209,7 +225,7 @@ class SuffixStats:
     accepted_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # a store is itself (identity), whatever it holds
 class SuffixDraft:
     """Earlier outputs kept for drafting: pass it as ``draft_model=`` and every call drafts from what earlier calls
     wrote (and from its own rows' prompts and text), then adds its outputs.
@@ -217,7 +233,7 @@ class SuffixDraft:
     ``model.generate(**inputs, draft_model=store, do_sample=True)`` drafts each row's round as a tree of the
     continuations the store and the call's rows hold after the row's last tokens (`proposers.suffix`); exact as any
     draft (the tree's children are fixed before the target's draws). ``draft_model="suffix"`` makes an empty store
-    for one call. A call that raises adds nothing.
+    for one call. A call that raises adds no document (its lookups still count in `stats`).
 
     Attributes:
         max_tokens: the most tokens held; adding past it evicts the oldest outputs whole.
@@ -232,8 +248,13 @@ class SuffixDraft:
     stats: SuffixStats = field(default_factory=SuffixStats)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, numbers.Integral)
+            or self.max_tokens < 1
+        ):
             raise ValueError(f"SuffixDraft(max_tokens=) must be a positive int, got {self.max_tokens!r}.")
+        self.max_tokens = int(self.max_tokens)
         if self.tokenizer is not None:
             fingerprint = vocabulary_fingerprint(self.tokenizer)
             if self.fingerprint is not None and self.fingerprint != fingerprint:
@@ -241,19 +262,23 @@ class SuffixDraft:
             self.fingerprint = fingerprint
         self.tokenizer = None  # only its fingerprint is kept
         buckets = 1 << max(10, min(22, (2 * self.max_tokens - 1).bit_length()))
-        self.index = TokenIndex(capacity=min(self.max_tokens, 1 << 16) + 1, buckets=buckets)
+        self.index: TokenIndex = TokenIndex(capacity=min(self.max_tokens, 1 << 16) + 1, buckets=buckets)
         self.starts: list[int] = []  # each held document's first global position, oldest first
-        self.largest_id = -1  # the largest token id held (a call's target must have a logit for it)
+        self.largest_id: int = -1  # the largest token id held (a call's target must have a logit for it)
 
     def add(self, outputs: Sequence[Sequence[int] | np.ndarray]) -> None:
-        """Hold `outputs` (token id lists; each a document), evicting the oldest documents beyond `max_tokens`.
-        A document longer than `max_tokens` keeps its last `max_tokens` tokens."""
-        for document in outputs:
-            tokens = np.asarray(document, dtype=np.int64)[-self.max_tokens :]
+        """Hold `outputs` (a sequence of documents, each a 1-D sequence of token ids), evicting the oldest documents
+        beyond `max_tokens`. A document longer than `max_tokens` keeps its last `max_tokens` tokens. All documents are
+        checked before any is added.
+
+        Raises:
+            ValueError: a document that is not a 1-D sequence of integer ids in [0, 2**31).
+        """
+        documents = [_token_ids(document) for document in outputs]
+        for tokens in documents:
+            tokens = tokens[-self.max_tokens :]
             if tokens.size == 0:
                 continue
-            if tokens.min() < 0:
-                raise ValueError("SuffixDraft.add: token ids must be >= 0.")
             self.starts.append(self.index.end)
             self.index.write(self.index.end, tokens.astype(np.int32))
             self.index.end += 1  # the separator's slot
@@ -268,11 +293,16 @@ class SuffixDraft:
         return self.index.end - self.index.floor - len(self.starts)
 
     def _evict(self) -> None:
+        evicted = False
         while self.held_tokens > self.max_tokens and len(self.starts) > 1:
             removed = self.starts[1] - self.starts[0] - 1
             self.starts.pop(0)
             self.index.evict_before(self.starts[0])
             self.stats.evicted_tokens += removed
+            evicted = True
+        if evicted:  # the largest id still held
+            held = self.index.read(np.arange(self.index.floor, self.index.end))
+            self.largest_id = int(held.max()) if held.size else -1
 
     def documents(self) -> list[np.ndarray]:
         """The held documents, oldest first, each `(length,)` int32."""
@@ -328,7 +358,8 @@ class SuffixDraft:
                 f"{path} was saved from a SuffixDraft filled with another tokenizer's ids (its vocabulary fingerprint "
                 "differs): its drafts would be noise for this tokenizer. Load a file made with this tokenizer."
             )
-        store = cls(max_tokens=max_tokens or int(meta["max_tokens"]), tokenizer=tokenizer, fingerprint=fingerprint)
+        budget = max_tokens if max_tokens is not None else int(meta["max_tokens"])
+        store = cls(max_tokens=budget, tokenizer=tokenizer, fingerprint=fingerprint)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         store.add([tokens[start:stop] for start, stop in zip(bounds, bounds[1:])])
         return store
