@@ -30,7 +30,7 @@ class CallInputs:
         draft_model: the draft as the caller named it (what it is is resolved once, by
             `prepare.prepared_draft.resolve_draft`): a causal LM of the target's tokenizer, or of another one given as
             `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a quantized
-            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", n-gram continuations alone; "suffix"
+            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", continuations from each row's own text; "suffix"
             or a `SuffixDraft`, suffix trees alone; or a `PreparedDraft` from `hf_specsample.prepare_draft`, run as
             it is.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
@@ -50,9 +50,9 @@ class CallInputs:
         caller_cache: the caller passed a cache (`cache=`, or `past_key_values=` where transformers still takes it):
             that object is left holding what plain `generate()` leaves in it, even without `return_dict_in_generate`
             (a non-empty cache is taken to be the caller's in any case).
-        lookup_tokens: transformers' `prompt_lookup_num_tokens` (n-gram tokens per lookup round; with a model draft
-            n-gram continuations are drafted first where a row has one), or None.
-        max_ngram: transformers' `max_matching_ngram_size` (the longest n-gram looked up), or None.
+        lookup_tokens: transformers' `prompt_lookup_num_tokens` (the deepest lookup round; beside a model draft,
+            lookup rounds where they promise more than the model's), or None.
+        max_ngram: transformers' `max_matching_ngram_size` (the most of a row's last tokens a lookup matches), or None.
         tokenizers: (target tokenizer, draft tokenizer) as the caller gave them (`tokenizer=`, `draft_tokenizer=` /
             `assistant_tokenizer=`; the draft's None where only `tokenizer=` was given), or None; when their
             vocabularies differ, the draft reads its own ids and drafts over the tokens both share

@@ -93,9 +93,9 @@ class CallPlan:
         cache: the caller's cache (made static where the call runs static), or None: the loop makes one (a new
             dynamic cache, or under `pooled` a static one of `static_slots`, `decoding.static_caches`).
         forwards: how the target's forwards run (kernel routing, compiled forward and the rounds it serves).
-        draft: the draft model, or None (`draft_model="prompt_lookup"`: n-gram continuations alone).
+        draft: the draft model, or None (`draft_model="prompt_lookup"` or a suffix drafter alone).
         max_ngram: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
-            draft), the longest n-gram looked up; None: no lookup.
+            draft), the most of a row's last tokens matched; None: no lookup.
         generator: the generator every draw uses (rank 0's for a tensor-parallel target).
         clock_free: no decision depends on the clock (a generator was given, or ranks must agree).
         lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
@@ -169,7 +169,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft's form timings and calibration forwards.
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
     kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
-    lookup_only = spec.model_free  # n-gram lookups or a suffix drafter: no draft model
+    lookup_only = spec.model_free  # prompt lookup or a suffix drafter: no draft model
     largest = largest_round(config, inputs.lookup_tokens, lookup_only)
     graphs = choose_graphs(target.input_device, config.compile)
     draft_plan = (

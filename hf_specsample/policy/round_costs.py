@@ -148,7 +148,7 @@ class MeasuredCosts:
         decay: per round, how much earlier observations still count.
         growth: how far K may go beyond the largest K observed: to ``max(largest + 1, growth * largest)``. 1 (a
             model draft): one more, since each extra draft step costs d for sure and v's line is a guess. 2 (prompt
-            lookup): doubling, since an unobserved width then risks only the verification's slope and an n-gram
+            lookup): doubling, since an unobserved width then risks only the verification's slope and a lookup
             continuation is either copied whole or rejected early (the +1 ramp took 8 of a code edit's 25 rounds to
             reach the 10 tokens transformers' lookup proposes from its first round).
         draft_step_prior: seconds of one draft step measured before the call (`PreparedDraft.step_seconds`, where

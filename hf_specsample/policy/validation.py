@@ -182,7 +182,7 @@ def check_generation_config(config: GenerationConfig) -> None:
     """Only greedy decoding and multinomial sampling can be sped up exactly.
 
     `prompt_lookup_num_tokens` (transformers' prompt-lookup decoding) is ours to run here: with `draft_model=` it
-    sets the n-gram drafter's width, so it does not count towards the mode.
+    sets the lookup drafter's depth, so it does not count towards the mode.
     """
     without_lookup = copy.copy(config)
     without_lookup.prompt_lookup_num_tokens = None
@@ -419,7 +419,7 @@ def check_suffix(
     store: SuffixDraft, logit_width: int, tokenizers: tuple[Any, Any] | None, lookup_tokens: int | None
 ) -> None:
     """Refuse a suffix drafter's call that cannot run: a store of another vocabulary (`SuffixDraft.check_vocabulary`),
-    or n-gram lookups beside it (it drafts from the rows' own text already).
+    or prompt lookup beside it (it drafts from the rows' own text already).
 
     Raises:
         ValueError: saying what to do instead.
@@ -427,7 +427,7 @@ def check_suffix(
     store.check_vocabulary(logit_width, tokenizers[0] if tokenizers is not None else None)
     if lookup_tokens is not None:
         raise ValueError(
-            "prompt_lookup_num_tokens= adds n-gram lookups to a draft model; a suffix drafter already drafts from "
+            "prompt_lookup_num_tokens= adds prompt lookup to a draft model; a suffix drafter already drafts from "
             "each row's prompt and text. Drop prompt_lookup_num_tokens=."
         )
 

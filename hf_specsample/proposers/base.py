@@ -3,7 +3,7 @@
 Three members: `get_candidates` as in transformers' `CandidateGenerator`, batched over rows of different lengths
 and returning what exactness needs (the distributions the draft tokens were drawn from); `rollback_to_committed` where
 transformers has `update_candidate_strategy` (roll back to the committed lengths); `forward_passes`. A token
-drawn with certainty (a prompt-lookup continuation, an n-gram token forced into a model's proposal, a greedy draft)
+drawn with certainty (a suffix or lookup continuation, a suffix token forced into a model's proposal, a greedy draft)
 is a point mass and travels as its id alone, never as a one-hot row over the vocabulary (`verify/rules.py`
 handles it as such). Choosing K is not a drafter's business: `lookahead.RoundLookahead` decides it, and the drafter
 drafts what it is told (`DraftBudget`, made by `lookahead.RoundLookahead`).
@@ -33,7 +33,7 @@ class DraftBudget(NamedTuple):
 
     Attributes:
         lookahead: K, the tokens a draft model drafts (the policy's choice, capped by the room left).
-        lookup_lookahead: the most tokens an n-gram lookup may propose in this round: K when drafting by lookup alone,
+        lookup_lookahead: the deepest a suffix drafter's (or lookup's) round may be: K when drafting by lookup alone,
             ``max(K, N)`` (capped by the room left) with a model draft and `prompt_lookup_num_tokens=N`, else 0.
         tree: the tree a draft model drafts this round instead of a chain, K its depth; None: a chain.
         nodes: the most nodes a suffix drafter's tree offers a row (`proposers.suffix`; depth: `lookup_lookahead`).
@@ -62,7 +62,7 @@ class Proposal(NamedTuple):
             ids; None when every token is a point mass (a lookup proposal, a greedy draft, no token at all) or for a
             tree (its children are the draft's top choices: deterministic).
         point_mass: `(batch, K)` bool, True where a token is a point mass although `probs` is given (a forced
-            n-gram token in a model's proposal): the verifier ignores `probs` there. None: no such position.
+            suffix token in a model's proposal): the verifier ignores `probs` there. None: no such position.
         model_steps: draft-model forwards run for it (0: no model ran, e.g. a lookup proposal).
         parents, depths: a tree's `(batch, N)` long parents (-1: the root) and depths (`core.draft_tree.DraftTree`);
             None: a chain.
