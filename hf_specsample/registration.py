@@ -80,7 +80,8 @@ def _route_to_speculative(model: GenerationMixin, kwargs: dict) -> dict:
     elif makes_target_cache(kwargs.get("speculative_config")):  # generate()'s own would be thrown away
         transformers_api.leave_cache_to_call(model, kwargs)
     # transformers' prompt-lookup arguments would switch generate() to its own assisted mode (which refuses
-    # num_return_sequences > 1 and batches): with draft_model= they configure our lookup (the suffix drafter over each row's text).
+    # num_return_sequences > 1 and batches): with draft_model= they configure our lookup (the suffix drafter over
+    # each row's own text).
     config = kwargs.get("generation_config")
     for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
         value = kwargs.pop(name, None)

@@ -30,9 +30,9 @@ class CallInputs:
         draft_model: the draft as the caller named it (what it is is resolved once, by
             `prepare.prepared_draft.resolve_draft`): a causal LM of the target's tokenizer, or of another one given as
             `draft_tokenizer=` (with the target's as `tokenizer=`); "auto", a draft made from the target (a quantized
-            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", continuations from each row's own text; "suffix"
-            or a `SuffixDraft`, suffix trees alone; or a `PreparedDraft` from `hf_specsample.prepare_draft`, run as
-            it is.
+            copy on the CPU, a layer-skipping view elsewhere); "prompt_lookup", continuations from each row's own
+            text; "suffix" or a `SuffixDraft`, suffix trees alone; or a `PreparedDraft` from
+            `hf_specsample.prepare_draft`, run as it is.
         input_ids: `(batch, prompt_length)` long, the prepared (left-padded, expanded) prompt.
         model_kwargs: what `generate()` prepared for the model: `attention_mask` `(batch, prompt_length)`,
             `position_ids` `(batch, prompt_length)`, the cache under `transformers_api.CACHE` (empty, or holding the
