@@ -246,7 +246,7 @@ def _refuse(
     validation.check_inputs(inputs.input_ids, inputs.model_kwargs, inputs.streamer, inputs.generator)
     validation.check_cache_plan(target, transformers_api.generate_cache(inputs.model_kwargs), generation_config, config)
     validation.check_stopping(inputs.stopping_criteria, inputs.batch_size)
-    check_supported(inputs.logits_processor, config.stateful_processors)
+    check_supported(inputs.logits_processor, config.stateful_processors, inputs.batch_size)
     validation.check_replayed(inputs.logits_processor, config.stateful_processors, inputs.batch_size)
     if spec.model_free and (config.draft_form is not DraftForm.AUTO or config.draft_vocabulary is not None):
         raise ValueError(

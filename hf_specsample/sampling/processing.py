@@ -111,10 +111,13 @@ UNSUPPORTED_PROCESSORS: tuple[type, ...] = (
 )
 
 
-def check_supported(processors: Sequence[lp.LogitsProcessor], declared: tuple[type, ...] = ()) -> None:
+def check_supported(
+    processors: Sequence[lp.LogitsProcessor], declared: tuple[type, ...] = (), batch_size: int | None = None
+) -> None:
     """Raise a `ValueError` naming any processor speculative sampling cannot apply exactly (transformers' own that
-    keep state; structured-generation processors no adapter drives, `stateful.check_stateful`)."""
-    check_stateful(processors, declared)
+    keep state; structured-generation processors no adapter drives, or whose settings their adapter refuses given the
+    call's `batch_size`: `stateful.check_stateful`)."""
+    check_stateful(processors, declared, batch_size)
     for processor in processors:
         if isinstance(processor, UNSUPPORTED_PROCESSORS):
             raise ValueError(

@@ -51,11 +51,17 @@ STATEFUL_LIBRARIES = {
 }
 
 
-def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = ()) -> None:
+def check_stateful(processors: Sequence[Any], declared: tuple[type, ...] = (), batch_size: int | None = None) -> None:
     """Refuse, before any work, a processor of a structured-generation library whose per-row state no adapter here
-    drives (it would be advanced by draft tokens), unless its class is `declared` stateful (then replayed)."""
+    drives (it would be advanced by draft tokens), unless its class is `declared` stateful (then replayed); and,
+    given the call's `batch_size`, a driven one whose adapter refuses its settings (`matchers_for` raises: a
+    transformers-cfg mode that masks by the scores' argmax, a grammar llguidance rejects, ...)."""
     for processor in processors:
-        if isinstance(processor, declared) or is_driven(processor):
+        if isinstance(processor, declared):
+            continue
+        if is_driven(processor):
+            if batch_size is not None:
+                matchers_for(processor, batch_size)  # its refusals, before the plan's first forward
             continue
         # the class or any class it derives from (a user's subclass of a library's processor keeps its state too)
         roots = [kind.__module__.split(".")[0] for kind in type(processor).__mro__]
