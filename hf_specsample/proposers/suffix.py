@@ -79,12 +79,12 @@ class CountedTree(NamedTuple):
         the sum of its nodes' probabilities (SuffixDecoding's score)."""
         return sum(self.counts) / self.occurrences if self.occurrences else 0.0
 
-    def path(self) -> CountedTree:
+    def path(self, max_depth: int | None = None) -> CountedTree:
         """The tree's most probable path from the root (the most counted child at each node; ties: the first), as a
-        tree of width one."""
+        tree of width one, at most `max_depth` deep (None: to its end)."""
         nodes: list[int] = []
         parent = -1
-        while True:
+        while max_depth is None or len(nodes) < max_depth:
             children = [node for node, above in enumerate(self.parents) if above == parent]
             if not children:
                 break
@@ -231,6 +231,7 @@ class SuffixProposer(Proposer):
         self.indexed = [0] * rows  # per caller row, the columns indexed so far
         self.accepted = {source: 0 for source in Source}  # draft tokens accepted, by the source of their round
         self.sources: list[Source | None] = []  # per active row, the last round's source (None: no draft)
+        self.last_tokens: list[int] = []  # per active row, its last committed token (read from the round's host copy)
 
     def _place(self, caller: int) -> tuple[TokenIndex, int]:
         """The index holding caller row `caller`'s text, and the global position of its column 0 there."""
@@ -291,6 +292,7 @@ class SuffixProposer(Proposer):
         self._index_committed(sequences, tokens, real)
         trees: list[CountedTree] = []
         self.sources = []
+        self.last_tokens = [int(tokens[row, length - 1]) for row, length in enumerate(sequences.lengths)]
         for row, (caller, length) in enumerate(zip(sequences.rows.callers(), sequences.lengths)):
             tree, source = NO_TREE, None
             if depth > 0:
@@ -302,7 +304,8 @@ class SuffixProposer(Proposer):
         return trees
 
     def propose(self, sequences: Sequences, trees: Sequence[CountedTree]) -> Proposal:
-        """The rows' `trees` as the round's proposal: trees where the call verifies them, else their best paths."""
+        """The rows' `trees` (this round's `row_trees`) as the round's proposal: trees where the call verifies them,
+        else their best paths."""
         if not self.trees:
             return self._chains(sequences, [tree.path().tokens for tree in trees])
         return self._trees(sequences, trees)
@@ -312,7 +315,7 @@ class SuffixProposer(Proposer):
         lookahead = max((len(path) for path in paths), default=0)
         rows = []
         for row, path in enumerate(paths):
-            last = path[-1] if path else int(sequences.tokens[row, sequences.lengths[row] - 1])
+            last = path[-1] if path else self.last_tokens[row]
             rows.append(path + [last] * (lookahead - len(path)))
         proposed = torch.tensor(rows, dtype=torch.long).reshape(len(paths), lookahead).to(sequences.tokens.device)
         for step in range(lookahead):
@@ -328,7 +331,7 @@ class SuffixProposer(Proposer):
         tokens, parents, depths = [], [], []
         for row, tree in enumerate(trees):
             pad = nodes - len(tree.tokens)
-            first = tree.tokens[0] if tree.tokens else int(sequences.tokens[row, sequences.lengths[row] - 1])
+            first = tree.tokens[0] if tree.tokens else self.last_tokens[row]
             tokens.append(tree.tokens + [first] * pad)
             parents.append(tree.parents + [-1] * pad)
             depths.append(tree.depths + [1] * pad)

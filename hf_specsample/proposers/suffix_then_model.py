@@ -84,9 +84,10 @@ class SuffixThenModelProposer(Proposer):
             return self.suffix.propose(sequences, trees)
         if no_model and budget.lookahead == 0:  # the draft is too far behind to skip again: it catches up now
             budget = budget._replace(lookahead=1)
-        paths = [self._forced_path(tree, caller, budget) for tree, caller in zip(trees, callers)]
-        if budget.tree is not None or budget.lookahead == 0:  # a model tree, or no model round: nothing is forced
-            paths = [NO_TREE] * len(paths)
+        if budget.tree is None and budget.lookahead > 0:  # a model's chain: trusted suffix paths go in first
+            paths = [self._forced_path(tree, caller, budget) for tree, caller in zip(trees, callers)]
+        else:  # a model tree, or no model round: nothing is forced
+            paths = [NO_TREE] * len(trees)
         self.offered = [
             (caller, path.expected_tokens, len(path.tokens)) if path.tokens else None
             for caller, path in zip(callers, paths)
@@ -99,13 +100,8 @@ class SuffixThenModelProposer(Proposer):
 
     def _forced_path(self, tree: CountedTree, caller: int, budget: DraftBudget) -> CountedTree:
         """A row's suffix path, cut to the model's K, where it is trusted to beat the model's tokens; else none."""
-        if not tree.tokens:
-            return NO_TREE
-        whole, cut = tree.path(), budget.lookahead
-        path = CountedTree(
-            whole.tokens[:cut], whole.parents[:cut], whole.depths[:cut], whole.counts[:cut], whole.occurrences
-        )
-        return path if self.trust(caller) * path.expected_tokens >= budget.model_tokens else NO_TREE
+        path = tree.path(budget.lookahead)
+        return path if path.tokens and self.trust(caller) * path.expected_tokens >= budget.model_tokens else NO_TREE
 
     def observe(self, num_accepted: Sequence[int]) -> None:
         """Each row's trust learns from its suffix tokens; the accepted tokens are counted by source."""
