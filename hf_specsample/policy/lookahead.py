@@ -78,7 +78,9 @@ from .round_timer import host_clock
 from .shapes import TREE_NODES, RankAcceptance, ShapeDesigner
 
 LOOKUP_FIRST_LOOKAHEAD = 4  # prompt lookup's K before its costs are measured (a model draft's: 2)
-DEFAULT_LOOKUP_TOKENS = 10  # tokens per lookup round for draft_model="prompt_lookup" without prompt_lookup_num_tokens
+# the deepest suffix round (draft_model="prompt_lookup" or a suffix drafter; prompt_lookup_num_tokens= sets it):
+# SuffixDecoding's default depth; a short match drafts fewer (`proposers.suffix.SPEC_FACTOR`)
+DEFAULT_LOOKUP_TOKENS = 24
 ALPHA_PRIOR = 0.6  # alpha before a few tokens are tested: a fair draft of the same family
 # Probes are spaced by `probe_every` (doubling while they fail) times max(1, PROBE_GAIN / g), where g is what a draft
 # accepted every time would gain over plain decoding at the measured costs (`AdaptiveLookahead.perfect_draft_gain`).
