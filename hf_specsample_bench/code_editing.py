@@ -10,6 +10,7 @@ one warm-up round:
 - target: plain `generate()`;
 - transformers lookup: `generate(prompt_lookup_num_tokens=N)`, transformers' prompt-lookup decoding;
 - lookup: `generate(draft_model="prompt_lookup", prompt_lookup_num_tokens=N)`;
+- lookup default: `generate(draft_model="prompt_lookup")`, at the library's default depth (24);
 - lookup compiled: the same with `speculative_config=SpeculativeConfig(compile=True)` (compiled verification,
   the kernel inside the graph where its plan serves every round width; the warm-up call compiles);
 - lookup compiled kernel: the same with `SpeculativeConfig(compile=True, linear_kernel="on")` (compiled
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         "target": {},
         "transformers lookup": dict(prompt_lookup_num_tokens=n),
         "lookup": dict(draft_model="prompt_lookup", prompt_lookup_num_tokens=n),
+        "lookup default": dict(draft_model="prompt_lookup"),
         "lookup compiled": dict(
             draft_model="prompt_lookup",
             prompt_lookup_num_tokens=n,

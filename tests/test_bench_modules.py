@@ -26,6 +26,7 @@ from hf_specsample_bench import (
     rank_oracle,
     round_profile,
     structured,
+    suffix,
 )
 from hf_specsample_bench.hybrids import tiny_hybrid
 
@@ -72,6 +73,18 @@ def test_structured_on_the_tiny_pair(capsys):
     out = capsys.readouterr().out
     assert "identical texts 1/1" in out  # greedy under the grammar: plain's text
     assert "sampling:" in out and "assistant_model=" in out.splitlines()[-1]
+
+
+def test_suffix_workloads_on_the_tiny_pair(capsys):
+    suffix.main(["--pair", "tiny", "--workload", "repeated", "--problems", "1", "--samples", "2", "--max-new-tokens",
+                 "6", "--methods", "plain,suffix,suffix + model", "--batched", "--pass-at"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "suffix + model:" in out and "x plain" in out and "pass@2" in out.splitlines()[-1]
+    suffix.main(["--pair", "tiny", "--workload", "agent", "--problems", "1", "--max-new-tokens", "4",
+                 "--methods", "suffix"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "x plain" not in out  # plain runs only when named
+    assert "suffix:" in out and "store of 'suffix'" in out.splitlines()[-1]
 
 
 def test_draft_weight_forms_on_a_tiny_shape(capsys):

@@ -430,3 +430,7 @@ def test_most_draft_tokens_a_round_verifies():
     assert most_draft_tokens(config, None, lookup_only=False) == config.max_lookahead
     assert most_draft_tokens(config, 12, lookup_only=False) == 12
     assert most_draft_tokens(SpeculativeConfig(num_lookahead=11), 3, lookup_only=False) == 11
+    # a suffix drafter beside a model drafts chains as deep as its rounds: N, else DEFAULT_LOOKUP_TOKENS
+    assert largest_round(config, None, False, suffix=True) - 1 == max(config.max_lookahead, DEFAULT_LOOKUP_TOKENS)
+    assert largest_round(config, 3, False, suffix=True) - 1 == config.max_lookahead
+    assert largest_round(config, 30, False, suffix=True) - 1 == 30

@@ -170,7 +170,8 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # SpeculativeConfig's fields take strings and hold the enum (`__post_init__` parses them)
     kernel = KernelRouting.for_model(target, cast(LinearKernel, config.linear_kernel), untimed, Role.TARGET)
     lookup_only = spec.model_free  # prompt lookup or a suffix drafter: no draft model
-    largest = largest_round(config, inputs.lookup_tokens, lookup_only)
+    suffix = inputs.suffix_draft is not None or inputs.lookup_tokens is not None  # a suffix drafter beside a model
+    largest = largest_round(config, inputs.lookup_tokens, lookup_only, suffix)
     graphs = choose_graphs(target.input_device, config.compile)
     draft_plan = (
         None
@@ -197,7 +198,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         tree=shape.tree,
         tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
-        suffix=inputs.suffix_draft is not None or inputs.lookup_tokens is not None,
+        suffix=suffix,
     )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the

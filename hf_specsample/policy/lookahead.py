@@ -327,20 +327,24 @@ def times_unknown_processors(processors: Sequence[LogitsProcessor], clock_free: 
     return cost_unknown(processors) and not clock_free and host_clock(device)
 
 
-def _most_draft_tokens(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool) -> int:
+def _most_draft_tokens(
+    config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool, suffix: bool = False
+) -> int:
     """The most draft tokens a round of this call verifies under the built-in policies (a custom `lookahead_policy`
     may ask for more): with lookup alone, N (`prompt_lookup_num_tokens`, else `num_lookahead`, else
     `DEFAULT_LOOKUP_TOKENS`) or a larger `num_lookahead`; with a model draft, the largest of `max_lookahead`,
-    `num_lookahead` and N."""
+    `num_lookahead` and N, where a suffix drafter beside it (`suffix`) has N `DEFAULT_LOOKUP_TOKENS` unless given."""
     if lookup_only:
         return max(lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS, config.num_lookahead or 0)
-    return max(config.max_lookahead, config.num_lookahead or 0, lookup_tokens or 0)
+    depth = lookup_tokens or (DEFAULT_LOOKUP_TOKENS if suffix else 0)
+    return max(config.max_lookahead, config.num_lookahead or 0, depth)
 
 
-def largest_round(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool) -> int:
+def largest_round(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool, suffix: bool = False) -> int:
     """The largest round size (positions a verification forward scores: K + 1) this call's rounds reach under the
-    built-in policies: what compiled forwards and the kernel in a compiled graph must serve."""
-    return _most_draft_tokens(config, lookup_tokens, lookup_only) + 1
+    built-in policies: what compiled forwards and the kernel in a compiled graph must serve (`suffix`: a suffix
+    drafter beside a draft model, whose chains are as deep as its rounds: `RoundLookahead.for_call`)."""
+    return _most_draft_tokens(config, lookup_tokens, lookup_only, suffix) + 1
 
 
 class RoundLookahead:
