@@ -336,8 +336,14 @@ def _most_draft_tokens(
     `num_lookahead` and N, where a suffix drafter beside it (`suffix`) has N `DEFAULT_LOOKUP_TOKENS` unless given."""
     if lookup_only:
         return max(lookup_tokens or config.num_lookahead or DEFAULT_LOOKUP_TOKENS, config.num_lookahead or 0)
-    depth = lookup_tokens or (DEFAULT_LOOKUP_TOKENS if suffix else 0)
+    depth = suffix_depth(lookup_tokens) if suffix else lookup_tokens or 0
     return max(config.max_lookahead, config.num_lookahead or 0, depth)
+
+
+def suffix_depth(lookup_tokens: int | None) -> int:
+    """The deepest round of a suffix drafter beside a draft model: N (`prompt_lookup_num_tokens`), else
+    `DEFAULT_LOOKUP_TOKENS`."""
+    return lookup_tokens or DEFAULT_LOOKUP_TOKENS
 
 
 def largest_round(config: SpeculativeConfig, lookup_tokens: int | None, lookup_only: bool, suffix: bool = False) -> int:
@@ -453,8 +459,7 @@ class RoundLookahead:
         if not suffix:
             return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
         costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-        depth = lookup_tokens or DEFAULT_LOOKUP_TOKENS
-        return cls(policy, max_length, prompt_ends_in_padding, depth, suffix_costs=costs)
+        return cls(policy, max_length, prompt_ends_in_padding, suffix_depth(lookup_tokens), suffix_costs=costs)
 
     @property
     def needs_timing(self) -> bool:
