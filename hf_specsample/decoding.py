@@ -28,7 +28,7 @@ from .proposers.base import DraftBudget, Proposal, Proposer
 from .proposers.cross_tokenizer import DraftIdBuffer, TextBridge
 from .proposers.draft_model import DraftModelProposer
 from .proposers.suffix import CallText, SuffixProposer
-from .proposers.suffix_store import MAX_MATCH, SuffixDraft
+from .proposers.suffix_store import SuffixDraft
 from .proposers.suffix_then_model import SuffixThenModelProposer
 from .sampling.processing import PositionwiseProcessor
 from .stats import SpeculativeStats
@@ -430,10 +430,9 @@ def call_drafters(
     suffix drafter (over the call's rows and `CallPlan.suffix`; prompt lookup: over each row's own text, up to
     `CallPlan.max_ngram` tokens matched), or the suffix drafter beside the model."""
     suffix = None
-    if plan.suffix is not None or plan.max_ngram is not None:
+    if plan.max_ngram is not None:
         call_text = CallText.ALL_ROWS if plan.suffix is not None else CallText.OWN_ROW
-        max_match = plan.max_ngram or plan.inputs.max_ngram or MAX_MATCH  # transformers' max_matching_ngram_size
-        suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees, call_text, max_match)
+        suffix = SuffixProposer(sequences, plan.suffix, plan.shape.suffix_trees, call_text, plan.max_ngram)
     if plan.draft is None:
         assert suffix is not None  # a call without a draft model drafts by suffix or lookup (`plan_call`)
         return None, suffix

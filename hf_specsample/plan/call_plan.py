@@ -94,8 +94,9 @@ class CallPlan:
             dynamic cache, or under `pooled` a static one of `static_slots`, `decoding.static_caches`).
         forwards: how the target's forwards run (kernel routing, compiled forward and the rounds it serves).
         draft: the draft model, or None (`draft_model="prompt_lookup"` or a suffix drafter alone).
-        max_ngram: with n-gram lookups (`draft_model="prompt_lookup"`, or `prompt_lookup_num_tokens=` with a model
-            draft), the most of a row's last tokens matched; None: no lookup.
+        max_ngram: with a suffix drafter (`suffix`, prompt lookup: `draft_model="prompt_lookup"` or
+            `prompt_lookup_num_tokens=` with a model draft), the most of a row's last tokens matched
+            (`max_matching_ngram_size`, else `MAX_MATCH`); None: no suffix drafter.
         generator: the generator every draw uses (rank 0's for a tensor-parallel target).
         clock_free: no decision depends on the clock (a generator was given, or ranks must agree).
         lookahead: the call's one owner of K (`lookahead.RoundLookahead`).
@@ -210,8 +211,9 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         kernel_description += f"; draft {draft_plan.forwards.kernel.reason}"
     if unbuilt:
         kernel_description += " (a call with max_time= builds no kernel: none was built yet)"
+    store = spec.store if spec.store is not None else inputs.suffix_draft
     lookups = spec.kind is NamedDraft.PROMPT_LOOKUP or inputs.lookup_tokens is not None
-    max_ngram = inputs.max_ngram or MAX_MATCH if lookups else None
+    max_ngram = inputs.max_ngram or MAX_MATCH if lookups or store is not None else None
     build = None if kernel_ready else loaded()
     return CallPlan(
         inputs,
@@ -230,7 +232,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         shape,
         build.seconds if build is not None else 0.0,
         static_cache_size(inputs, largest) if config.compile else 0,
-        spec.store if spec.store is not None else inputs.suffix_draft,
+        store,
     )
 
 
