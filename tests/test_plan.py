@@ -14,6 +14,7 @@ from hf_specsample.kernels.routing import KernelRouting
 from hf_specsample.plan import call_plan as plan
 from hf_specsample.policy import validation
 from hf_specsample.prepare import prepared_draft
+from hf_specsample.proposers.suffix_store import MAX_MATCH
 from hf_specsample_bench.hybrids import tiny_hybrid
 
 PROMPT = torch.tensor([[1, 17, 42, 5, 9, 33, 2, 8, 19, 41, 7, 3, 11, 29, 5, 9, 61, 4]])
@@ -241,3 +242,33 @@ def test_the_drafts_refusals_are_asked_in_one_place(monkeypatch):
         asked.clear()
         target.generate(PROMPT, max_new_tokens=3, pad_token_id=PAD, draft_model=draft_model, num_lookahead=2)
         assert asked == {"check_models": 1, "check_tokenizers": 1}, draft_model
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(draft_model="suffix"), MAX_MATCH),
+        (dict(draft_model="suffix", max_matching_ngram_size=3), 3),
+        (dict(draft_model="prompt_lookup", max_matching_ngram_size=2), 2),
+        (dict(suffix_draft_store=True, max_matching_ngram_size=4), 4),
+    ],
+)
+def test_every_suffix_drafter_matches_what_the_plan_says(monkeypatch, kwargs, expected):
+    """The plan decides how many of a row's last tokens a suffix drafter matches (`CallPlan.max_ngram`), for the
+    suffix drafter alone, beside a model and for prompt lookup alike; the loop builds its drafter with that."""
+    from hf_specsample import SuffixDraft
+    from hf_specsample.proposers import suffix as suffix_module
+
+    target = tiny_lm(seed=0, vocab_size=64)
+    if kwargs.pop("suffix_draft_store", False):
+        kwargs.update(draft_model=perturbed_copy(target, seed=1, scale=0.1), suffix_draft=SuffixDraft())
+    made = []
+    real = suffix_module.SuffixProposer.__init__
+
+    def recording(self, *args, **named):
+        real(self, *args, **named)
+        made.append(self.max_match)
+
+    monkeypatch.setattr(suffix_module.SuffixProposer, "__init__", recording)
+    target.generate(PROMPT, max_new_tokens=4, pad_token_id=PAD, **kwargs)
+    assert made == [expected]
