@@ -40,7 +40,7 @@ from ..kernels.small_rows import MAX_ROWS, best_path, loaded, ready
 from ..options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
 from ..policy import validation
 from ..policy.graph_choice import choose_graphs
-from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_processors
+from ..policy.lookahead import RoundLookahead, largest_round, memory_slot, times_unknown_processors
 from ..policy.round_costs import step_cost_ratio
 from ..policy.shapes import ShapeChoice, choose_shape, suffix_shape
 from ..prepare.implicit import draft_for_call
@@ -186,6 +186,14 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
     launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
+    # A greedy call's K reads the clock anyway: it starts where the last call like it ended (`RoundMemory`), kept by
+    # the prepared draft (implicit or the caller's), or by the target for a drafter without a model.
+    memory = None
+    if not (clock_free or sampling):
+        holder = prepared if prepared is not None else target.model
+        memory = memory_slot(
+            holder, config, inputs.batch_size, inputs.lookup_tokens, lookup_only, suffix, shape.tree, shape.ranks
+        )
     lookahead = RoundLookahead.for_call(
         config,
         clock_free=clock_free or sampling,
@@ -200,6 +208,7 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
         suffix=suffix,
+        memory=memory,
     )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the
