@@ -156,11 +156,14 @@ def kept_kinds(memory: RoundMemory, holder) -> int:
     return len(memory._kept.get(holder, {}))
 
 
-def test_greedy_calls_remember_and_stay_exact(pair, monkeypatch):
+@pytest.mark.parametrize("held", ["prepared", "model"])
+def test_greedy_calls_remember_and_stay_exact(pair, monkeypatch, held):
+    """Kept by what the caller holds: a `PreparedDraft`, or the draft model (whose implicit prepared draft is made
+    anew around it in every call)."""
     memory = RoundMemory()
     monkeypatch.setattr(lookahead_module, "ROUNDS", memory)
     target, draft = pair
-    prepared = prepare_draft(draft, target)
+    prepared = prepare_draft(draft, target) if held == "prepared" else draft
     expected = target.generate(PROMPT, do_sample=False, max_new_tokens=30, pad_token_id=PAD)
     recalls = []
     recall = memory.recall

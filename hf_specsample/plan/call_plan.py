@@ -186,13 +186,15 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
     launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
-    # A greedy call's K reads the clock anyway: it starts where the last call like it ended (`RoundMemory`), kept by
-    # the prepared draft (implicit or the caller's), or by the target for a drafter without a model.
+    # A greedy call's K reads the clock anyway: it starts from the costs the last call like it measured
+    # (`RoundMemory`), kept by what the caller holds: a `PreparedDraft` passed in, the draft model (its implicit
+    # prepared draft is made anew around it each call), or the target for a drafter without a model.
     memory = None
     if not (clock_free or sampling):
-        holder = prepared if prepared is not None else target.model
+        holder = spec.prepared or (draft.model if draft is not None else target.model)
+        kind = (id(target.model), target.input_device, prepared.form if prepared is not None else None)
         memory = memory_slot(
-            holder, config, inputs.batch_size, inputs.lookup_tokens, lookup_only, suffix, shape.tree, shape.ranks
+            holder, config, *kind, inputs.batch_size, inputs.lookup_tokens, lookup_only, suffix, shape.tree, shape.ranks
         )
     lookahead = RoundLookahead.for_call(
         config,
