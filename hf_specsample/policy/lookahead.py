@@ -45,10 +45,9 @@ Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"
 trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shapes`) and
 says which it chose (`chosen_tree`), K being its depth.
 
-A greedy call (K reads the clock) starts from the costs the last greedy call like it measured, not from the priors
-above (`RoundMemory`: the same prepared draft, options, batch size and shape; d and v(K), the processors' share timed
-afresh, the acceptance from its prior); a clock-free call never reads it, so that a seeded sample repeats whatever ran
-before.
+A greedy call (K reads the clock) starts from what the last greedy call like it measured, not from the priors above
+(`RoundMemory`: the same draft, options, batch size and shape; d and v(K), the processors' share timed afresh, and its
+acceptance as alpha's prior); a clock-free call never reads it, so that a seeded sample repeats whatever ran before.
 
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
 made for `generate()`, by `make_policy`), it asks the policy before every round and caps its choice (room left
@@ -246,8 +245,8 @@ class AdaptiveLookahead(LookaheadPolicy):
             choice = self.best_lookahead()
             carried = isinstance(self.costs, MeasuredCosts) and self.costs.carried_over
             if choice == 0 and carried and not self._tested and self.perfect_draft_gain() > 0:
-                # costs an earlier call measured (`RoundMemory`) and the acceptance's prior: the prior decides
-                # nothing here, so draft as a call without costs does, and measure this text's acceptance
+                # costs and alpha's prior from an earlier call (`RoundMemory`), whose text the draft may have
+                # missed: draft as a call without costs does, and measure this text's acceptance
                 choice = self.first_lookahead
         elif self.draft_cost_ratio is None or self.draft_cost_ratio < 1:
             return self.first_lookahead  # nothing measured yet: drafting measures the costs
@@ -283,7 +282,7 @@ def make_policy(
     tree: TreeShape | DynamicTree | None = None,
     tree_ranks: int = 0,
     processors_unknown: bool = False,
-    carried: MeasuredCosts | None = None,
+    carried: Learned | None = None,
 ) -> LookaheadPolicy:
     """A fresh policy for one generate() call (`RoundLookahead.for_call` calls it and caps its K).
 
@@ -308,8 +307,8 @@ def make_policy(
             `StaticCosts.processing_outweighs_step` alone. Ignored with `lookup_only`: lookup drafts are not
             processed, so processors cost a lookup round only its verified positions (a lookup that is always right
             pays whatever they cost).
-        carried: the costs an earlier call like this one measured (`RoundMemory.recall`): the adaptive policy's
-            start instead of priors; only where K reads the clock (not `clock_free`).
+        carried: what an earlier call like this one measured (`RoundMemory.recall`): the adaptive policy starts
+            from its costs, and from its acceptance as the prior; only where K reads the clock (not `clock_free`).
     """
     if tree is not None:
         return FixedTree(tree)
@@ -319,7 +318,7 @@ def make_policy(
         return FixedLookahead(config.num_lookahead)
     trees = ShapeDesigner(tree_ranks, config.max_lookahead) if tree_ranks else None
     processors_unknown = processors_unknown and not lookup_only  # lookup drafts are not processed: see the docstring
-    remembered: dict[str, Any] = {} if carried is None else dict(costs=carried)
+    remembered: dict[str, Any] = {} if carried is None else dict(costs=carried.costs, alpha_prior=carried.alpha)
     if clock_free:
         assert carried is None, "a clock-free K never depends on earlier calls"
         processing = ProcessingCost() if processors_unknown else None
@@ -388,39 +387,48 @@ class MemorySlot(NamedTuple):
 MEMORY_KINDS = 8
 
 
+class Learned(NamedTuple):
+    """What a wall-clock call's adaptive K ended with (`RoundMemory`)."""
+
+    costs: MeasuredCosts  # `MeasuredCosts.carried`: d and v(K), the processors' share left to the next call
+    alpha: float  # the acceptance estimate: the next call's prior (`ALPHA_PRIOR`'s place, with its weight)
+
+
 class RoundMemory:
-    """The round costs earlier greedy calls measured, for the next call like them.
+    """What earlier greedy calls measured, for the next call like them.
 
     A greedy call's K reads the clock (`MeasuredCosts`) and started every call from priors: K = 2 for two rounds,
-    then at most one more than the largest K timed (prompt lookup: 4, then doubling), so a call spent its first
-    five to eight rounds below the K its costs would pick, which in an agent's short calls (a tool call of 50
-    tokens is about ten rounds) is most of the call. The costs each such call ended with are kept here, per holder
-    (weakly: they go with their holder) and per kind of call (`MemorySlot.key`), and the next call like it starts
-    from them: d and v(K) as measured (they fade within a few rounds to the new call's own), the processors' share
-    timed afresh (`MeasuredCosts.carried`). Not the acceptance: it belongs to the text, and a call whose text the
-    draft missed (acceptance near 0: K = 0, probes rare) would hand the next call a verdict to stop drafting; each
-    call's acceptance starts from its prior. Not where K must not read the clock (a sampling call, `generator=`,
-    tensor parallelism: `memory_slot` is None there): a sampled text depends on K, and a seeded call repeats
-    whatever ran before it. A greedy text does not depend on K.
+    then at most one more than the largest K timed (prompt lookup: 4, then doubling), with alpha's prior (0.6)
+    climbing to the draft's real acceptance, so a call spent its first five to eight rounds below the K it would
+    settle at, which in an agent's short calls (a tool call of 50 tokens is about ten rounds) is most of the call.
+    What each such call ended with is kept here, per holder (weakly: it goes with its holder) and per kind of call
+    (`MemorySlot.key`), and the next call like it starts from it: d and v(K) as measured (they fade within a few
+    rounds to the new call's own), the processors' share timed afresh (`MeasuredCosts.carried`), and alpha's
+    prior the acceptance it ended with, at the prior's usual weight (two tested tokens: the new text's own decides
+    within a round). Where that prior and the costs say K = 0 (the last text was one the draft missed), the call
+    still drafts its first round as a call without costs does, to measure its own text
+    (`AdaptiveLookahead.choose`), so one missed text does not stop the next call drafting. Not where K must not
+    read the clock (a sampling call, `generator=`, tensor parallelism: `memory_slot` is None there): a sampled text
+    depends on K, and a seeded call repeats whatever ran before it. A greedy text does not depend on K.
     """
 
     def __init__(self) -> None:
-        self._kept: weakref.WeakKeyDictionary[Any, dict[Hashable, MeasuredCosts]] = weakref.WeakKeyDictionary()
+        self._kept: weakref.WeakKeyDictionary[Any, dict[Hashable, Learned]] = weakref.WeakKeyDictionary()
 
-    def recall(self, slot: MemorySlot) -> MeasuredCosts | None:
-        """A copy of the costs the last call in `slot` ended with (the new call's to change), or None."""
-        costs = self._kept.get(slot.holder, {}).get(slot.key)
-        return None if costs is None else costs.carried()
+    def recall(self, slot: MemorySlot) -> Learned | None:
+        """A copy of what the last call in `slot` ended with (the new call's to change), or None."""
+        learned = self._kept.get(slot.holder, {}).get(slot.key)
+        return None if learned is None else learned._replace(costs=learned.costs.carried())
 
     def keep(self, slot: MemorySlot, policy: LookaheadPolicy) -> None:
-        """Keep the costs `policy` measured (an adaptive, wall-clock one that timed a round; else nothing)."""
+        """Keep what `policy` measured (an adaptive, wall-clock one that timed a round; else nothing)."""
         if not (isinstance(policy, AdaptiveLookahead) and isinstance(policy.costs, MeasuredCosts)):
             return
         if not policy.costs.ready:
             return  # a call too short to time a draft step and a round teaches nothing
         kinds = self._kept.setdefault(slot.holder, {})
         kinds.pop(slot.key, None)  # the newest last
-        kinds[slot.key] = policy.costs.carried()
+        kinds[slot.key] = Learned(policy.costs.carried(), policy.acceptance_rate())
         while len(kinds) > MEMORY_KINDS:
             kinds.pop(next(iter(kinds)))
 
@@ -536,8 +544,8 @@ class RoundLookahead:
             suffix: a suffix drafter beside the draft model (`suffix_draft=`, or prompt lookup's with
                 `prompt_lookup_num_tokens=` N): its rounds are up to ``max(K, N)`` deep (N default
                 `DEFAULT_LOOKUP_TOKENS`), chosen against the model's by static costs.
-            memory: where the adaptive K starts from the costs the last call like this one measured, and leaves its
-                own (`RoundMemory`, `finished`); None: from priors, and nothing kept (a clock-free call).
+            memory: where the adaptive K starts from what the last call like this one measured, and leaves its own
+                (`RoundMemory`, `finished`); None: from priors, and nothing kept (a clock-free call).
         """
         assert memory is None or not clock_free, "a clock-free K never depends on earlier calls"
         carried = ROUNDS.recall(memory) if memory is not None else None
@@ -631,6 +639,6 @@ class RoundLookahead:
         self.policy.observe(record)
 
     def finished(self) -> None:
-        """The call ended (returning its output): keep the costs the policy measured for the next call like it."""
+        """The call ended (returning its output): keep what the policy measured for the next call like it."""
         if self.memory is not None:
             ROUNDS.keep(self.memory, self.policy)
