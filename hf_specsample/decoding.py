@@ -146,7 +146,6 @@ class SpeculativeDecoder:
         while self.sequences.num_active > 0:
             draft_room = self.model_drafter.room(self.sequences) if self.model_drafter is not None else None
             self.round(self.lookahead.budget(self.sequences.lengths, draft_room))
-        self.lookahead.finished()  # the next call like this one starts from its costs (`RoundMemory`)
         if self.streamer is not None:
             self.streamer.end()
         if self.plan.shape.ranks:  # draft_shape="auto" chose round by round: say what ran

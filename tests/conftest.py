@@ -9,9 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # lets tests import the shared `tiny` / `exact` helpers
 
 import hf_specsample  # noqa: E402,F401  (registers draft_model= on generate())
-import hf_specsample.policy.lookahead as lookahead_module  # noqa: E402
 from hf_specsample import registration  # noqa: E402
-from hf_specsample.policy.lookahead import RoundMemory  # noqa: E402
 
 # --- The deprecation guard -------------------------------------------------------------------------------------------
 # A deprecation message from transformers caused by the project's own calls (the library, the benchmark package, the
@@ -118,13 +116,6 @@ def thread_share(wanted: int) -> int:
     workers (more threads than cores make torch's OpenMP threads wait on each other)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return max(1, min(wanted, (os.cpu_count() or 1) // workers))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_round_memory(monkeypatch):
-    """Every test starts as a new process does, with no round costs kept from an earlier test's greedy calls
-    (`RoundMemory`); a test's own calls still hand theirs on."""
-    monkeypatch.setattr(lookahead_module, "ROUNDS", RoundMemory())
 
 
 @pytest.fixture(autouse=True)

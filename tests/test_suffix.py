@@ -24,7 +24,6 @@ from tiny import (
 )
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-import hf_specsample.policy.lookahead as lookahead_module
 from hf_specsample import SpeculativeConfig, SuffixDraft
 from hf_specsample.proposers import suffix as suffix_module
 from hf_specsample.proposers.suffix import count_tree
@@ -177,9 +176,6 @@ def test_a_call_learns_from_the_store_and_adds_its_output(target):
     kwargs = dict(do_sample=False, max_new_tokens=30, pad_token_id=PAD, return_dict_in_generate=True)
     plain = target.generate(PROMPT, do_sample=False, max_new_tokens=30, pad_token_id=PAD)
     first = target.generate(PROMPT, draft_model=store, **kwargs)
-    # the second call as a first one, but for the store: K from priors, not from the first call's costs, which the
-    # fake clock makes up (`RoundMemory`)
-    lookahead_module.ROUNDS.forget(target)
     second = target.generate(PROMPT, draft_model=store, **kwargs)
     assert torch.equal(first.sequences, plain) and torch.equal(second.sequences, plain)
     assert [doc.tolist() for doc in store.documents()] == [plain[0, 7:].tolist()] * 2

@@ -40,7 +40,7 @@ from ..kernels.small_rows import MAX_ROWS, best_path, loaded, ready
 from ..options import DraftForm, DraftShape, LinearKernel, NamedDraft, SpeculativeConfig
 from ..policy import validation
 from ..policy.graph_choice import choose_graphs
-from ..policy.lookahead import RoundLookahead, largest_round, memory_slot, times_unknown_processors
+from ..policy.lookahead import RoundLookahead, largest_round, times_unknown_processors
 from ..policy.round_costs import step_cost_ratio
 from ..policy.shapes import ShapeChoice, choose_shape, suffix_shape
 from ..prepare.implicit import draft_for_call
@@ -186,16 +186,6 @@ def plan_call(inputs: CallInputs) -> CallPlan:
     # draft form being timed once per model and kept (the first call decides as every later one).
     sampling = bool(inputs.generation_config.do_sample)
     launch_bound = target.input_device.type == "cuda" and graphs.backend is None  # eager steps on a GPU
-    # A greedy call's K reads the clock anyway: it starts from the costs the last call like it measured
-    # (`RoundMemory`), kept by what the caller holds: a `PreparedDraft` passed in, the draft model (its implicit
-    # prepared draft is made anew around it each call), or the target for a drafter without a model.
-    memory = None
-    if not (clock_free or sampling):
-        holder = spec.prepared or (draft.model if draft is not None else target.model)
-        kind = (id(target.model), target.input_device, prepared.form if prepared is not None else None)
-        memory = memory_slot(
-            holder, config, *kind, inputs.batch_size, inputs.lookup_tokens, lookup_only, suffix, shape.tree, shape.ranks
-        )
     lookahead = RoundLookahead.for_call(
         config,
         clock_free=clock_free or sampling,
@@ -210,7 +200,6 @@ def plan_call(inputs: CallInputs) -> CallPlan:
         tree_ranks=shape.ranks,  # every round's tree (cut to the room), or auto's trees
         processors_unknown=times_unknown_processors(inputs.logits_processor, clock_free, target.input_device),
         suffix=suffix,
-        memory=memory,
     )
     cached = row_ops.total_slots(cache) if cache is not None else 0
     # Plain generate() returns its cache with the output object (unless use_cache=False), and leaves a cache the

@@ -45,10 +45,6 @@ Trees: `FixedTree` drafts the call's tree every round; under `draft_shape="auto"
 trees, `AdaptiveLookahead` weighs the best tree of each width against the chains each round (`shapes`) and
 says which it chose (`chosen_tree`), K being its depth.
 
-A greedy call (K reads the clock) starts from what the last greedy call like it measured, not from the priors above
-(`RoundMemory`: the same draft, options, batch size and shape; d and v(K), the processors' share timed afresh, and its
-acceptance as alpha's prior); a clock-free call never reads it, so that a seeded sample repeats whatever ran before.
-
 `RoundLookahead` is the one owner of K in a call: built once (`RoundLookahead.for_call`, the only place a policy is
 made for `generate()`, by `make_policy`), it asks the policy before every round and caps its choice (room left
 before `max_length`, the first round of a prompt ending in padding, the lookahead of a lookup round), handing the
@@ -58,11 +54,9 @@ drafter `DraftBudget`; `largest_round` says how large its rounds get, for what i
 from __future__ import annotations
 
 import math
-import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
 
 import torch
 from transformers import LogitsProcessor
@@ -183,7 +177,6 @@ class AdaptiveLookahead(LookaheadPolicy):
         self._rounds_without_drafting = 0
         self._probe_interval = probe_every
         self._probed = False
-        self._tested = False  # this call has tested a draft token: its acceptance is measured, not the prior
         self.trees = trees
         self._tree: TreeShape | DynamicTree | None = None
 
@@ -199,7 +192,6 @@ class AdaptiveLookahead(LookaheadPolicy):
     def observe(self, record: RoundRecord) -> None:
         self.acceptance.observe(record)
         self.costs.observe(record)
-        self._tested = self._tested or record.tested > 0 or any(record.rank_tested)
 
     def acceptance_rate(self) -> float:
         return self.acceptance.alpha
@@ -243,11 +235,6 @@ class AdaptiveLookahead(LookaheadPolicy):
             return 0  # no draft can pay, however good (`ProcessingCost`): no probes either
         if self.costs.ready:
             choice = self.best_lookahead()
-            carried = isinstance(self.costs, MeasuredCosts) and self.costs.carried_over
-            if choice == 0 and carried and not self._tested and self.perfect_draft_gain() > 0:
-                # costs and alpha's prior from an earlier call (`RoundMemory`), whose text the draft may have
-                # missed: draft as a call without costs does, and measure this text's acceptance
-                choice = self.first_lookahead
         elif self.draft_cost_ratio is None or self.draft_cost_ratio < 1:
             return self.first_lookahead  # nothing measured yet: drafting measures the costs
         else:
@@ -282,7 +269,6 @@ def make_policy(
     tree: TreeShape | DynamicTree | None = None,
     tree_ranks: int = 0,
     processors_unknown: bool = False,
-    carried: Learned | None = None,
 ) -> LookaheadPolicy:
     """A fresh policy for one generate() call (`RoundLookahead.for_call` calls it and caps its K).
 
@@ -307,8 +293,6 @@ def make_policy(
             `StaticCosts.processing_outweighs_step` alone. Ignored with `lookup_only`: lookup drafts are not
             processed, so processors cost a lookup round only its verified positions (a lookup that is always right
             pays whatever they cost).
-        carried: what an earlier call like this one measured (`RoundMemory.recall`): the adaptive policy starts
-            from its costs, and from its acceptance as the prior; only where K reads the clock (not `clock_free`).
     """
     if tree is not None:
         return FixedTree(tree)
@@ -318,19 +302,13 @@ def make_policy(
         return FixedLookahead(config.num_lookahead)
     trees = ShapeDesigner(tree_ranks, config.max_lookahead) if tree_ranks else None
     processors_unknown = processors_unknown and not lookup_only  # lookup drafts are not processed: see the docstring
-    remembered: dict[str, Any] = {} if carried is None else dict(costs=carried.costs, alpha_prior=carried.alpha)
     if clock_free:
-        assert carried is None, "a clock-free K never depends on earlier calls"
         processing = ProcessingCost() if processors_unknown else None
         costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size, processing=processing)
         return AdaptiveLookahead(config.max_lookahead, costs=costs, trees=trees, processors_unknown=processors_unknown)
     if lookup_only:  # processors cost a lookup only their verification (p in v(K)): no verdict, no plain first round
         return AdaptiveLookahead(
-            config.max_lookahead,
-            first_lookahead=LOOKUP_FIRST_LOOKAHEAD,
-            growth=2.0,
-            draft_processes=False,
-            **remembered,
+            config.max_lookahead, first_lookahead=LOOKUP_FIRST_LOOKAHEAD, growth=2.0, draft_processes=False
         )
     return AdaptiveLookahead(
         config.max_lookahead,
@@ -338,7 +316,6 @@ def make_policy(
         draft_cost_ratio=cost_ratio,
         trees=trees,
         processors_unknown=processors_unknown,
-        **remembered,
     )
 
 
@@ -376,82 +353,6 @@ def largest_round(config: SpeculativeConfig, lookup_tokens: int | None, lookup_o
     return _most_draft_tokens(config, lookup_tokens, lookup_only, suffix) + 1
 
 
-class MemorySlot(NamedTuple):
-    """Where a call's learned rounds are kept (`memory_slot`): its holder and the kind of call."""
-
-    holder: Any  # the `PreparedDraft` a model draft runs (implicit or the user's); the target for a model-free drafter
-    key: Hashable  # the call's options, batch size and shape: calls whose rounds cost alike
-
-
-# kinds of call a holder remembers (batch sizes, shapes, options): the least recently ended dropped beyond it
-MEMORY_KINDS = 8
-
-
-class Learned(NamedTuple):
-    """What a wall-clock call's adaptive K ended with (`RoundMemory`)."""
-
-    costs: MeasuredCosts  # `MeasuredCosts.carried`: d and v(K), the processors' share left to the next call
-    alpha: float  # the acceptance estimate: the next call's prior (`ALPHA_PRIOR`'s place, with its weight)
-
-
-class RoundMemory:
-    """What earlier greedy calls measured, for the next call like them.
-
-    A greedy call's K reads the clock (`MeasuredCosts`) and started every call from priors: K = 2 for two rounds,
-    then at most one more than the largest K timed (prompt lookup: 4, then doubling), with alpha's prior (0.6)
-    climbing to the draft's real acceptance, so a call spent its first five to eight rounds below the K it would
-    settle at, which in an agent's short calls (a tool call of 50 tokens is about ten rounds) is most of the call.
-    What each such call ended with is kept here, per holder (weakly: it goes with its holder) and per kind of call
-    (`MemorySlot.key`), and the next call like it starts from it: d and v(K) as measured (they fade within a few
-    rounds to the new call's own), the processors' share timed afresh (`MeasuredCosts.carried`), and alpha's
-    prior the acceptance it ended with, at the prior's usual weight (two tested tokens: the new text's own decides
-    within a round). Where that prior and the costs say K = 0 (the last text was one the draft missed), the call
-    still drafts its first round as a call without costs does, to measure its own text
-    (`AdaptiveLookahead.choose`), so one missed text does not stop the next call drafting. Not where K must not
-    read the clock (a sampling call, `generator=`, tensor parallelism: `memory_slot` is None there): a sampled text
-    depends on K, and a seeded call repeats whatever ran before it. A greedy text does not depend on K.
-    """
-
-    def __init__(self) -> None:
-        self._kept: weakref.WeakKeyDictionary[Any, dict[Hashable, Learned]] = weakref.WeakKeyDictionary()
-
-    def recall(self, slot: MemorySlot) -> Learned | None:
-        """A copy of what the last call in `slot` ended with (the new call's to change), or None."""
-        learned = self._kept.get(slot.holder, {}).get(slot.key)
-        return None if learned is None else learned._replace(costs=learned.costs.carried())
-
-    def keep(self, slot: MemorySlot, policy: LookaheadPolicy) -> None:
-        """Keep what `policy` measured (an adaptive, wall-clock one that timed a round; else nothing)."""
-        if not (isinstance(policy, AdaptiveLookahead) and isinstance(policy.costs, MeasuredCosts)):
-            return
-        if not policy.costs.ready:
-            return  # a call too short to time a draft step and a round teaches nothing
-        kinds = self._kept.setdefault(slot.holder, {})
-        kinds.pop(slot.key, None)  # the newest last
-        kinds[slot.key] = Learned(policy.costs.carried(), policy.acceptance_rate())
-        while len(kinds) > MEMORY_KINDS:
-            kinds.pop(next(iter(kinds)))
-
-    def forget(self, holder: Any) -> None:
-        """Drop what calls through `holder` measured."""
-        self._kept.pop(holder, None)
-
-
-ROUNDS = RoundMemory()  # the process's one memory of rounds (its holders' keys are weak)
-
-
-def memory_slot(holder: Any, config: SpeculativeConfig, *parts: Hashable) -> MemorySlot | None:
-    """The slot a wall-clock call's rounds are kept in: `holder`, and the call's options with `parts` (batch size,
-    shapes, drafters) as the kind; None where they cannot be a key (an option holding a dict or a list)."""
-    key = (config, *parts)
-    try:
-        hash(key)
-        weakref.ref(holder)
-    except TypeError:
-        return None
-    return MemorySlot(holder, key)
-
-
 class RoundLookahead:
     """The one owner of K in a `generate()` call: the policy's choice in, the round's capped budget out.
 
@@ -483,7 +384,6 @@ class RoundLookahead:
         lookup_tokens: int | None = None,
         lookup_only: bool = False,
         suffix_costs: StaticCosts | None = None,
-        memory: MemorySlot | None = None,
     ):
         """
         Args:
@@ -495,12 +395,10 @@ class RoundLookahead:
             lookup_only: drafting by lookup alone (`draft_model="prompt_lookup"`): lookup rounds are K wide.
             suffix_costs: a suffix drafter beside a draft model: the costs, in target steps, its choice between a
                 suffix round and the model's weighs (`DraftBudget.suffix_threshold`); None: no suffix drafter.
-            memory: where `finished` keeps what the policy learned (`RoundMemory`); None: nowhere.
         """
         self.policy, self.max_length = policy, max_length
         self.prompt_ends_in_padding = prompt_ends_in_padding
         self.lookup_tokens, self.lookup_only, self.suffix_costs = lookup_tokens, lookup_only, suffix_costs
-        self.memory = memory
         self._first_round = True
         # The longest row's length when the draft's position table first stopped its drafting; None: it never did.
         self.draft_positions_ended: int | None = None
@@ -522,7 +420,6 @@ class RoundLookahead:
         tree_ranks: int = 0,
         processors_unknown: bool = False,
         suffix: bool = False,
-        memory: MemorySlot | None = None,
     ) -> RoundLookahead:
         """The K owner of one `generate()` call, with a fresh policy (`make_policy`).
 
@@ -544,17 +441,11 @@ class RoundLookahead:
             suffix: a suffix drafter beside the draft model (`suffix_draft=`, or prompt lookup's with
                 `prompt_lookup_num_tokens=` N): its rounds are up to ``max(K, N)`` deep (N default
                 `DEFAULT_LOOKUP_TOKENS`), chosen against the model's by static costs.
-            memory: where the adaptive K starts from what the last call like this one measured, and leaves its own
-                (`RoundMemory`, `finished`); None: from priors, and nothing kept (a clock-free call).
         """
-        assert memory is None or not clock_free, "a clock-free K never depends on earlier calls"
-        carried = ROUNDS.recall(memory) if memory is not None else None
         if lookup_only:
             config = replace(config, max_lookahead=_most_draft_tokens(config, lookup_tokens, lookup_only=True))
-            policy = make_policy(
-                config, clock_free, cost_ratio=0.0, batch_size=batch_size, lookup_only=True, carried=carried
-            )
-            return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True, memory=memory)
+            policy = make_policy(config, clock_free, cost_ratio=0.0, batch_size=batch_size, lookup_only=True)
+            return cls(policy, max_length, prompt_ends_in_padding, lookup_only=True)
         policy = make_policy(
             config,
             clock_free,
@@ -564,13 +455,11 @@ class RoundLookahead:
             tree=tree,
             tree_ranks=tree_ranks,
             processors_unknown=processors_unknown,
-            carried=carried,
         )
         if not suffix:
-            return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens, memory=memory)
+            return cls(policy, max_length, prompt_ends_in_padding, lookup_tokens)
         costs = StaticCosts(cost_ratio, verify_slope=STATIC_VERIFY_SLOPE * batch_size)
-        depth = suffix_depth(lookup_tokens)
-        return cls(policy, max_length, prompt_ends_in_padding, depth, suffix_costs=costs, memory=memory)
+        return cls(policy, max_length, prompt_ends_in_padding, suffix_depth(lookup_tokens), suffix_costs=costs)
 
     @property
     def needs_timing(self) -> bool:
@@ -637,8 +526,3 @@ class RoundLookahead:
         if record.lookahead > 0 and model_steps == 0 and not self.lookup_only:
             return  # a lookup round of a model draft says nothing about the model's acceptance or cost
         self.policy.observe(record)
-
-    def finished(self) -> None:
-        """The call ended (returning its output): keep what the policy measured for the next call like it."""
-        if self.memory is not None:
-            ROUNDS.keep(self.memory, self.policy)

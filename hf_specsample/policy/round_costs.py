@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -176,7 +175,6 @@ class MeasuredCosts:
         # squares
         self._moments, self._targets, self._squares = [0.0] * 5, [0.0] * 3, 0.0
         self.drafting_rounds = 0  # rounds whose draft steps were timed
-        self.carried_over = False  # measured by an earlier call (`carried`), not yet by this one's rounds alone
 
     @property
     def settled(self) -> bool:
@@ -226,19 +224,6 @@ class MeasuredCosts:
             VERIFY_FIT_DECAY * target + verify * width**power for power, target in enumerate(self._targets)
         ]
         self._squares = VERIFY_FIT_DECAY * self._squares + verify**2
-
-    def carried(self) -> MeasuredCosts:
-        """A copy for the next call to start from (`lookahead.RoundMemory`): d and v(K) as measured here, the
-        processors' share unknown again (another call may process otherwise: `ProcessingCost` times its own), and not
-        `settled` until the next call has drafted a few rounds itself."""
-        carried = copy.copy(self)
-        carried.draft_step = copy.copy(self.draft_step)
-        carried.draft_processing = DecayedMean(0.0, weight=0.0, decay=self.decay)
-        carried.processing = ProcessingCost(self.decay)
-        carried.verify = {width: copy.copy(mean) for width, mean in self.verify.items()}
-        carried._moments, carried._targets = list(self._moments), list(self._targets)
-        carried.drafting_rounds, carried.carried_over = 0, True
-        return carried
 
     def draft_seconds(self) -> float:
         """d: a draft step and its processing."""
