@@ -7,13 +7,16 @@ For each HumanEval problem, the model is asked for a JSON object describing the 
 with their types, its return type, a one-line summary and three example calls) under a fixed JSON schema, compiled
 once by xgrammar for the target's tokenizer (laid out with an indent of 2, no other whitespace); each call gets a
 fresh `xgrammar.contrib.hf.LogitsProcessor` of it.
-Plain `generate()` and the default `draft_model=` call alternate per problem, greedy and sampling (T = 0.7, seeded
-alike), after one warm-up call each; the new tokens (up to EOS) over the summed times give tokens per second, and the
-ratio of those is printed with the tokens per target pass, the share of accepted draft tokens the grammar forced
-(proposed without a draft forward: `speculative_stats.grammar_forced_tokens`), the grammar processor's milliseconds per
-committed token (plain's timed around its calls, ours from `speculative_stats.grammar_seconds`), whether each text
-parses as JSON with the schema's keys, and whether greedy texts are identical. transformers' `assistant_model=` is tried
-once with the same processor and its outcome printed. Figures are printed, never asserted.
+Plain `generate()` and the default `draft_model=` call alternate per problem, after one warm-up call each, in each mode
+of `--modes`: `greedy`; `sampling` (T = 0.7, ours seeded by `generator=`, which repeats in any process and chooses the
+draft's form without the clock); `sampling-manual-seed` (T = 0.7, seeded by `torch.manual_seed` alone, as a user's
+usual call: the draft's forms timed and weighed on the prompt, as in a greedy call). The new tokens (up to EOS) over
+the summed times give tokens per second, and the ratio of those is printed with the tokens per target pass, the share
+of accepted draft tokens the grammar forced (proposed without a draft forward: `speculative_stats.
+grammar_forced_tokens`), the grammar processor's milliseconds per committed token (plain's timed around its calls,
+ours from `speculative_stats.grammar_seconds`), whether each text parses as JSON with the schema's keys, and whether
+greedy texts are identical. transformers' `assistant_model=` is tried once with the same processor and its outcome
+printed. Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ from transformers import LogitsProcessor
 import hf_specsample  # noqa: F401  (registers draft_model=)
 
 from .measure import cpu_name
+from .methods import Choice
 from .pairs import BenchPair, load_bench_pair
 from .prompts import load_problems
+
+
+class Mode(Choice):
+    GREEDY = "greedy"
+    SAMPLING = "sampling"  # ours seeded by generator=: the draft's form chosen without the clock
+    SAMPLING_MANUAL_SEED = "sampling-manual-seed"  # seeded by torch.manual_seed alone, as a user's usual call
+
 
 SCHEMA = {
     "type": "object",
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pair", type=BenchPair, choices=list(BenchPair), default=BenchPair.QWEN_CODER)
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--modes", default="greedy,sampling")
+    parser.add_argument("--modes", default="greedy,sampling", help=f"comma-separated, of {[str(m) for m in Mode]}")
     args = parser.parse_args(argv)
     target, draft, tokenizer = load_bench_pair(args.pair, progress=False)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=target.config.vocab_size)
@@ -104,12 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; pair {args.pair.value}; {args.problems} problems")
     problems = load_problems(args.problems)
 
-    def run(ids: torch.Tensor, sample: bool, ours: bool) -> tuple[float, list[int], float, float, float]:
+    def run(ids: torch.Tensor, mode: Mode, ours: bool) -> tuple[float, list[int], float, float, float]:
         """(seconds, new tokens, grammar seconds, tokens per target pass, the grammar-forced share of accepted
         tokens) of one call."""
         timed = Timed(GrammarProcessor(grammar))
         settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, pad_token_id=eos)
-        if sample:
+        if mode is Mode.SAMPLING_MANUAL_SEED:
+            settings.update(do_sample=True, temperature=0.7, top_p=1.0, top_k=0)
+            torch.manual_seed(0)
+        elif mode is Mode.SAMPLING:
             settings.update(
                 do_sample=True, temperature=0.7, top_p=1.0, top_k=0, generator=torch.Generator().manual_seed(0)
             )
@@ -133,17 +147,16 @@ def main(argv: list[str] | None = None) -> None:
             return seconds, new, stats.grammar_seconds, stats.tokens_per_target_pass, forced
         return seconds, new, timed.seconds, 1.0, 0.0
 
-    for mode in [mode for mode in args.modes.split(",") if mode]:
-        sample = mode == "sampling"
+    for mode in [Mode(mode) for mode in args.modes.split(",") if mode]:
         totals = {False: [0.0, 0, 0.0], True: [0.0, 0, 0.0]}
         passes, shares, valid, same = [], [], {False: 0, True: 0}, 0
         for index, problem in enumerate(problems):
             ids = prompt_ids(tokenizer, problem)
             if index == 0:
-                run(ids, sample, False), run(ids, sample, True)  # warm-up
+                run(ids, mode, False), run(ids, mode, True)  # warm-up
             texts = {}
             for ours in (False, True):
-                seconds, new, grammar_seconds, per_pass, forced_share = run(ids, sample, ours)
+                seconds, new, grammar_seconds, per_pass, forced_share = run(ids, mode, ours)
                 totals[ours][0] += seconds
                 totals[ours][1] += len(new)
                 totals[ours][2] += grammar_seconds
@@ -157,11 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         ms = {ours: 1000 * totals[ours][2] / max(1, totals[ours][1]) for ours in (False, True)}
         count = len(problems)
         print(
-            f"{mode:8}: plain {rate[False]:.2f} tok/s | draft_model= {rate[True]:.2f} tok/s "
+            f"{mode!s:8}: plain {rate[False]:.2f} tok/s | draft_model= {rate[True]:.2f} tok/s "
             f"({rate[True] / rate[False]:.2f}x) | {sum(passes) / len(passes):.2f} tokens per target pass, "
             f"{100 * sum(shares) / len(shares):.0f}% of accepted tokens forced by the grammar | grammar ms "
             f"per token: plain {ms[False]:.2f}, ours {ms[True]:.2f} | valid JSON: plain {valid[False]}/{count}, "
-            f"ours {valid[True]}/{count}" + (f" | identical texts {same}/{count}" if not sample else "")
+            f"ours {valid[True]}/{count}" + (f" | identical texts {same}/{count}" if mode is Mode.GREEDY else "")
         )
     ids = prompt_ids(tokenizer, problems[0])
     try:

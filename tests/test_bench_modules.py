@@ -69,10 +69,11 @@ def test_processor_cost_on_the_poor_pair(capsys):
 
 def test_structured_on_the_tiny_pair(capsys):
     pytest.importorskip("xgrammar")
-    structured.main(["--pair", "tiny", "--problems", "1", "--max-new-tokens", "8"])
+    modes = "greedy,sampling,sampling-manual-seed"
+    structured.main(["--pair", "tiny", "--problems", "1", "--max-new-tokens", "8", "--modes", modes])
     out = capsys.readouterr().out
     assert "identical texts 1/1" in out  # greedy under the grammar: plain's text
-    assert "sampling:" in out and "assistant_model=" in out.splitlines()[-1]
+    assert "sampling:" in out and "sampling-manual-seed:" in out and "assistant_model=" in out.splitlines()[-1]
 
 
 def test_suffix_workloads_on_the_tiny_pair(capsys):
