@@ -120,16 +120,13 @@ def main(argv: list[str] | None = None) -> None:
         tokens) of one call."""
         timed = Timed(GrammarProcessor(grammar))
         settings: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, pad_token_id=eos)
-        if mode is Mode.SAMPLING_MANUAL_SEED:
+        if mode is Mode.GREEDY:
+            settings.update(do_sample=False)
+        else:
             settings.update(do_sample=True, temperature=0.7, top_p=1.0, top_k=0)
             torch.manual_seed(0)
-        elif mode is Mode.SAMPLING:
-            settings.update(
-                do_sample=True, temperature=0.7, top_p=1.0, top_k=0, generator=torch.Generator().manual_seed(0)
-            )
-            torch.manual_seed(0)
-        else:
-            settings.update(do_sample=False)
+            if mode is Mode.SAMPLING:
+                settings.update(generator=torch.Generator().manual_seed(0))
         if ours:
             settings.update(draft_model=draft, logits_processor=[timed.processor], return_dict_in_generate=True)
         else:
