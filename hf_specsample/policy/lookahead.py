@@ -394,8 +394,10 @@ class RoundLookahead:
                 lookup.
             lookup_only: drafting by lookup alone (`draft_model="prompt_lookup"`): lookup rounds are K wide.
             suffix_costs: a suffix drafter beside a draft model: the costs, in target steps, its choice between a
-                suffix round and the model's weighs (`DraftBudget.suffix_threshold`); None: no suffix drafter.
+                suffix round and the model's weighs (`DraftBudget.suffix_threshold`); None: no suffix drafter. With
+                it, `lookup_tokens` is the suffix rounds' depth (`suffix_depth`).
         """
+        assert suffix_costs is None or lookup_tokens is not None, "a suffix drafter's depth is `suffix_depth`'s"
         self.policy, self.max_length = policy, max_length
         self.prompt_ends_in_padding = prompt_ends_in_padding
         self.lookup_tokens, self.lookup_only, self.suffix_costs = lookup_tokens, lookup_only, suffix_costs
@@ -485,7 +487,8 @@ class RoundLookahead:
             lookahead = min(lookahead, draft_room)
         tree = self.policy.chosen_tree() if lookahead > 0 else None
         if tree is not None and self.suffix_costs is not None:  # a model tree's round, or a suffix drafter's tree
-            depth = max(0, min(max(lookahead, self.lookup_tokens or DEFAULT_LOOKUP_TOKENS), room))
+            assert self.lookup_tokens is not None  # the suffix depth (`__init__`)
+            depth = max(0, min(max(lookahead, self.lookup_tokens), room))
             budget = self._suffix_budget(lookahead, depth, len(lengths), self.suffix_costs)
             return budget._replace(tree=tree.truncated(lookahead))
         if tree is not None:  # trees draft with a model alone, or beside a suffix drafter (`validation.tree_problems`)
